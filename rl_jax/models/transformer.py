@@ -1,0 +1,292 @@
+"""Decoder-only transformer (Llama, Qwen2, Qwen3 families) in Flax NNX.
+
+Layers are stacked: every per-layer weight has a leading ``layers`` axis and the forward pass is a
+``lax.scan`` over layers, so compile time does not grow with depth. Every parameter is an
+``nnx.Param`` carrying ``logical_axes`` metadata that :class:`rl_jax.sharding.ShardingRules` maps
+onto a mesh.
+
+Shapes: ``B`` batch, ``T`` query tokens, ``S`` key tokens, ``D`` hidden, ``H`` query heads,
+``K`` key/value heads, ``Dh`` head dim, ``F`` MLP hidden, ``V`` vocabulary, ``L`` layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from rl_jax.models.config import ModelConfig
+from rl_jax.models.logprobs import blockwise_token_logprobs
+from rl_jax.sharding import ShardingRules
+
+# Stacked per-layer parameters: name → (shape builder, logical axes). Shapes exclude the leading
+# layers axis, which every entry has.
+def layer_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    d, f, h, k, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim)
+    specs = {
+        "attn_norm": ((d,), ("norm",)),
+        "wq": ((d, h, hd), ("embed", "q_heads", "head_dim")),
+        "wk": ((d, k, hd), ("embed", "kv_heads", "head_dim")),
+        "wv": ((d, k, hd), ("embed", "kv_heads", "head_dim")),
+        "wo": ((h, hd, d), ("q_heads", "head_dim", "embed")),
+        "mlp_norm": ((d,), ("norm",)),
+        "w_gate": ((d, f), ("embed", "mlp")),
+        "w_up": ((d, f), ("embed", "mlp")),
+        "w_down": ((f, d), ("mlp", "embed")),
+    }
+    if cfg.attention_bias:
+        specs["bq"] = ((h, hd), ("q_heads", "head_dim"))
+        specs["bk"] = ((k, hd), ("kv_heads", "head_dim"))
+        specs["bv"] = ((k, hd), ("kv_heads", "head_dim"))
+    if cfg.output_bias:
+        specs["bo"] = ((d,), ("embed",))
+    if cfg.qk_norm:
+        specs["q_norm"] = ((hd,), ("head_dim",))
+        specs["k_norm"] = ((hd,), ("head_dim",))
+    return {name: (shape, ("layers",) + axes) for name, (shape, axes) in specs.items()}
+
+
+def _init_for(name: str, shape: tuple[int, ...]):
+    if "norm" in name:
+        return nnx.initializers.ones
+    if name.startswith("b"):
+        return nnx.initializers.zeros
+    return nnx.initializers.normal(0.02)
+
+
+class Layers(nnx.Module):
+    """All decoder layers' weights, stacked along a leading ``layers`` axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
+        for name, (shape, axes) in layer_param_specs(cfg).items():
+            full = (cfg.num_layers,) + shape
+            value = _init_for(name, shape)(rngs.params(), full, param_dtype)
+            setattr(self, name, nnx.Param(value, logical_axes=axes))
+
+    def weights(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in sorted(vars(self))
+                if isinstance(getattr(self, name), nnx.Param)}
+
+
+class Transformer(nnx.Module):
+    """A causal language model.
+
+    Args:
+      config: the model's shape.
+      rngs: parameter initialisation randomness.
+      dtype: computation dtype (activations, matmul inputs); norms and softmax run in float32.
+      param_dtype: storage dtype of parameters.
+      mesh, rules: when given, activations are constrained to ``rules`` on ``mesh``.
+      remat: rematerialise each layer in the backward pass (``"none"``, ``"full"``, ``"dots"``).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
+                 rules: ShardingRules | None = None, remat: str = "none"):
+        if remat not in ("none", "full", "dots"):
+            raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
+        self.config = config
+        self.dtype = dtype
+        self.mesh = mesh
+        self.rules = rules or ShardingRules.default()
+        self.remat = remat
+        d, v = config.hidden_size, config.vocab_size
+        normal = nnx.initializers.normal(0.02)
+        self.embed = nnx.Param(normal(rngs.params(), (v, d), param_dtype),
+                               logical_axes=("vocab", "embed"))
+        self.layers = Layers(config, rngs=rngs, param_dtype=param_dtype)
+        self.final_norm = nnx.Param(jnp.ones((d,), param_dtype), logical_axes=("norm",))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(normal(rngs.params(), (d, v), param_dtype),
+                                     logical_axes=("embed", "vocab"))
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def _constrain(self, x, axes):
+        return self.rules.constrain(x, self.mesh, axes)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Final hidden states ``[B, T, D]`` (after the final norm).
+
+        Args:
+          tokens: ``[B, T]`` int token ids.
+          positions: ``[B, T]`` rotary positions; default ``0..T-1`` per row. For packed rows,
+            positions restart at 0 in each segment.
+          segment_ids: ``[B, T]``; a token attends only to earlier tokens of its own segment.
+            Default: one segment per row.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        cfg = self.config
+        # FSDP: gather the whole table before the lookup (a gather from a table sharded on both
+        # axes makes the partitioner replicate in a worse place).
+        table = self._constrain(self.embed[...], (None, None))
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = self._constrain(x, ("act_batch", "act_seq", "act_embed"))
+        token_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = attention_mask(token_index, segment_ids, token_index, segment_ids)
+        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+
+        def layer(h, w):
+            h = decoder_layer(h, w, cfg, cos=cos, sin=sin, mask=mask, dtype=self.dtype,
+                              constrain=self._constrain)
+            return h, None
+
+        if self.remat == "full":
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        elif self.remat == "dots":
+            layer = jax.checkpoint(
+                layer, prevent_cse=False,
+                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        x, _ = jax.lax.scan(layer, x, self.layers.weights())
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+
+    def unembedding(self) -> jax.Array:
+        """The ``[D, V]`` output projection (the transposed embedding when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Full ``[..., V]`` float32 logits. Prefer :meth:`token_logprobs` for training."""
+        out = jnp.einsum("...d,dv->...v", hidden, self.unembedding().astype(hidden.dtype),
+                         preferred_element_type=jnp.float32)
+        return out
+
+    def token_logprobs(self, tokens: jax.Array, targets: jax.Array,
+                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       *, block_size: int = 4096, return_entropy: bool = False):
+        """Log-probabilities ``[B, T]`` of ``targets`` given ``tokens`` (and entropies if asked),
+        computed blockwise over the vocabulary."""
+        hidden = self(tokens, positions, segment_ids)
+        return blockwise_token_logprobs(hidden, self.unembedding(), targets,
+                                        block_size=block_size, return_entropy=return_entropy)
+
+
+# ---- building blocks (pure functions, shared with the inference engine) ---------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in float32, cast back before scaling (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: dict[str, Any] | None = None) -> np.ndarray:
+    """``[Dh/2]`` float32 inverse frequencies, with ``linear`` or ``llama3`` scaling."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling:
+        kind = scaling.get("rope_type", "default")
+        factor = float(scaling.get("factor", 1.0))
+        if kind == "linear":
+            inv = inv / factor
+        elif kind == "llama3":
+            low = float(scaling.get("low_freq_factor", 1.0))
+            high = float(scaling.get("high_freq_factor", 4.0))
+            old_len = float(scaling.get("original_max_position_embeddings", 8192))
+            low_wavelen, high_wavelen = old_len / low, old_len / high
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float,
+                  scaling: dict[str, Any] | None = None) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin`` of shape ``[B, T, Dh]`` (half-rotation layout, as HF)."""
+    inv = jnp.asarray(rope_inverse_frequencies(head_dim, theta, scaling))
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``x [B, T, N, Dh]`` by per-token angles ``cos, sin [B, T, Dh]``."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention_mask(q_index: jax.Array, q_segment: jax.Array, kv_index: jax.Array,
+                   kv_segment: jax.Array) -> jax.Array:
+    """``[B, T, S]`` boolean: query t may attend key s (causal and same segment)."""
+    causal = q_index[:, :, None] >= kv_index[:, None, :]
+    same = q_segment[:, :, None] == kv_segment[:, None, :]
+    return causal & same
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. ``q [B,T,H,Dh]``, ``k, v [B,S,K,Dh]``, ``mask [B,T,S]`` →
+    ``[B,T,H,Dh]``. Scores and softmax in float32."""
+    b, t, h, hd = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, hd)
+
+
+def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array,
+                sin: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normalised input ``x [B,T,D]`` → rotated ``q [B,T,H,Dh]``, ``k, v [B,T,K,Dh]``."""
+    q = jnp.einsum("btd,dhk->bthk", x, w["wq"].astype(dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, w["wk"].astype(dtype))
+    v = jnp.einsum("btd,dhk->bthk", x, w["wv"].astype(dtype))
+    if cfg.attention_bias:
+        q = q + w["bq"].astype(dtype)
+        k = k + w["bk"].astype(dtype)
+        v = v + w["bv"].astype(dtype)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, dtype):
+    out = jnp.einsum("bthk,hkd->btd", attn, w["wo"].astype(dtype))
+    if cfg.output_bias:
+        out = out + w["bo"].astype(dtype)
+    return out
+
+
+def mlp(x: jax.Array, w: dict[str, jax.Array], dtype, constrain=None) -> jax.Array:
+    gate = jnp.einsum("btd,df->btf", x, w["w_gate"].astype(dtype))
+    up = jnp.einsum("btd,df->btf", x, w["w_up"].astype(dtype))
+    act = jax.nn.silu(gate) * up
+    if constrain is not None:
+        act = constrain(act, ("act_batch", "act_seq", "act_mlp"))
+    return jnp.einsum("btf,fd->btd", act, w["w_down"].astype(dtype))
+
+
+def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, cos, sin, mask,
+                  dtype, constrain=None) -> jax.Array:
+    """One pre-norm decoder layer on ``h [B,T,D]`` with per-layer weights ``w``."""
+    constrain = constrain or (lambda x, axes: x)
+    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = project_qkv(x, w, cfg, cos, sin, dtype)
+    q = constrain(q, ("act_batch", "act_seq", "act_heads", "head_dim"))
+    k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
+    v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
+    h = h + attention_output(attention(q, k, v, mask), w, cfg, dtype)
+    h = constrain(h, ("act_batch", "act_seq", "act_embed"))
+    h = h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w, dtype, constrain)
+    return constrain(h, ("act_batch", "act_seq", "act_embed"))

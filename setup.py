@@ -1,0 +1,37 @@
+"""rl_jax: asynchronous reinforcement learning for language models in JAX."""
+
+from setuptools import find_packages, setup
+
+# The JAX stack is pinned to versions known to install and work together on Python 3.11.
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "grain==0.2.18",
+    "absl-py>=2.1,<3",
+    "ml-collections==1.1.0",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+    "numpy>=1.26",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+]
+
+EXTRAS = {
+    # torch is pinned to the CPU build; transformers is only a parity reference in tests.
+    "test": ["pytest>=8", "torch==2.13.0", "transformers==5.23.0"],
+    # Real SGLang servers for GPU machines (needs CUDA).
+    "sglang": ["sglang[srt]"],
+}
+
+setup(
+    name="rl_jax",
+    version="0.1.0",
+    description="Asynchronous reinforcement learning for language models in JAX",
+    packages=find_packages(include=["rl_jax", "rl_jax.*", "launch", "launch.*"]),
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
