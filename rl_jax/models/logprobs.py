@@ -14,25 +14,24 @@ import jax.numpy as jnp
 _NEG = -1e30
 
 
-def blockwise_token_logprobs(
+def blockwise_token_stats(
     hidden: jax.Array,
     unembed: jax.Array,
     targets: jax.Array,
     *,
     block_size: int = 4096,
-    return_entropy: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Log-probability of ``targets`` under ``softmax(hidden @ unembed)``.
+) -> dict[str, jax.Array]:
+    """Per-token statistics of ``softmax(hidden @ unembed)`` without building the full logits.
 
     Args:
       hidden: ``[..., D]`` final hidden states (after the final norm).
       unembed: ``[D, V]`` output projection.
       targets: ``[...]`` integer token ids in ``[0, V)``.
       block_size: vocabulary columns per block; the vocabulary is padded up to a multiple.
-      return_entropy: also return the entropy of each predictive distribution (nats).
 
     Returns:
-      ``(logprobs [...], entropy [...] or None)``, float32.
+      dict of float32 ``[...]`` arrays: ``logprobs`` (log-probability of the target),
+      ``entropy`` (nats) and ``is_argmax`` (1.0 where the target has the largest logit).
     """
     lead = targets.shape
     d, vocab = unembed.shape
@@ -71,9 +70,26 @@ def blockwise_token_logprobs(
             jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.float32))
     (m, s, t, tgt_logit), _ = jax.lax.scan(body, init, (w_blocks, jnp.arange(num_blocks)))
     lse = m + jnp.log(s)
-    logprobs = (tgt_logit - lse).reshape(lead)
-    entropy = (lse - t / s).reshape(lead) if return_entropy else None
-    return logprobs, entropy
+    return {
+        "logprobs": (tgt_logit - lse).reshape(lead),
+        "entropy": (lse - t / s).reshape(lead),
+        "is_argmax": jax.lax.stop_gradient(tgt_logit >= m).astype(jnp.float32).reshape(lead),
+    }
+
+
+def blockwise_token_logprobs(
+    hidden: jax.Array,
+    unembed: jax.Array,
+    targets: jax.Array,
+    *,
+    block_size: int = 4096,
+    return_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probability ``[...]`` of ``targets`` under ``softmax(hidden @ unembed)`` (and the
+    entropy of each predictive distribution when ``return_entropy``), computed blockwise over the
+    vocabulary; see :func:`blockwise_token_stats` for the arguments."""
+    stats = blockwise_token_stats(hidden, unembed, targets, block_size=block_size)
+    return stats["logprobs"], stats["entropy"] if return_entropy else None
 
 
 def full_token_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.logprobs import blockwise_token_logprobs
+from rl_jax.models.logprobs import blockwise_token_logprobs, blockwise_token_stats
 from rl_jax.sharding import ShardingRules
 
 # Stacked per-layer parameters: name → (shape builder, logical axes). Shapes exclude the leading
@@ -171,6 +171,14 @@ class Transformer(nnx.Module):
         hidden = self(tokens, positions, segment_ids)
         return blockwise_token_logprobs(hidden, self.unembedding(), targets,
                                         block_size=block_size, return_entropy=return_entropy)
+
+    def token_stats(self, tokens: jax.Array, targets: jax.Array,
+                    positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                    *, block_size: int = 4096) -> dict[str, jax.Array]:
+        """``logprobs``, ``entropy`` and ``is_argmax`` (each ``[B, T]``) of ``targets``; see
+        :func:`rl_jax.models.logprobs.blockwise_token_stats`."""
+        hidden = self(tokens, positions, segment_ids)
+        return blockwise_token_stats(hidden, self.unembedding(), targets, block_size=block_size)
 
 
 # ---- building blocks (pure functions, shared with the inference engine) ---------------------

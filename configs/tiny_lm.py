@@ -1,0 +1,44 @@
+"""Tiny causal-LM recipe (CPU default): a 0.6M-parameter Llama-style model learns 3-digit
+addition with the answer written least-significant digit first. Its HF checkpoint
+(``<workdir>/hf``) is the base policy the RL recipes start from.
+
+    python -m launch.train --config=configs/tiny_lm.py --workdir=runs/tiny_lm
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config() -> ConfigDict:
+    c = ConfigDict()
+    c.recipe = "lm"
+    c.seed = 0
+
+    c.model = ConfigDict(dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        dtype="float32",
+        param_dtype="float32",
+        remat="none",
+        init_from="",  # an HF checkpoint directory to start from instead of random weights
+    ))
+    c.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+    c.task = ConfigDict(dict(num_digits=3, reverse_answer=True, loss_on="answer"))
+    c.data = ConfigDict(dict(rows_per_batch=16, seq_len=128, eval_examples=512))
+
+    c.trainer = ConfigDict(dict(steps=1200, num_microbatches=1, logits_block_size=4096))
+    c.optimizer = ConfigDict(dict(learning_rate=3e-3, warmup_steps=50, final_lr_ratio=0.05,
+                                  b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.01,
+                                  max_grad_norm=1.0))
+    c.checkpoint = ConfigDict(dict(every=200, keep=2, use_async=True))
+    c.logging = ConfigDict(dict(every=20, eval_every=200))
+    c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))
+    c.export = ConfigDict(dict(dtype="float32"))
+    return c

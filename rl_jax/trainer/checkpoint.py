@@ -1,0 +1,102 @@
+"""Train-state checkpoints with orbax ``CheckpointManager``: asynchronous, keep N, every K steps,
+restorable onto another mesh (the restore target carries the new shardings)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from rl_jax.trainer.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointRestoreError(RuntimeError):
+    """No checkpoint in a directory could be restored."""
+
+
+def _state_dict(state: TrainState) -> dict[str, Any]:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+            "skipped": state.skipped}
+
+
+class Checkpointer:
+    """Saves and restores :class:`TrainState` plus a JSON metadata dict (e.g. data position).
+
+    Args:
+      directory: where step directories are written.
+      keep: how many most recent checkpoints to keep.
+      every: save only steps divisible by this (``save(..., force=True)`` overrides).
+      use_async: write in the background; the train loop continues immediately.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, every: int = 1,
+                 use_async: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=every,
+            enable_async_checkpointing=use_async, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("state", "metadata"))
+
+    def save(self, step: int, state: TrainState, metadata: dict[str, Any] | None = None, *,
+             force: bool = False) -> bool:
+        """Starts saving; returns whether a checkpoint is being written for ``step``."""
+        return self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_state_dict(state)),
+            metadata=ocp.args.JsonSave(metadata or {})), force=force)
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def restore(self, target: TrainState, step: int | None = None
+                ) -> tuple[TrainState, dict[str, Any], int]:
+        """Restores onto ``target`` (a TrainState of ``ShapeDtypeStruct``s with shardings; see
+        ``rl_jax.trainer.state.abstract_state``), which may describe a different mesh.
+
+        With ``step=None`` the newest checkpoint is used; if it is unreadable (a crash in the
+        middle of a write, a corrupt file), older ones are tried, each failure logged.
+        Returns ``(state, metadata, step)``.
+        """
+        self.wait()
+        steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
+        if not steps:
+            raise CheckpointRestoreError(f"no checkpoints in {self.directory}")
+        errors = []
+        for s in steps:
+            try:
+                restored = self._manager.restore(s, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(_state_dict(target)),
+                    metadata=ocp.args.JsonRestore()))
+            except Exception as e:  # orbax raises many types for damaged files
+                log.error("checkpoint %s/%s could not be restored: %s", self.directory, s, e)
+                errors.append(f"step {s}: {type(e).__name__}: {e}")
+                continue
+            d = restored["state"]
+            state = TrainState(step=d["step"], params=d["params"], opt_state=d["opt_state"],
+                               skipped=d["skipped"])
+            if errors:
+                log.warning("restored older checkpoint step %d because newer ones failed", s)
+            return state, dict(restored["metadata"] or {}), s
+        raise CheckpointRestoreError(
+            f"no checkpoint in {self.directory} could be restored:\n  " + "\n  ".join(errors))
+
+    def wait(self):
+        """Blocks until background saves have finished."""
+        self._manager.wait_until_finished()
+
+    def close(self):
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

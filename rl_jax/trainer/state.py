@@ -1,0 +1,166 @@
+"""Train state (parameters, optimizer state, counters), its shardings, and the optimizer.
+
+Parameters are kept as a plain nested dict of arrays (``{"embed": ..., "layers": {"wq": ...}}``)
+so that checkpoints, weight transfer and checksums see ordinary pytrees; :class:`ModelSpec` turns
+such a dict back into an NNX module inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rl_jax.models.build import abstract_model, iter_params, param_shardings
+from rl_jax.models.config import ModelConfig
+from rl_jax.models.transformer import Transformer
+from rl_jax.sharding import ShardingRules
+
+Params = dict[str, Any]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """``step`` counts applied optimizer updates (the policy version); ``skipped`` counts steps
+    whose loss or gradient was not finite and that were therefore not applied."""
+
+    step: jax.Array
+    params: Params
+    opt_state: optax.OptState
+    skipped: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    total_steps: int = 10_000
+    final_lr_ratio: float = 0.1  # cosine decays to learning_rate * final_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Linear warm-up over ``warmup_steps`` (the first update already uses
+    ``learning_rate / warmup_steps``), then cosine decay to ``learning_rate * final_lr_ratio``."""
+    first = cfg.learning_rate / max(cfg.warmup_steps, 1)
+    if cfg.total_steps <= cfg.warmup_steps:
+        return optax.linear_schedule(first, cfg.learning_rate, max(cfg.warmup_steps - 1, 1))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=first, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.total_steps, end_value=cfg.learning_rate * cfg.final_lr_ratio)
+
+
+def _decay_mask(params: Params) -> Params:
+    """Weight decay on matrices and embeddings only, not on norms or biases."""
+    def keep(path, _):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return not ("norm" in name or name.startswith("b"))
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """AdamW with warm-up/cosine schedule and optional global-norm clipping."""
+    parts = []
+    if cfg.max_grad_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=_decay_mask))
+    return optax.chain(*parts)
+
+
+class ModelSpec:
+    """Everything static about a model: its graph, abstract parameters and their shardings."""
+
+    def __init__(self, config: ModelConfig, *, mesh: Mesh | None, rules: ShardingRules | None =
+                 None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 remat: str = "none"):
+        self.config = config
+        self.mesh = mesh
+        self.rules = rules or ShardingRules.default()
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        abstract = abstract_model(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
+                                  rules=self.rules, remat=remat)
+        self.graphdef, self._template = nnx.split(abstract)
+        self.abstract_params: Params = nnx.to_pure_dict(self._template)
+        self.param_shardings: Params = nnx.to_pure_dict(
+            param_shardings(self._template, mesh, self.rules))
+        self.param_logical_axes: dict[str, tuple[str, ...]] = {
+            name: var.get_metadata().get("logical_axes") for name, var in iter_params(self._template)}
+
+    def merge(self, params: Params) -> Transformer:
+        """An NNX model over ``params`` (works on traced arrays inside jit)."""
+        flat = dict(_flatten(params))
+        state = nnx.map_state(lambda path, v: v.replace(flat[".".join(map(str, path))]),
+                              self._template)
+        return nnx.merge(self.graphdef, state)
+
+    def split(self, model: Transformer) -> Params:
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def init_params(self, seed: int) -> Params:
+        """Random parameters, materialised directly in their sharded layout."""
+        def init():
+            model = Transformer(self.config, rngs=nnx.Rngs(seed), dtype=self.dtype,
+                                param_dtype=self.param_dtype, mesh=self.mesh, rules=self.rules)
+            return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+        return jax.jit(init, out_shardings=self.param_shardings)()
+
+    def replicated(self) -> Any:
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def _flatten(tree: Params, prefix: str = ""):
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name + ".")
+        else:
+            yield name, value
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, spec: ModelSpec) -> Any:
+    """Optimizer-state shardings: moments follow their parameter, counters are replicated."""
+    abstract = jax.eval_shape(tx.init, spec.abstract_params)
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract, spec.param_shardings,
+        transform_non_params=lambda _: spec.replicated())
+
+
+def state_shardings(tx: optax.GradientTransformation, spec: ModelSpec) -> TrainState:
+    rep = spec.replicated()
+    return TrainState(step=rep, params=spec.param_shardings,
+                      opt_state=opt_state_shardings(tx, spec), skipped=rep)
+
+
+def abstract_state(tx: optax.GradientTransformation, spec: ModelSpec) -> TrainState:
+    """``ShapeDtypeStruct``s with shardings for the whole train state (restore targets)."""
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=spec.abstract_params,
+                        opt_state=jax.eval_shape(tx.init, spec.abstract_params),
+                        skipped=jax.ShapeDtypeStruct((), jnp.int32))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, state_shardings(tx, spec))
+
+
+def init_state(tx: optax.GradientTransformation, spec: ModelSpec, params: Params) -> TrainState:
+    """A fresh train state around ``params`` (already sharded), created in its sharded layout."""
+    shardings = state_shardings(tx, spec)
+
+    def build(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
+                          skipped=jnp.zeros((), jnp.int32))
+
+    return jax.jit(build, out_shardings=shardings)(params)

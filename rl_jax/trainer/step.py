@@ -1,0 +1,191 @@
+"""The sharded train step: micro-batched gradient accumulation, optimizer update, non-finite guard.
+
+A loss function has the signature ``loss_fn(model, batch) -> (loss_sum, denominator, metrics)``:
+an *unreduced* sum and its denominator, so that accumulating both over micro-batches (and,
+through the compiler, over shards) gives exactly the full-batch ``loss_sum / denominator``.
+Metrics are sums too, except keys ending in ``_max`` (reduced by max) and ``_min`` (by min).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rl_jax.models.transformer import Transformer
+from rl_jax.trainer.state import ModelSpec, TrainState, state_shardings
+
+LossFn = Callable[[Transformer, Any], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class LMBatch:
+    """A packed causal-LM batch; every field is ``[B, T]``.
+
+    ``targets[b, t]`` is the token predicted at ``tokens[b, t]``; ``loss_mask`` weights each
+    prediction (0 for padding, segment ends and prompt tokens); ``positions`` restart at 0 in
+    every segment; ``segment_ids`` are 1, 2, ... per packed sequence and 0 for padding.
+    """
+
+    tokens: jax.Array
+    targets: jax.Array
+    loss_mask: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+
+    @classmethod
+    def abstract(cls, batch_size: int, seq_len: int, sharding=None) -> "LMBatch":
+        """Shapes for ahead-of-time compilation."""
+        i = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
+        f = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=sharding)
+        return cls(tokens=i, targets=i, loss_mask=f, positions=i, segment_ids=i)
+
+    @classmethod
+    def from_numpy(cls, arrays: dict[str, np.ndarray]) -> "LMBatch":
+        return cls(tokens=np.asarray(arrays["tokens"], np.int32),
+                   targets=np.asarray(arrays["targets"], np.int32),
+                   loss_mask=np.asarray(arrays["loss_mask"], np.float32),
+                   positions=np.asarray(arrays["positions"], np.int32),
+                   segment_ids=np.asarray(arrays["segment_ids"], np.int32))
+
+
+def causal_lm_loss(model: Transformer, batch: LMBatch, *, block_size: int = 4096):
+    """Token-level cross-entropy: ``(Σ mask·(−log p), Σ mask, metrics)``."""
+    stats = model.token_stats(batch.tokens, batch.targets, batch.positions, batch.segment_ids,
+                              block_size=block_size)
+    mask = batch.loss_mask.astype(jnp.float32)
+    nll = -jnp.sum(stats["logprobs"] * mask)
+    denom = jnp.sum(mask)
+    metrics = {"nll_sum": jax.lax.stop_gradient(nll), "tokens": denom,
+               "correct_tokens": jnp.sum(stats["is_argmax"] * mask),
+               "entropy_sum": jax.lax.stop_gradient(jnp.sum(stats["entropy"] * mask))}
+    return nll, denom, metrics
+
+
+def _reduce_metric(name: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    if name.endswith("_max"):
+        return jnp.maximum(a, b)
+    if name.endswith("_min"):
+        return jnp.minimum(a, b)
+    return a + b
+
+
+def split_microbatches(batch: Any, num_micro: int) -> Any:
+    """``[B, ...]`` → ``[num_micro, B / num_micro, ...]``, taking every ``num_micro``-th row so
+    each micro-batch draws rows from every data shard (no shard sits idle)."""
+    def split(x):
+        b = x.shape[0]
+        if b % num_micro:
+            raise ValueError(f"batch size {b} is not divisible by {num_micro} micro-batches")
+        return jnp.swapaxes(x.reshape((b // num_micro, num_micro) + x.shape[1:]), 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: LossFn, *,
+                    num_microbatches: int = 1, batch_sharding: Any = None, donate: bool = True):
+    """A jitted ``step(state, batch) -> (state, metrics)`` with explicit shardings.
+
+    The gradient is ``Σ_micro ∇loss_sum / Σ_micro denominator``. If the loss or the gradient
+    norm is not finite, parameters and optimizer state are left unchanged, ``step`` does not
+    advance and ``skipped`` is incremented.
+    """
+    shardings = state_shardings(tx, spec)
+    if batch_sharding is None:
+        batch_sharding = (spec.replicated() if spec.mesh is None else
+                          NamedSharding(spec.mesh, spec.rules.spec(("act_batch", "act_seq"))))
+
+    def grads_of(params, batch):
+        def micro_loss(p):
+            loss_sum, denom, metrics = loss_fn(spec.merge(p), batch)
+            return loss_sum, (denom, metrics)
+        (loss_sum, (denom, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
+        return loss_sum, denom, metrics, grads
+
+    def step(state: TrainState, batch):
+        params = state.params
+        if num_microbatches == 1:
+            loss_sum, denom, metrics, grads = grads_of(params, batch)
+        else:
+            micro = split_microbatches(batch, num_microbatches)
+            first = jax.tree.map(lambda x: x[0], micro)
+            shapes = jax.eval_shape(grads_of, params, first)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+            zeros = (zeros[0], zeros[1],
+                     {k: _metric_identity(k, v) for k, v in zeros[2].items()},
+                     jax.lax.with_sharding_constraint(zeros[3], spec.param_shardings)
+                     if spec.mesh is not None else zeros[3])
+
+            def body(acc, mb):
+                out = grads_of(params, mb)
+                loss_acc = acc[0] + out[0]
+                denom_acc = acc[1] + out[1]
+                metrics_acc = {k: _reduce_metric(k, acc[2][k], out[2][k]) for k in acc[2]}
+                grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[3], out[3])
+                return (loss_acc, denom_acc, metrics_acc, grads_acc), None
+
+            (loss_sum, denom, metrics, grads), _ = jax.lax.scan(body, zeros, micro)
+        safe_denom = jnp.where(denom > 0, denom, 1.0)
+        loss = loss_sum / safe_denom
+        grads = jax.tree.map(lambda g, p: (g / safe_denom).astype(p.dtype), grads, params)
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        new_state = TrainState(
+            step=state.step + ok.astype(jnp.int32),
+            params=jax.tree.map(keep, new_params, params),
+            opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
+            skipped=state.skipped + (~ok).astype(jnp.int32))
+        out = {"loss": loss, "denominator": denom, "grad_norm": grad_norm,
+               "skipped": (~ok).astype(jnp.int32), **metrics}
+        return new_state, out
+
+    return jax.jit(step, in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, spec.replicated()),
+                   donate_argnums=(0,) if donate else ())
+
+
+def _metric_identity(name: str, zero: jax.Array) -> jax.Array:
+    if name.endswith("_max"):
+        return jnp.full_like(zero, -jnp.inf)
+    if name.endswith("_min"):
+        return jnp.full_like(zero, jnp.inf)
+    return zero
+
+
+def make_eval_step(spec: ModelSpec, loss_fn: LossFn, *, batch_sharding: Any = None):
+    """A jitted ``eval(params, batch) -> (loss_sum, denominator, metrics)`` (no gradients)."""
+    if batch_sharding is None:
+        batch_sharding = (spec.replicated() if spec.mesh is None else
+                          NamedSharding(spec.mesh, spec.rules.spec(("act_batch", "act_seq"))))
+
+    def evaluate(params, batch):
+        return loss_fn(spec.merge(params), batch)
+
+    return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding),
+                   out_shardings=spec.replicated())
+
+
+def global_batch(batch: Any, sharding: Any) -> Any:
+    """The full global host batch (identical on every process) → global arrays laid out by
+    ``sharding``; each device receives only its own rows."""
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]), batch)
+
+
+def global_batch_from_local(batch: Any, sharding: Any) -> Any:
+    """This process's rows of a batch → global arrays (``make_array_from_process_local_data``)."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+
+
+def batch_partition_spec(spec: ModelSpec) -> PartitionSpec:
+    return spec.rules.spec(("act_batch", "act_seq"))
