@@ -2,7 +2,12 @@ r"""Single-machine entry point: runs the recipe a config file names.
 
     python -m launch.train --config=configs/tiny_lm.py --workdir=runs/tiny_lm \
         [--config.trainer.steps=200 ...]
+
+A config that cannot run stops before any work with one line naming the problem.
 """
+
+import logging as std_logging
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -16,14 +21,39 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
-    logging.set_verbosity(logging.INFO)
-    if config.recipe == "lm":
-        from rl_jax.trainer import lm
-        lm.run(config, _WORKDIR.value)
-    else:
-        raise app.UsageError(f"unknown recipe {config.recipe!r} in {flags.FLAGS['config'].value}")
+    from rl_jax.errors import USER_ERRORS
+
+    try:
+        config = _CONFIG.value
+    except OSError as e:
+        print(f"error: cannot load --config: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("rl_jax").setLevel(std_logging.INFO)
+    try:
+        if config.recipe == "lm":
+            from rl_jax.trainer import lm
+            lm.run(config, _WORKDIR.value)
+        else:
+            raise app.UsageError(f"unknown recipe {config.recipe!r}")
+    except USER_ERRORS as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_flags(argv):
+    """absl's parsing, with config overrides that name unknown keys or wrong types reported
+    in one line."""
+    try:
+        return flags.FLAGS(argv)
+    except Exception as e:  # every failure here is a bad command line or config file
+        cause = e.__cause__ or e
+        message = str(cause.args[0] if cause.args else cause)
+        message = message.encode().decode("unicode_escape").replace("'", "")
+        message = " ".join(message.split())
+        print(f"error: bad flag: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

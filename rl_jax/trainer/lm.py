@@ -136,9 +136,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     def evaluate(params) -> dict[str, float]:
         loss_sum, denom, m = eval_fn(params, eval_device)
-        predicted = np.where(np.asarray(m["is_argmax"]) > 0, eval_batch["targets"], -1)
-        return {"eval_loss": float(loss_sum / denom),
-                "eval_exact_match": float(exact_match(predicted, eval_batch, n_eval).mean())}
+        correct = exact_match(eval_batch, n_eval, is_argmax=np.asarray(m["is_argmax"]) > 0)
+        return {"eval_loss": float(loss_sum / denom), "eval_exact_match": float(correct.mean())}
 
     writer = MetricsWriter(workdir)
     total = c.trainer.steps

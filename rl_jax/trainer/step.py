@@ -133,7 +133,7 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
         safe_denom = jnp.where(denom > 0, denom, 1.0)
         loss = loss_sum / safe_denom
         grads = jax.tree.map(lambda g, p: (g / safe_denom).astype(p.dtype), grads, params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)

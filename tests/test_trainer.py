@@ -1,0 +1,125 @@
+"""Train step: micro-batching and sharding leave loss and update unchanged; non-finite guard;
+optimizer schedule."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from rl_jax.sharding import make_mesh
+from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, init_state, learning_rate_schedule,
+                                  make_optimizer)
+from rl_jax.trainer.step import (batch_partition_spec, causal_lm_loss, global_batch,
+                                 make_train_step, split_microbatches)
+from trainer_fixtures import TINY, random_batch
+
+TX = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
+
+
+def _two_steps(mesh, num_micro, remat="none"):
+    spec = ModelSpec(TINY, mesh=mesh, remat=remat)
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    step = make_train_step(spec, TX, causal_lm_loss, num_microbatches=num_micro)
+    sharding = spec.replicated() if mesh is None else NamedSharding(mesh, batch_partition_spec(spec))
+    out = []
+    for seed in (1, 2):
+        state, metrics = step(state, global_batch(random_batch(seed), sharding))
+        out.append({k: float(v) for k, v in metrics.items()})
+    return state, out
+
+
+def _params(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _two_steps(None, 1)
+
+
+@pytest.mark.parametrize("mesh_shape,num_micro", [(None, 4), ((2, 2, 2), 1), ((1, 4, 2), 2),
+                                                  ((8, 1, 1), 1)])
+def test_microbatching_and_sharding_match_single_device(reference, mesh_shape, num_micro):
+    ref_state, ref_metrics = reference
+    mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
+    state, metrics = _two_steps(mesh, num_micro)
+    for got, want in zip(metrics, ref_metrics):
+        for key in ("loss", "grad_norm", "denominator", "nll_sum", "correct_tokens"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    for got, want in zip(_params(state), _params(ref_state)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert int(state.step) == 2 and int(state.skipped) == 0
+
+
+def test_remat_gives_same_update(reference):
+    ref_state, ref_metrics = reference
+    state, metrics = _two_steps(None, 1, remat="full")
+    np.testing.assert_allclose(metrics[1]["loss"], ref_metrics[1]["loss"], rtol=1e-6)
+    for got, want in zip(_params(state), _params(ref_state)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_non_finite_step_is_skipped_and_counted():
+    spec = ModelSpec(TINY, mesh=make_mesh(2, 2, 2))
+    sharding = NamedSharding(spec.mesh, batch_partition_spec(spec))
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    step = make_train_step(spec, TX, causal_lm_loss, donate=False)
+    state, _ = step(state, global_batch(random_batch(1), sharding))
+    before = _params(state)
+    opt_before = [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
+    bad = random_batch(2)
+    bad = bad.replace(loss_mask=np.where(np.arange(16) == 3, np.nan, bad.loss_mask)
+                      .astype(np.float32))
+    new, metrics = step(state, global_batch(bad, sharding))
+    assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
+    assert int(new.step) == 1 and int(new.skipped) == 1
+    for a, b in zip(before, _params(new)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(opt_before, jax.tree.leaves(new.opt_state)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # A finite batch afterwards trains normally.
+    newer, metrics = step(new, global_batch(random_batch(3), sharding))
+    assert int(metrics["skipped"]) == 0 and int(newer.step) == 2 and int(newer.skipped) == 1
+
+
+def test_all_masked_batch_gives_zero_loss_and_no_nan():
+    spec = ModelSpec(TINY, mesh=None)
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    step = make_train_step(spec, TX, causal_lm_loss, donate=False)
+    batch = random_batch(1)
+    batch = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
+    new, metrics = step(state, global_batch(batch, spec.replicated()))
+    assert float(metrics["loss"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
+    assert int(new.step) == 1
+
+
+def test_params_and_optimizer_state_are_created_sharded():
+    spec = ModelSpec(TINY, mesh=make_mesh(1, 4, 2))
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    wq = state.params["layers"]["wq"]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    # Each device holds 1/8 of the array.
+    assert wq.addressable_shards[0].data.size * 8 == wq.size
+    adam = state.opt_state[1][0]
+    assert adam.mu["layers"]["wq"].sharding == wq.sharding
+    assert adam.nu["layers"]["w_down"].sharding == state.params["layers"]["w_down"].sharding
+    assert adam.count.sharding.is_fully_replicated
+
+
+def test_schedule_warms_up_then_decays():
+    cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=10, total_steps=110,
+                          final_lr_ratio=0.1)
+    lr = learning_rate_schedule(cfg)
+    assert float(lr(0)) == pytest.approx(0.1)  # the first update already moves
+    assert float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(110)) == pytest.approx(0.1)
+    assert float(lr(60)) < 1.0
+
+
+def test_microbatch_split_draws_rows_from_every_shard():
+    import jax.numpy as jnp
+    x = jnp.arange(8)
+    micro = split_microbatches(x, 2)
+    assert micro.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ValueError, match="not divisible"):
+        split_microbatches(jnp.arange(6), 4)
