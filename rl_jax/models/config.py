@@ -130,8 +130,11 @@ class ModelConfig:
             scaling = {**scaling, "rope_type": rope_type}
             scaling.pop("type", None)
             rope_scaling = tuple(sorted(scaling.items()))
-        if hf.get("use_sliding_window"):
-            raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
+        # Qwen2/Qwen3 configs carry `sliding_window` but switch it off with
+        # `use_sliding_window: false`; Mistral's is on whenever set.
+        if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+            raise ConfigError(f"sliding-window attention (sliding_window="
+                              f"{hf['sliding_window']}) is not supported")
         bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         return cls(

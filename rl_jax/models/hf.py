@@ -117,7 +117,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
     try:
-        if raw.get("mlp_bias"):
+        if isinstance(raw, dict) and raw.get("mlp_bias"):
             raise ConfigError("MLP biases (mlp_bias=true) are not supported")
         return ModelConfig.from_hf(raw)
     except ConfigError as e:

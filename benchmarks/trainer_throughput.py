@@ -1,0 +1,147 @@
+"""Trainer throughput against a measured ceiling, and blockwise vs full log-probs.
+
+Everything is measured side by side in one run, so ratios are meaningful even on a shared, noisy
+machine:
+
+1. ceiling: dense matmul FLOP/s of this backend (the best a train step could reach);
+2. train step: tokens/s and model FLOP/s (6·params·tokens + attention) → MFU against (1);
+3. log-probs over a large vocabulary: blockwise vs full logits, compiled temporary memory and time
+   for forward+backward.
+
+Usage: python benchmarks/trainer_throughput.py [--quick]
+Writes benchmarks/results/trainer_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.models import ModelConfig
+from rl_jax.models.logprobs import blockwise_token_logprobs, full_token_logprobs
+from rl_jax.trainer.state import ModelSpec, OptimizerConfig, init_state, make_optimizer
+from rl_jax.trainer.step import LMBatch, causal_lm_loss, make_train_step
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn, *args, warmup: int = 2, repeats: int = 5) -> float:
+    """Median seconds per call after warm-up (results blocked on)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def matmul_ceiling(n: int = 1024) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    b = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / timed(f, a, b, repeats=10)
+
+
+def train_step_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
+    """Forward+backward FLOPs of one step: 6·N per token plus attention scores and values."""
+    tokens = batch * seq
+    dense = 6 * cfg.num_params(include_embeddings=False) * tokens
+    unembed = 6 * cfg.hidden_size * cfg.vocab_size * tokens
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq * tokens
+    return float(dense + unembed + attention)
+
+
+def bench_train_step(cfg: ModelConfig, batch: int, seq: int) -> dict:
+    spec = ModelSpec(cfg, mesh=None)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-4, warmup_steps=1, total_steps=1000))
+    state = init_state(tx, spec, spec.init_params(seed=0))
+    step = make_train_step(spec, tx, causal_lm_loss, donate=False)
+    rng = np.random.RandomState(0)
+    data = LMBatch.from_numpy(dict(
+        tokens=rng.randint(0, cfg.vocab_size, (batch, seq)),
+        targets=rng.randint(0, cfg.vocab_size, (batch, seq)),
+        loss_mask=np.ones((batch, seq)), positions=np.tile(np.arange(seq), (batch, 1)),
+        segment_ids=np.ones((batch, seq))))
+    data = jax.device_put(data)
+    seconds = timed(lambda: step(state, data)[1]["loss"])
+    flops = train_step_flops(cfg, batch, seq)
+    return {"params": cfg.num_params(), "batch": batch, "seq": seq, "step_s": seconds,
+            "tokens_per_s": batch * seq / seconds, "flops_per_s": flops / seconds}
+
+
+def bench_logprobs(tokens: int, hidden: int, vocab: int, block: int) -> dict:
+    rng = np.random.RandomState(0)
+    h = jnp.asarray(rng.randn(tokens, hidden).astype(np.float32) * 0.1)
+    w = jnp.asarray(rng.randn(hidden, vocab).astype(np.float32) * 0.1)
+    t = jnp.asarray(rng.randint(0, vocab, tokens))
+    out = {}
+    for name, fn in (("blockwise", lambda h, w: blockwise_token_logprobs(
+            h, w, t, block_size=block)[0].sum()), ("full", lambda h, w: full_token_logprobs(
+                h, w, t)[0].sum())):
+        grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+        compiled = grad.lower(h, w).compile()
+        mem = compiled.memory_analysis()
+        out[name] = {"temp_bytes": int(mem.temp_size_in_bytes),
+                     "seconds": timed(grad, h, w, repeats=3)}
+    out["memory_ratio_full_over_blockwise"] = (out["full"]["temp_bytes"]
+                                               / max(out["blockwise"]["temp_bytes"], 1))
+    out["time_ratio_blockwise_over_full"] = out["blockwise"]["seconds"] / out["full"]["seconds"]
+    out.update(tokens=tokens, hidden=hidden, vocab=vocab, block_size=block)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes")
+    args = parser.parse_args()
+
+    print(f"backend: {jax.default_backend()} x{jax.device_count()} ({platform.processor()})")
+    ceiling = matmul_ceiling(512 if args.quick else 1024)
+    print(f"ceiling: dense f32 matmul {ceiling / 1e9:.1f} GFLOP/s")
+
+    models = {
+        "tiny_lm (0.6M)": ModelConfig(vocab_size=15, hidden_size=128, intermediate_size=384,
+                                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                                      tie_word_embeddings=True),
+        "small (6M)": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=768,
+                                  num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32),
+    }
+    shapes = [(16, 128)] if args.quick else [(16, 128), (32, 256)]
+    train = []
+    for name, cfg in models.items():
+        for batch, seq in shapes:
+            r = bench_train_step(cfg, batch, seq)
+            r["model"] = name
+            r["mfu_vs_matmul_ceiling"] = r["flops_per_s"] / ceiling
+            train.append(r)
+            print(f"train step {name:>15} B={batch:<3} T={seq:<4} {r['tokens_per_s']:>9.0f} tok/s "
+                  f"{r['flops_per_s'] / 1e9:6.2f} GFLOP/s  MFU vs ceiling "
+                  f"{r['mfu_vs_matmul_ceiling']:.2f}")
+
+    lp = bench_logprobs(tokens=1024 if args.quick else 2048, hidden=256,
+                        vocab=32768 if args.quick else 65536, block=4096)
+    print(f"log-probs T={lp['tokens']} V={lp['vocab']}: temp memory full/blockwise "
+          f"{lp['memory_ratio_full_over_blockwise']:.1f}x "
+          f"({lp['full']['temp_bytes'] / 2**20:.0f} MiB vs "
+          f"{lp['blockwise']['temp_bytes'] / 2**20:.0f} MiB), time blockwise/full "
+          f"{lp['time_ratio_blockwise_over_full']:.2f}")
+
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "trainer_throughput.json"
+    out.write_text(json.dumps({"backend": jax.default_backend(), "devices": jax.device_count(),
+                               "matmul_ceiling_flops": ceiling, "train_step": train,
+                               "logprobs": lp}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
