@@ -91,6 +91,10 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     if c.model.init_from:
         cfg = read_config(c.model.init_from)
+        if cfg.vocab_size < tokenizer.get_vocab_size():
+            raise RecipeConfigError(
+                f"model.init_from={c.model.init_from} has vocab_size={cfg.vocab_size}, smaller "
+                f"than the task tokenizer's {tokenizer.get_vocab_size()} tokens")
     else:
         cfg = model_config(c, tokenizer.get_vocab_size(), special)
     spec = ModelSpec(cfg, mesh=mesh, dtype=_dtype(c.model.dtype),
