@@ -307,10 +307,16 @@ def test_config_hf_round_trip(cfg):
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
      "unsupported rope scaling type 'yarn'"),
     (dict(use_sliding_window=True), "sliding-window"),
+    (dict(architectures=["MistralForCausalLM"], sliding_window=4096), "sliding-window"),
     (dict(num_key_value_heads=3), "not a multiple of num_kv_heads=3"),
     (dict(vocab_size=0), "vocab_size must be a positive integer"),
 ])
 def test_from_hf_refusals(change, message):
+    # Qwen configs carry a window that `use_sliding_window: false` switches off: accepted.
+    ModelConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 16,
+                         "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                         "num_attention_heads": 4, "sliding_window": 4096,
+                         "use_sliding_window": False})
     hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 16, "hidden_size": 16,
           "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
           "num_key_value_heads": 2, **change}

@@ -132,9 +132,10 @@ class ModelConfig:
             rope_scaling = tuple(sorted(scaling.items()))
         # Qwen2/Qwen3 configs carry `sliding_window` but switch it off with
         # `use_sliding_window: false`; Mistral's is on whenever set.
-        if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+        if hf.get("use_sliding_window") or (hf.get("sliding_window")
+                                            and hf.get("use_sliding_window", True)):
             raise ConfigError(f"sliding-window attention (sliding_window="
-                              f"{hf['sliding_window']}) is not supported")
+                              f"{hf.get('sliding_window')}) is not supported")
         bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         return cls(
