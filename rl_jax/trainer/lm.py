@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from rl_jax import distributed
@@ -31,7 +30,7 @@ from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
                                   learning_rate_schedule, make_optimizer)
-from rl_jax.trainer.step import (LMBatch, batch_partition_spec, causal_lm_loss, global_batch,
+from rl_jax.trainer.step import (LMBatch, causal_lm_loss, default_batch_sharding, global_batch,
                                  make_eval_step, make_train_step)
 
 log = logging.getLogger(__name__)
@@ -127,7 +126,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     batches = lm_batches(task, tokenizer, rows_per_batch=c.data.rows_per_batch,
                          seq_len=c.data.seq_len, seed=c.seed,
                          loss_on_all_tokens=c.task.loss_on == "all")
-    batch_sharding = NamedSharding(mesh, batch_partition_spec(spec))
+    batch_sharding = default_batch_sharding(spec)
     step_fn = make_train_step(spec, tx, lambda m, b: causal_lm_loss(
         m, b, block_size=c.trainer.logits_block_size),
         num_microbatches=c.trainer.num_microbatches, batch_sharding=batch_sharding)

@@ -96,9 +96,7 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
     advance and ``skipped`` is incremented.
     """
     shardings = state_shardings(tx, spec)
-    if batch_sharding is None:
-        batch_sharding = (spec.replicated() if spec.mesh is None else
-                          NamedSharding(spec.mesh, spec.rules.spec(("act_batch", "act_seq"))))
+    batch_sharding = batch_sharding or default_batch_sharding(spec)
 
     def grads_of(params, batch):
         def micro_loss(p):
@@ -162,9 +160,7 @@ def _metric_identity(name: str, zero: jax.Array) -> jax.Array:
 
 def make_eval_step(spec: ModelSpec, loss_fn: LossFn, *, batch_sharding: Any = None):
     """A jitted ``eval(params, batch) -> (loss_sum, denominator, metrics)`` (no gradients)."""
-    if batch_sharding is None:
-        batch_sharding = (spec.replicated() if spec.mesh is None else
-                          NamedSharding(spec.mesh, spec.rules.spec(("act_batch", "act_seq"))))
+    batch_sharding = batch_sharding or default_batch_sharding(spec)
 
     def evaluate(params, batch):
         return loss_fn(spec.merge(params), batch)
@@ -188,4 +184,11 @@ def global_batch_from_local(batch: Any, sharding: Any) -> Any:
 
 
 def batch_partition_spec(spec: ModelSpec) -> PartitionSpec:
+    """``[B, T]`` batches: rows split over the mesh axes of ``act_batch``."""
     return spec.rules.spec(("act_batch", "act_seq"))
+
+
+def default_batch_sharding(spec: ModelSpec) -> Any:
+    if spec.mesh is None:
+        return spec.replicated()
+    return NamedSharding(spec.mesh, batch_partition_spec(spec))

@@ -1,0 +1,105 @@
+"""Policy losses and advantage estimators as pure, jit-able functions over arrays.
+
+    from rl_jax.losses import get, make_config, finalize_metrics
+    loss_sum, denominator, metrics = get("grpo")(logprobs, behaviour_logprobs, advantages,
+                                                 loss_mask, config=make_config("grpo"))
+
+Every policy loss returns ``(loss_sum, denominator, metrics)`` so that micro-batches, hosts and
+shards reduce exactly (``Σ loss_sum / Σ denominator``); see :mod:`rl_jax.losses.core` for the
+normalisations and :mod:`rl_jax.losses.policy` for the common signature.
+
+Registered policy losses: ``reinforce_tis``, ``ppo_clip``, ``grpo``, ``dapo``, ``dr_grpo``,
+``gspo``, ``cispo``, ``decoupled_ppo``. Advantage estimators (:func:`get_advantage_estimator`):
+``grpo``, ``rloo``, ``dr_grpo``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from rl_jax.losses.advantages import (ADVANTAGE_ESTIMATORS, GroupSizeError, check_groups,
+                                      dr_grpo_advantages, get_advantage_estimator,
+                                      grpo_advantages, rloo_advantages)
+from rl_jax.losses.core import (LOG_RATIO_CLAMP, NORMALIZATIONS, LossConfigError, LossOutput,
+                                PolicyLossConfig, count_sequences, finalize_metrics,
+                                per_sequence_sum)
+from rl_jax.losses.policy import (CISPOConfig, DAPOConfig, DecoupledPPOConfig, DrGRPOConfig,
+                                  GRPOConfig, GSPOConfig, PPOClipConfig, ReinforceTISConfig,
+                                  cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, grpo,
+                                  gspo, ppo_clip, reinforce_tis)
+from rl_jax.losses.regularizers import importance_weights, kl_penalty
+
+PolicyLoss = Callable[..., LossOutput]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredLoss:
+    """A policy loss and the configuration class whose defaults are its published settings."""
+
+    fn: PolicyLoss
+    config_class: type[PolicyLossConfig]
+
+
+_REGISTRY: dict[str, RegisteredLoss] = {
+    "reinforce_tis": RegisteredLoss(reinforce_tis, ReinforceTISConfig),
+    "ppo_clip": RegisteredLoss(ppo_clip, PPOClipConfig),
+    "grpo": RegisteredLoss(grpo, GRPOConfig),
+    "dapo": RegisteredLoss(dapo, DAPOConfig),
+    "dr_grpo": RegisteredLoss(dr_grpo, DrGRPOConfig),
+    "gspo": RegisteredLoss(gspo, GSPOConfig),
+    "cispo": RegisteredLoss(cispo, CISPOConfig),
+    "decoupled_ppo": RegisteredLoss(decoupled_ppo, DecoupledPPOConfig),
+}
+
+
+def _entry(name: str) -> RegisteredLoss:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise LossConfigError(f"unknown policy loss {name!r}; known: {names()}") from None
+
+
+def get(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name``."""
+    return _entry(name).fn
+
+
+def names() -> tuple[str, ...]:
+    """Names of the registered policy losses."""
+    return tuple(_REGISTRY)
+
+
+def config_class(name: str) -> type[PolicyLossConfig]:
+    """The configuration dataclass of the loss ``name``."""
+    return _entry(name).config_class
+
+
+def make_config(name: str, **overrides: Any) -> PolicyLossConfig:
+    """The default configuration of the loss ``name`` with ``overrides`` applied (validated)."""
+    cls = config_class(name)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise LossConfigError(f"{cls.__name__} has no field(s) {unknown}; fields: {sorted(fields)}")
+    return cls(**overrides)
+
+
+def register(name: str, fn: PolicyLoss, config_cls: type[PolicyLossConfig]) -> None:
+    """Adds a policy loss with the common signature under ``name`` (refuses to overwrite)."""
+    if name in _REGISTRY:
+        raise LossConfigError(f"a policy loss named {name!r} is already registered")
+    _REGISTRY[name] = RegisteredLoss(fn, config_cls)
+
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "CISPOConfig", "DAPOConfig", "DecoupledPPOConfig", "DrGRPOConfig",
+    "GRPOConfig", "GSPOConfig", "GroupSizeError", "LOG_RATIO_CLAMP", "LossConfigError",
+    "LossOutput", "NORMALIZATIONS", "PPOClipConfig", "PolicyLoss", "PolicyLossConfig",
+    "RegisteredLoss", "ReinforceTISConfig", "check_groups", "cispo", "clipped_surrogate",
+    "config_class", "count_sequences", "dapo", "decoupled_ppo", "dr_grpo", "dr_grpo_advantages",
+    "finalize_metrics", "get", "get_advantage_estimator", "grpo", "grpo_advantages", "gspo",
+    "importance_weights", "kl_penalty", "make_config", "names", "per_sequence_sum", "ppo_clip",
+    "register", "reinforce_tis", "rloo_advantages",
+]

@@ -1,0 +1,457 @@
+"""Policy-gradient losses over per-token arrays.
+
+Every loss has the same signature::
+
+    loss(logprobs, behaviour_logprobs, advantages, loss_mask, *, config=None,
+         proximal_logprobs=None, ref_logprobs=None, entropy=None, segment_ids=None)
+        -> LossOutput(loss_sum, denominator, metrics)
+
+Args (all per-token arrays are ``[B, T]``, log-probabilities in nats):
+  logprobs: ``log π_θ(y_t)`` of the sampled tokens under the policy being trained; the only
+    input gradients flow into (with ``entropy``).
+  behaviour_logprobs: ``log μ(y_t)`` reported by the generator that sampled the tokens.
+  advantages: ``[B]`` (one per sequence), ``[B, 1]`` or ``[B, T]``; treated as data.
+  loss_mask: ``1`` (or a positive weight) for tokens that enter the loss, ``0`` elsewhere.
+    Masked positions of every other input may hold anything, even NaN or ±inf.
+  config: the loss's configuration dataclass; ``None`` uses its defaults.
+  proximal_logprobs: ``log π_prox(y_t)``, the trainer's own log-probabilities of the sampled
+    tokens under the weights the generator used (or any recent policy), without gradient. When
+    given, ratios are taken against it instead of ``μ``, and ``config.correction`` can weight
+    the policy term by ``π_prox / μ``. Required by ``decoupled_ppo``.
+  ref_logprobs: ``log π_ref(y_t)`` under a frozen reference policy, for the KL penalty.
+  entropy: per-token entropy of ``π_θ`` in nats (differentiable), for the entropy bonus.
+  segment_ids: packed rows: ``[B, T]`` int sequence ids ``1..`` per row, ``0`` for padding.
+
+Returns ``LossOutput``: ``loss = loss_sum / denominator`` with the normalisation given by
+``config.normalization`` (see :mod:`rl_jax.losses.core`), and metrics that accumulate by sum
+(``_max`` keys by max) over micro-batches and shards; see :func:`finalize_metrics`.
+
+Ratios are ``r_t = π_θ(y_t) / π_old(y_t)`` with ``π_old = π_prox`` when ``proximal_logprobs``
+is given, else ``μ``, computed in float32 from a log-ratio clamped to ``±config.log_ratio_clamp``.
+The per-token loss of every method is ``ℓ_t = pg_t · c_t + β · KL_t − α · H_t`` where ``c_t``
+is the optional mismatch correction (see :mod:`rl_jax.losses.regularizers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.losses.core import (LossConfigError, LossOutput, PolicyLossConfig, TokenInputs,
+                                _nonnegative, _positive, clamped_log_ratio, masked_sum,
+                                normalization_weights, per_sequence_sum, prepare_inputs,
+                                ratio_metrics, safe_divide)
+from rl_jax.losses.regularizers import add_regularizers, importance_weights, mismatch_correction
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReinforceTISConfig(PolicyLossConfig):
+    """``reinforce_tis``: ``truncation`` is the cap ``c`` of the importance weight."""
+
+    normalization: str = "sequence_sum"
+    truncation: float = 5.0
+
+    def _check(self) -> None:
+        super()._check()
+        _positive("truncation", self.truncation)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOClipConfig(PolicyLossConfig):
+    """Clipped surrogate: ratio clipped to ``[1 − epsilon_low, 1 + epsilon_high]``.
+
+    ``dual_clip`` bounds the loss of negative-advantage tokens by ``dual_clip_c · |A|``
+    (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+    Learning", arXiv:1912.09729); off by default.
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    dual_clip: bool = False
+    dual_clip_c: float = 3.0
+
+    def _check(self) -> None:
+        super()._check()
+        _nonnegative("epsilon_low", self.epsilon_low)
+        _nonnegative("epsilon_high", self.epsilon_high)
+        if self.epsilon_low > 1:
+            raise LossConfigError(f"epsilon_low must be <= 1, got {self.epsilon_low}")
+        if not self.dual_clip_c > 1:
+            raise LossConfigError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig(PPOClipConfig):
+    """``grpo``: per-sequence token mean, then mean over sequences (DeepSeekMath, eq. 3).
+
+    The paper also adds ``β · k3`` KL to a reference with ``β = 0.04``; here ``kl_coef``
+    defaults to 0 (no reference model), set it together with ``ref_logprobs``.
+    """
+
+    normalization: str = "sequence"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DAPOConfig(PPOClipConfig):
+    """``dapo``: decoupled clip ``ε_low = 0.2``, ``ε_high = 0.28``, token-level mean."""
+
+    epsilon_high: float = 0.28
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrGRPOConfig(PPOClipConfig):
+    """``dr_grpo``: token sum per sequence divided by a constant ``max_tokens`` (or ``T``)."""
+
+    normalization: str = "constant"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GSPOConfig(PolicyLossConfig):
+    """``gspo``: sequence ratio clipped to ``[1 − 3e-4, 1 + 4e-4]`` (the paper's ranges)."""
+
+    normalization: str = "sequence"
+    epsilon_low: float = 3e-4
+    epsilon_high: float = 4e-4
+
+    def _check(self) -> None:
+        super()._check()
+        _nonnegative("epsilon_low", self.epsilon_low)
+        _nonnegative("epsilon_high", self.epsilon_high)
+        if self.epsilon_low > 1:
+            raise LossConfigError(f"epsilon_low must be <= 1, got {self.epsilon_low}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CISPOConfig(PolicyLossConfig):
+    """``cispo``: weight ``clip(r, 1 − ε_low, 1 + ε_high)``; ``epsilon_low=None`` means no lower
+    bound (as in the paper). ``ε_high = 4`` caps the weight at 5."""
+
+    epsilon_low: float | None = None
+    epsilon_high: float = 4.0
+
+    def _check(self) -> None:
+        super()._check()
+        if self.epsilon_low is not None:
+            _nonnegative("epsilon_low", self.epsilon_low)
+        _nonnegative("epsilon_high", self.epsilon_high)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoupledPPOConfig(PPOClipConfig):
+    """``decoupled_ppo``: clip against ``π_prox``; behaviour weight ``π_prox / μ`` capped at
+    ``behaviour_weight_cap`` by ``behaviour_weight_mode`` (``"mis"``: AReaL's masking of tokens
+    above the cap; ``"tis"``: truncation; ``cap=None``: uncapped). The generic ``correction``
+    must stay ``"none"``: the behaviour weight is that correction."""
+
+    behaviour_weight_cap: float | None = 5.0
+    behaviour_weight_mode: str = "mis"
+
+    def _check(self) -> None:
+        super()._check()
+        if self.correction != "none":
+            raise LossConfigError("decoupled_ppo already weights by π_prox/μ; leave correction="
+                                  f"'none' and set behaviour_weight_* instead (got "
+                                  f"{self.correction!r})")
+        if self.behaviour_weight_cap is not None:
+            _positive("behaviour_weight_cap", self.behaviour_weight_cap)
+        if self.behaviour_weight_mode not in ("tis", "mis"):
+            raise LossConfigError("behaviour_weight_mode must be 'tis' or 'mis', got "
+                                  f"{self.behaviour_weight_mode!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, epsilon_low: float,
+                      epsilon_high: float, dual_clip_c: float | None = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """PPO's per-token loss ``max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``.
+
+    With ``dual_clip_c = c``, tokens with ``A < 0`` are further bounded: ``min(ℓ, −c·A)``.
+
+    Returns:
+      ``(loss, clipped, dual_clipped)``: ``[B, T]`` loss, and bool masks of the tokens where the
+      clipped branch (zero gradient) is active and where the dual clip is active.
+    """
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = jnp.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    if dual_clip_c is None:
+        return loss, clipped, jnp.zeros_like(clipped)
+    bound = -dual_clip_c * advantages
+    dual_clipped = (advantages < 0) & (loss > bound)
+    return jnp.where(dual_clipped, bound, loss), clipped, dual_clipped
+
+
+def _config(config, cls: type[PolicyLossConfig], default: type[PolicyLossConfig] | None = None):
+    if config is None:
+        return (default or cls)()
+    if not isinstance(config, cls):
+        raise LossConfigError(f"expected a {cls.__name__}, got {type(config).__name__}")
+    return config
+
+
+def _finish(x: TokenInputs, config: PolicyLossConfig, pg_loss: jax.Array, log_ratio: jax.Array,
+            ratio: jax.Array, metrics: dict[str, jax.Array]) -> LossOutput:
+    """Correction, regularisers, normalisation and the metrics every loss reports."""
+    pg_loss, correction_metrics = mismatch_correction(pg_loss, x, config)
+    total, regularizer_metrics = add_regularizers(pg_loss, x, config)
+    weights, denominator = normalization_weights(x, config)
+    loss_sum = jnp.sum(jnp.where(x.valid, weights * total, 0.0))
+    policy_kl = jnp.expm1(log_ratio) - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
+    metrics = {
+        "tokens": jnp.sum(x.mask),
+        "sequences": x.num_sequences,
+        "advantage_sum": masked_sum(x.advantages, x.mask),
+        "policy_kl_sum": masked_sum(policy_kl, x.mask),
+        **ratio_metrics("ratio", ratio, x),
+        **metrics,
+        **correction_metrics,
+        **regularizer_metrics,
+    }
+    return LossOutput(loss_sum, denominator, jax.tree.map(jax.lax.stop_gradient, metrics))
+
+
+def _count(flags: jax.Array, x: TokenInputs) -> jax.Array:
+    return masked_sum(flags.astype(jnp.float32), x.mask)
+
+
+def _clipped_ppo(x: TokenInputs, config: PPOClipConfig, old_logprobs: jax.Array):
+    log_ratio = clamped_log_ratio(x.logprobs, old_logprobs, x.valid, config.log_ratio_clamp)
+    ratio = jnp.exp(log_ratio)
+    pg, clipped, dual = clipped_surrogate(ratio, x.advantages, config.epsilon_low,
+                                          config.epsilon_high,
+                                          config.dual_clip_c if config.dual_clip else None)
+    metrics = {"clipped_tokens": _count(clipped, x)}
+    if config.dual_clip:
+        metrics["dual_clipped_tokens"] = _count(dual, x)
+    return pg, log_ratio, ratio, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------
+
+
+def reinforce_tis(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+                  config: ReinforceTISConfig | None = None, proximal_logprobs=None,
+                  ref_logprobs=None, entropy=None, segment_ids=None) -> LossOutput:
+    """Importance-weighted REINFORCE with a truncated weight and no value network (PipelineRL).
+
+    ``ℓ_t = −sg(min(r_t, c)) · A_t · log π_θ(y_t)``, ``r_t = π_θ(y_t) / π_old(y_t)``, so
+    ``∇ℓ_t = −min(r_t, c) · A_t · ∇log π_θ(y_t)``; the weight corrects for tokens sampled by
+    older policies in flight and is truncated at ``c = config.truncation`` (5).
+    Normalisation ``"sequence_sum"``: token sum over the batch divided by the number of
+    sequences (PipelineRL divides by its batch size in sequences).
+
+    A. Piché, E. Kamalloo, R. Pardinas, X. Chen, D. Bahdanau, "PipelineRL: Faster On-policy
+    Reinforcement Learning for Long Sequence Generation" (2025), arXiv:2509.19128; truncated
+    importance weights after Espeholt et al. 2018, IMPALA, arXiv:1802.01561.
+
+    Arguments and return value: see the module docstring. Metrics: ``clipped_tokens`` counts
+    the truncated weights.
+    """
+    config = _config(config, ReinforceTISConfig)
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    log_ratio = clamped_log_ratio(x.logprobs, x.old_logprobs, x.valid, config.log_ratio_clamp)
+    ratio = jnp.exp(log_ratio)
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, config.truncation))
+    pg = -weight * x.advantages * x.logprobs
+    metrics = {"clipped_tokens": _count(ratio > config.truncation, x)}
+    return _finish(x, config, pg, log_ratio, ratio, metrics)
+
+
+def ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+             config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
+             entropy=None, segment_ids=None) -> LossOutput:
+    """PPO's clipped surrogate objective, token-level mean.
+
+    ``ℓ_t = max(−A_t · r_t, −A_t · clip(r_t, 1 − ε_low, 1 + ε_high))`` with ``ε = 0.2``, and
+    with ``dual_clip`` ``ℓ_t = min(ℓ_t, −c · A_t)`` for ``A_t < 0``.
+
+    J. Schulman, F. Wolski, P. Dhariwal, A. Radford, O. Klimov, "Proximal Policy Optimization
+    Algorithms" (2017), arXiv:1707.06347. Dual clip: D. Ye et al. 2020, arXiv:1912.09729.
+
+    Arguments and return value: see the module docstring. Metrics: ``clipped_tokens`` (tokens
+    on the clipped, zero-gradient branch), ``dual_clipped_tokens`` with ``dual_clip``.
+    """
+    config = _config(config, PPOClipConfig)
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    pg, log_ratio, ratio, metrics = _clipped_ppo(x, config, x.old_logprobs)
+    return _finish(x, config, pg, log_ratio, ratio, metrics)
+
+
+def grpo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+         config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
+         entropy=None, segment_ids=None) -> LossOutput:
+    """Group Relative Policy Optimization: PPO's clipped surrogate, sequence-level mean.
+
+    ``J = (1/G) Σ_i (1/|o_i|) Σ_t [min(r A, clip(r, 1 − ε, 1 + ε) A) − β · KL_k3]``, ``ε = 0.2``;
+    the loss is ``−J`` with normalisation ``"sequence"`` (per-sequence token mean, then the mean
+    over the non-empty sequences of the global batch). Advantages come from
+    :func:`rl_jax.losses.grpo_advantages`.
+
+    Z. Shao, P. Wang, Q. Zhu, R. Xu, J. Song, et al., "DeepSeekMath: Pushing the Limits of
+    Mathematical Reasoning in Open Language Models" (2024), arXiv:2402.03300.
+
+    Arguments and return value: see the module docstring (config: :class:`GRPOConfig` by
+    default, any :class:`PPOClipConfig` accepted).
+    """
+    config = _config(config, PPOClipConfig, GRPOConfig)
+    return ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, config=config,
+                   proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                   entropy=entropy, segment_ids=segment_ids)
+
+
+def dapo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+         config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
+         entropy=None, segment_ids=None) -> LossOutput:
+    """DAPO: clipped surrogate with decoupled ranges ("clip-higher"), token-level mean.
+
+    ``ℓ_t = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``, ``ε_low = 0.2``, ``ε_high = 0.28``;
+    ``loss = Σ_i Σ_t ℓ / Σ_i |o_i|`` over the global batch (normalisation ``"token"``). DAPO's
+    dynamic sampling and overlong reward shaping act on the data, not on this loss.
+
+    Q. Yu, Z. Zhang, R. Zhu, Y. Yuan, X. Zuo, et al., "DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale" (2025), arXiv:2503.14476.
+
+    Arguments and return value: see the module docstring (config: :class:`DAPOConfig` by
+    default, any :class:`PPOClipConfig` accepted).
+    """
+    config = _config(config, PPOClipConfig, DAPOConfig)
+    return ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, config=config,
+                    proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                    entropy=entropy, segment_ids=segment_ids)
+
+
+def dr_grpo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+            config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
+            entropy=None, segment_ids=None) -> LossOutput:
+    """Dr. GRPO ("GRPO done right"): GRPO without its length and difficulty biases.
+
+    ``loss = (1/G) Σ_i Σ_t max(−A·r, −A·clip(r, 1 − ε, 1 + ε)) / L``: no ``1/|o_i|`` (normalisation
+    ``"constant"``, ``L = config.max_tokens``, the generation budget, or ``T`` when unset), and
+    advantages ``A_i = R_i − mean(R_group)`` without division by the group's std: use
+    :func:`rl_jax.losses.dr_grpo_advantages`.
+
+    Z. Liu, C. Chen, W. Li, P. Qi, T. Pang, C. Du, W. S. Lee, M. Lin, "Understanding R1-Zero-Like
+    Training: A Critical Perspective" (2025), arXiv:2503.20783.
+
+    Arguments and return value: see the module docstring (config: :class:`DrGRPOConfig` by
+    default, any :class:`PPOClipConfig` accepted).
+    """
+    config = _config(config, PPOClipConfig, DrGRPOConfig)
+    return ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, config=config,
+                    proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                    entropy=entropy, segment_ids=segment_ids)
+
+
+def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+         config: GSPOConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
+         entropy=None, segment_ids=None) -> LossOutput:
+    """Group Sequence Policy Optimization: one importance ratio and one clip per sequence.
+
+    ``s_i = exp((1/|y_i|) Σ_t log(π_θ(y_t) / π_old(y_t)))`` (geometric mean of the token ratios),
+    ``ℓ_i = max(−A_i · s_i, −A_i · clip(s_i, 1 − ε_low, 1 + ε_high))`` with ``ε_low = 3e-4``,
+    ``ε_high = 4e-4``, and ``loss = (1/G) Σ_i ℓ_i`` (normalisation ``"sequence"``). ``A_i`` is
+    the sequence's advantage (the token mean of ``advantages`` over the sequence). Every token
+    carries its sequence's ``ℓ_i``, so the other normalisations weight sequences by length.
+
+    C. Zheng, S. Liu, M. Li, X.-H. Chen, B. Yu, et al., "Group Sequence Policy Optimization"
+    (2025), arXiv:2507.18071.
+
+    Arguments and return value: see the module docstring. Metrics: ``clipped_tokens`` counts
+    the tokens of clipped sequences; ``ratio_*`` describe ``s_i`` per token.
+    """
+    config = _config(config, GSPOConfig)
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    log_ratio = clamped_log_ratio(x.logprobs, x.old_logprobs, x.valid, config.log_ratio_clamp)
+    seq_log_ratio = safe_divide(per_sequence_sum(log_ratio * x.mask, x.segment_ids),
+                                x.sequence_tokens)
+    seq_ratio = jnp.exp(jnp.where(x.valid, seq_log_ratio, 0.0))
+    seq_advantage = safe_divide(per_sequence_sum(x.advantages * x.mask, x.segment_ids),
+                                x.sequence_tokens)
+    pg, clipped, _ = clipped_surrogate(seq_ratio, seq_advantage, config.epsilon_low,
+                                       config.epsilon_high)
+    metrics = {"clipped_tokens": _count(clipped, x)}
+    return _finish(x, config, pg, log_ratio, seq_ratio, metrics)
+
+
+def cispo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+          config: CISPOConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
+          entropy=None, segment_ids=None) -> LossOutput:
+    """CISPO: REINFORCE with clipped, stop-gradient importance-sampling weights.
+
+    ``ℓ_t = −sg(clip(r_t, 1 − ε_low, 1 + ε_high)) · A_t · log π_θ(y_t)``, token-level mean
+    (``Σ_i Σ_t ℓ / Σ_i |o_i|``). Unlike PPO no token loses its gradient: only the weight is
+    bounded. The paper sets no lower bound (``epsilon_low=None``) and tunes ``ε_high``; the
+    default ``ε_high = 4`` caps the weight at 5.
+
+    MiniMax, A. Chen, et al., "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention" (2025), arXiv:2506.13585; adopted by ScaleRL (Khatri et al. 2025,
+    arXiv:2510.13786).
+
+    Arguments and return value: see the module docstring. Metrics: ``clipped_tokens`` counts the
+    clipped weights.
+    """
+    config = _config(config, CISPOConfig)
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    log_ratio = clamped_log_ratio(x.logprobs, x.old_logprobs, x.valid, config.log_ratio_clamp)
+    ratio = jnp.exp(log_ratio)
+    low = 0.0 if config.epsilon_low is None else 1.0 - config.epsilon_low
+    high = 1.0 + config.epsilon_high
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
+    pg = -weight * x.advantages * x.logprobs
+    metrics = {"clipped_tokens": _count((ratio > high) | (ratio < low), x)}
+    return _finish(x, config, pg, log_ratio, ratio, metrics)
+
+
+def decoupled_ppo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+                  config: DecoupledPPOConfig | None = None, proximal_logprobs=None,
+                  ref_logprobs=None, entropy=None, segment_ids=None) -> LossOutput:
+    """Decoupled PPO (AReaL): trust region around the proximal policy, behaviour correction.
+
+    ``u_t = π_θ(y_t) / π_prox(y_t)``, ``w_t = π_prox(y_t) / μ(y_t)`` (stop-gradient, capped at
+    ``behaviour_weight_cap`` by masking (AReaL) or truncation),
+    ``ℓ_t = w_t · max(−A_t · u_t, −A_t · clip(u_t, 1 − ε, 1 + ε))``, token-level mean. ``π_prox``
+    is the policy the trainer last produced; ``μ`` may be several versions older (in-flight
+    weight updates), and the clip range no longer depends on how stale ``μ`` is.
+
+    W. Fu, J. Gao, X. Shen, C. Zhu, Z. Mei, et al., "AReaL: A Large-Scale Asynchronous
+    Reinforcement Learning System for Language Reasoning" (2025), arXiv:2505.24298; decoupled
+    objective after J. Hilton, K. Cobbe, J. Schulman, "Batch size-invariance for policy
+    optimization" (2021), arXiv:2110.00641.
+
+    Arguments and return value: see the module docstring; ``proximal_logprobs`` is required.
+    Metrics: ``clipped_tokens``, ``behaviour_ratio_*`` and ``behaviour_capped_tokens``.
+    """
+    config = _config(config, DecoupledPPOConfig)
+    if proximal_logprobs is None:
+        raise LossConfigError("decoupled_ppo needs proximal_logprobs (log π_prox of the tokens)")
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    pg, log_ratio, ratio, metrics = _clipped_ppo(x, config, x.proximal_logprobs)
+    weight, capped, behaviour_ratio = importance_weights(
+        x.proximal_logprobs, x.behaviour_logprobs, mode=config.behaviour_weight_mode,
+        cap=config.behaviour_weight_cap, valid=x.valid, clamp=config.log_ratio_clamp)
+    metrics.update(ratio_metrics("behaviour_ratio", behaviour_ratio, x))
+    metrics["behaviour_capped_tokens"] = _count(capped, x)
+    return _finish(x, config, weight * pg, log_ratio, ratio, metrics)
