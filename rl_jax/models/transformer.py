@@ -138,8 +138,8 @@ class Transformer(nnx.Module):
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
         def layer(h, w):
-            h = decoder_layer(h, w, cfg, cos=cos, sin=sin, mask=mask, dtype=self.dtype,
-                              constrain=self._constrain)
+            h, _ = decoder_layer(h, w, cfg, cos=cos, sin=sin, mask=mask, dtype=self.dtype,
+                                 constrain=self._constrain)
             return h, None
 
         if self.remat == "full":
@@ -285,16 +285,34 @@ def mlp(x: jax.Array, w: dict[str, jax.Array], dtype, constrain=None) -> jax.Arr
     return jnp.einsum("btf,fd->btd", act, w["w_down"].astype(dtype))
 
 
+def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Writes ``new [B,T,K,Dh]`` into ``cache [B,S,K,Dh]`` at rows ``start[b] .. start[b]+T-1``."""
+    def one(c, x, s):
+        return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0))
+    return jax.vmap(one)(cache, new, start)
+
+
 def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, cos, sin, mask,
-                  dtype, constrain=None) -> jax.Array:
-    """One pre-norm decoder layer on ``h [B,T,D]`` with per-layer weights ``w``."""
+                  dtype, constrain=None, cache=None):
+    """One pre-norm decoder layer on ``h [B,T,D]`` with per-layer weights ``w``.
+
+    Without ``cache`` queries attend to this call's own keys (``mask [B,T,T]``) and the result is
+    ``(h, (k, v))`` with the new keys/values ``[B,T,K,Dh]``. With ``cache = (k_cache, v_cache,
+    start)`` (caches ``[B,S,K,Dh]``, ``start [B]``), the new keys/values are first written at rows
+    ``start..start+T-1`` and queries attend over the whole cache (``mask [B,T,S]``); the result is
+    ``(h, (k_cache, v_cache))`` updated.
+    """
     constrain = constrain or (lambda x, axes: x)
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
     q, k, v = project_qkv(x, w, cfg, cos, sin, dtype)
     q = constrain(q, ("act_batch", "act_seq", "act_heads", "head_dim"))
     k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
     v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
-    h = h + attention_output(attention(q, k, v, mask), w, cfg, dtype)
+    if cache is not None:
+        k_cache, v_cache, start = cache
+        k = write_cache(k_cache, k, start)
+        v = write_cache(v_cache, v, start)
+    h = h + attention_output(attention(q, k.astype(dtype), v.astype(dtype), mask), w, cfg, dtype)
     h = constrain(h, ("act_batch", "act_seq", "act_embed"))
     h = h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w, dtype, constrain)
-    return constrain(h, ("act_batch", "act_seq", "act_embed"))
+    return constrain(h, ("act_batch", "act_seq", "act_embed")), (k, v)
