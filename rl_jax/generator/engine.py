@@ -44,6 +44,10 @@ class EngineConfig:
     max_waiting: int = 4096  # queued sequences before requests are refused (Overloaded)
     max_prefill_tokens: int = 2048  # prompt tokens prefilled per scheduler iteration
     min_prefill_bucket: int = 16
+    # On a weight update, keep running sequences' KV cache (PipelineRL: cheap, the prefix's keys
+    # and values stay those of the old weights) or recompute it under the new weights (exact
+    # new-policy probabilities from the update on, at the cost of one prefill per sequence).
+    recompute_kv_on_update: bool = False
 
 
 @dataclasses.dataclass
@@ -277,6 +281,8 @@ class Engine:
 
     def _swap_weights(self, params, version):
         start = time.perf_counter()
+        if self.engine_config.recompute_kv_on_update:
+            self._retract_all()
         self.params = params
         with self._lock:
             self.version = version

@@ -1,0 +1,307 @@
+"""The inference engine: behaviour log-probs equal the trainer's, in-flight weight updates,
+pause modes, seeds, stop tokens, concurrency, tensor parallelism, bad requests."""
+
+import concurrent.futures
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.generator.engine import Engine, EngineConfig
+from rl_jax.generator.runner import generator_rules
+from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
+from rl_jax.models import ModelConfig
+from rl_jax.sharding import make_mesh
+from rl_jax.trainer.state import ModelSpec
+
+CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, architecture="Qwen3ForCausalLM",
+                  qk_norm=True)
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return ModelSpec(CFG, mesh=None)
+
+
+@pytest.fixture(scope="module")
+def weights(spec):
+    return spec.init_params(0), spec.init_params(1)
+
+
+@pytest.fixture(scope="module")
+def engine(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=8, max_seq_len=96),
+                 eos_token_ids=(EOS,))
+    yield eng
+    eng.shutdown()
+
+
+def trainer_logprobs(spec, params, prompt, output):
+    """Log-probs of ``output`` given ``prompt`` from the trainer's forward pass."""
+    model = spec.merge(params)
+    tokens = jnp.asarray([prompt + output[:-1]])
+    targets = jnp.asarray([prompt[1:] + output])
+    lp, _ = model.token_logprobs(tokens, targets)
+    return np.asarray(lp[0, len(prompt) - 1:])
+
+
+def req(prompt, **sampling):
+    sampling.setdefault("ignore_eos", True)
+    return GenerateRequest(list(prompt), SamplingParams(**sampling))
+
+
+def test_logprobs_match_trainer_in_a_mixed_batch(spec, weights, engine):
+    prompts = [[1, 5, 9], [1, 7, 7, 7, 3, 4, 5, 6, 10, 11], [1, 20], [1, 4, 4, 4, 4, 4]]
+    futures = [engine.submit(req(p, max_new_tokens=12 + 3 * i, seed=i, n=2))
+               for i, p in enumerate(prompts)]
+    for p, f in zip(prompts, futures):
+        for out in f.result(timeout=120):
+            assert out.output_versions == [0] * len(out.output_ids)
+            ref = trainer_logprobs(spec, weights[0], p, out.output_ids)
+            np.testing.assert_allclose(out.output_logprobs, ref, atol=1e-4)
+            assert out.finish_reason["type"] == "length"
+
+
+def test_temperature_scales_the_reported_distribution(spec, weights, engine):
+    out = engine.generate(req([1, 3, 5], max_new_tokens=10, temperature=0.5, seed=3))[0]
+    model = spec.merge(weights[0])
+    seq = [1, 3, 5] + out.output_ids
+    hidden = model(jnp.asarray([seq[:-1]]))
+    logits = np.asarray(model.logits(hidden))[0, 2:] / 0.5
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                              keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    ref = logp[np.arange(len(out.output_ids)), out.output_ids]
+    np.testing.assert_allclose(out.output_logprobs, ref, atol=1e-4)
+
+
+def test_seed_reproducible_and_independent_of_batch(engine):
+    alone = engine.generate(req([1, 2, 3], max_new_tokens=16, seed=42, n=2))
+    noise = [engine.submit(req([1, 9, 9, 9], max_new_tokens=20, seed=s)) for s in range(5)]
+    crowded = engine.generate(req([1, 2, 3], max_new_tokens=16, seed=42, n=2))
+    for f in noise:
+        f.result(timeout=120)
+    assert [o.output_ids for o in alone] == [o.output_ids for o in crowded]
+    assert alone[0].output_ids != alone[1].output_ids  # samples of a group differ
+    other = engine.generate(req([1, 2, 3], max_new_tokens=16, seed=43))
+    assert other[0].output_ids != alone[0].output_ids
+
+
+def test_n_samples_share_one_prefill(engine):
+    before = engine.stats["prefills"]
+    outs = engine.generate(req([1, 4, 5, 6, 7], max_new_tokens=4, seed=1, n=4))
+    assert engine.stats["prefills"] == before + 1
+    assert [o.cached_tokens for o in outs] == [0, 5, 5, 5]
+    assert len({o.rid for o in outs}) == 4
+
+
+def test_greedy_filters_and_stop_tokens(engine):
+    greedy = engine.generate(req([1, 6, 8], max_new_tokens=10, temperature=0.0))[0]
+    top1 = engine.generate(req([1, 6, 8], max_new_tokens=10, top_k=1, seed=5))[0]
+    tiny_p = engine.generate(req([1, 6, 8], max_new_tokens=10, top_p=1e-6, seed=9))[0]
+    assert greedy.output_ids == top1.output_ids == tiny_p.output_ids
+    stop_at = greedy.output_ids[3]
+    first = greedy.output_ids.index(stop_at)
+    stopped = engine.generate(req([1, 6, 8], max_new_tokens=10, temperature=0.0,
+                                  stop_token_ids=(stop_at,)))[0]
+    assert stopped.output_ids == greedy.output_ids[:first + 1]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_at}
+
+
+def test_eos_ends_unless_ignored(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=64),
+                 eos_token_ids=(EOS,))
+    try:
+        out = eng.generate(req([1, 3], max_new_tokens=8, temperature=0.0))[0]
+        eos = out.output_ids[2]
+        eng2 = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=64),
+                      eos_token_ids=(eos,))
+        stopped = eng2.generate(GenerateRequest([1, 3], SamplingParams(
+            max_new_tokens=8, temperature=0.0)))[0]
+        assert stopped.output_ids[-1] == eos and len(stopped.output_ids) <= 3
+        assert stopped.finish_reason["type"] == "stop"
+        ignored = eng2.generate(GenerateRequest([1, 3], SamplingParams(
+            max_new_tokens=8, temperature=0.0, ignore_eos=True)))[0]
+        assert len(ignored.output_ids) == 8
+        eng2.shutdown()
+    finally:
+        eng.shutdown()
+
+
+def _generate_across_update(weights, recompute: bool):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(
+        max_slots=4, max_seq_len=96, recompute_kv_on_update=recompute))
+    try:
+        eng.pause("in_place")
+        futures = [eng.submit(req([1, 2 + i, 3], max_new_tokens=40, seed=i)) for i in range(3)]
+        eng.resume()
+        while eng.stats["generated_tokens"] < 3 * 10:
+            time.sleep(0.005)
+        eng.update_weights(weights[1], version=1)
+        outs = [f.result(timeout=120)[0] for f in futures]
+    finally:
+        eng.shutdown()
+    return outs
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, recompute):
+    outs = _generate_across_update(weights, recompute)
+    for i, out in enumerate(outs):
+        prompt = [1, 2 + i, 3]
+        versions = np.asarray(out.output_versions)
+        assert len(out.output_ids) == 40  # nothing dropped
+        assert np.all(np.diff(versions) >= 0) and versions[0] == 0 and versions[-1] == 1
+        switch = int(np.argmax(versions == 1))
+        old = trainer_logprobs(spec, weights[0], prompt, out.output_ids)
+        np.testing.assert_allclose(out.output_logprobs[:switch], old[:switch], atol=1e-4)
+        new = trainer_logprobs(spec, weights[1], prompt, out.output_ids)
+        if recompute:
+            # The KV cache was recomputed under the new weights: exact new-policy log-probs.
+            np.testing.assert_allclose(out.output_logprobs[switch:], new[switch:], atol=1e-4)
+        else:
+            # PipelineRL: the prefix keeps old-weight keys/values, so the tokens after the
+            # update are close to, but not exactly, the new policy's.
+            gap = np.abs(np.asarray(out.output_logprobs[switch:]) - new[switch:])
+            assert gap.max() > 1e-6
+
+
+def test_pause_retract_requeues_and_finishes_identically(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=96))
+    try:
+        reference = eng.generate(req([1, 8, 9], max_new_tokens=30, seed=11))[0]
+        fut = eng.submit(req([1, 8, 9], max_new_tokens=30, seed=11))
+        while eng.stats["generated_tokens"] < reference.completion_tokens + 8:
+            time.sleep(0.002)
+        eng.pause("retract")
+        assert eng.load()["running"] == 0 and not fut.done()
+        assert eng.stats["retracted_sequences"] >= 1
+        eng.resume()
+        out = fut.result(timeout=120)[0]
+        assert out.output_ids == reference.output_ids
+        np.testing.assert_allclose(out.output_logprobs, reference.output_logprobs, atol=1e-5)
+    finally:
+        eng.shutdown()
+
+
+def test_pause_in_place_and_abort(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=96))
+    try:
+        fut = eng.submit(req([1, 5], max_new_tokens=80, seed=1))
+        while eng.stats["generated_tokens"] < 5:
+            time.sleep(0.002)
+        eng.pause("in_place")
+        frozen = eng.stats["generated_tokens"]
+        time.sleep(0.2)
+        assert eng.stats["generated_tokens"] == frozen and eng.load()["running"] == 1
+        eng.resume()
+        assert len(fut.result(timeout=120)[0].output_ids) == 80
+
+        slow = eng.submit(req([1, 5], max_new_tokens=80, seed=2))
+        one = eng.submit(GenerateRequest([1, 6], SamplingParams(max_new_tokens=80,
+                                                                ignore_eos=True), rid="mine"))
+        while eng.stats["generated_tokens"] < frozen + 90:
+            time.sleep(0.002)
+        eng.abort("mine")
+        aborted = one.result(timeout=60)[0]
+        assert aborted.finish_reason["type"] == "abort" and len(aborted.output_ids) < 80
+        eng.pause("abort")
+        assert slow.result(timeout=60)[0].finish_reason["type"] == "abort"
+        eng.resume()
+        assert len(eng.generate(req([1, 5], max_new_tokens=3))[0].output_ids) == 3
+    finally:
+        eng.shutdown()
+
+
+def test_many_concurrent_clients_with_few_slots(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=3, max_seq_len=64))
+    try:
+        alone = {s: eng.generate(req([1, s % 7 + 3], max_new_tokens=6 + s % 5, seed=s))[0]
+                 for s in range(12)}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda s: eng.generate(
+                req([1, s % 7 + 3], max_new_tokens=6 + s % 5, seed=s))[0], range(12)))
+        for s, out in enumerate(results):
+            assert out.output_ids == alone[s].output_ids
+        assert eng.load() == {"running": 0, "waiting": 0, "free_slots": 3}
+    finally:
+        eng.shutdown()
+
+
+def test_tensor_parallel_engine_matches_single_device(weights):
+    mesh = make_mesh(data=1, fsdp=1, tensor=2, devices=__import__("jax").devices()[:2])
+    tp_spec = ModelSpec(CFG, mesh=mesh, rules=generator_rules())
+    import jax
+    params = jax.device_put(weights[0], tp_spec.param_shardings)
+    assert params["layers"]["wq"].sharding.spec[2] == "tensor"
+    tp = Engine(CFG, params, engine_config=EngineConfig(max_slots=4, max_seq_len=64),
+                mesh=mesh, rules=generator_rules())
+    single = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=64))
+    try:
+        a = tp.generate(req([1, 2, 3, 4], max_new_tokens=12, seed=5))[0]
+        b = single.generate(req([1, 2, 3, 4], max_new_tokens=12, seed=5))[0]
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+    finally:
+        tp.shutdown()
+        single.shutdown()
+
+
+def test_flush_cache_only_when_idle(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=2, max_seq_len=64))
+    try:
+        assert eng.flush_cache()
+        eng.pause("in_place")
+        fut = eng.submit(req([1, 2], max_new_tokens=5))
+        eng.resume()
+        eng.pause("in_place")
+        running = eng.load()["running"]
+        assert eng.flush_cache() == (running == 0)
+        eng.resume()
+        fut.result(timeout=60)
+        assert eng.flush_cache()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("request_, message", [
+    (GenerateRequest([]), "input_ids is empty"),
+    (GenerateRequest([1, 48]), "outside the vocabulary"),
+    (GenerateRequest([1, -1]), "outside the vocabulary"),
+    (GenerateRequest([1] * 90, SamplingParams(max_new_tokens=10)), "exceeds"),
+])
+def test_bad_requests_are_refused(engine, request_, message):
+    with pytest.raises(GeneratorError, match=message):
+        engine.submit(request_)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(n=0), "n must be"), (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(GeneratorError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_overload_and_duplicate_ids(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=1, max_seq_len=64,
+                                                            max_waiting=2))
+    try:
+        eng.pause("in_place")
+        a = eng.submit(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2), rid="a"))
+        with pytest.raises(GeneratorError, match="already running"):
+            eng.submit(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2), rid="a"))
+        eng.submit(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2)))
+        with pytest.raises(Overloaded, match="retry later"):
+            eng.submit(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2)))
+        eng.resume()
+        a.result(timeout=60)
+        zero = eng.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=0)))[0]
+        assert zero.output_ids == [] and zero.finish_reason["type"] == "length"
+    finally:
+        eng.shutdown()
