@@ -1,0 +1,205 @@
+"""The staleness gate: which prompt groups may be admitted and which completed groups form the
+next training batch, so that no sample older than ``max_lag`` reaches the loss.
+
+Definitions. The trainer at version ``v`` (``v`` optimizer updates applied) consumes exactly one
+batch of ``groups_per_batch`` groups, then becomes ``v + 1``. A group's staleness at consumption
+is ``v − min(token versions of its samples)``; it must be ``<= max_lag``.
+
+``policy="prevent"`` (default) guarantees this without generating anything in vain. A group
+admitted while every generator runs weights of version ``>= g`` (a lower bound the orchestrator
+reports through :meth:`set_generator_version`) has all token versions ``>= g``, so it is safe if
+consumed by version ``g + max_lag``: its *deadline*. The gate keeps, for every deadline ``d``,
+
+    (unconsumed groups with deadline <= d)  <=  (d − v + 1) · groups_per_batch
+
+by admitting a new group only when this still holds, and forms each batch from the groups with
+the smallest deadlines (completed ones first among equal deadlines; it waits if one of the
+necessary groups is still generating). Removing the ``groups_per_batch`` smallest-deadline groups
+keeps the inequality true for ``v + 1``, so every group is consumed by its deadline. Admission
+that would break it is refused and counted (``prevented``).
+
+``policy="drop"`` admits up to ``max_in_flight_groups`` and, at batch time, discards completed
+groups that are already too stale (counted in ``dropped``) — simpler, but work is wasted.
+
+In both policies the batch check is enforced again on the actual token versions: a group whose
+measured staleness exceeds ``max_lag`` is never returned (counted in ``late``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+POLICIES = ("prevent", "drop")
+
+
+class StalenessConfigError(ValueError):
+    """A staleness-gate configuration that cannot work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    max_lag: int
+    groups_per_batch: int
+    policy: str = "prevent"
+    max_in_flight_groups: int | None = None  # admitted and not yet consumed; None: no cap
+
+    def __post_init__(self):
+        if not isinstance(self.max_lag, int) or self.max_lag < 0:
+            raise StalenessConfigError(f"max_lag must be an integer >= 0, got {self.max_lag!r}")
+        if self.groups_per_batch < 1:
+            raise StalenessConfigError(
+                f"groups_per_batch must be >= 1, got {self.groups_per_batch}")
+        if self.policy not in POLICIES:
+            raise StalenessConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_in_flight_groups is not None and \
+                self.max_in_flight_groups < self.groups_per_batch:
+            raise StalenessConfigError(
+                f"max_in_flight_groups={self.max_in_flight_groups} is smaller than one batch "
+                f"({self.groups_per_batch} groups): no batch could ever form")
+
+
+@dataclasses.dataclass
+class _Group:
+    key: Any
+    order: int  # admission order
+    deadline: int  # last trainer version that may consume it (prevent policy)
+    min_version: int | None = None  # set when complete
+    completed_order: int = -1
+
+
+class StalenessGate:
+    """Admission and batch selection for one trainer. Not thread-safe: call from one thread (or
+    under a lock)."""
+
+    def __init__(self, config: GateConfig, *, trainer_version: int = 0,
+                 generator_version: int | None = None):
+        self.config = config
+        self.trainer_version = trainer_version
+        self.generator_version = trainer_version if generator_version is None \
+            else generator_version
+        self._groups: dict[Any, _Group] = {}
+        self._order = itertools.count()
+        self._completed_order = itertools.count()
+        self.counts = collections.Counter()
+        self.staleness_histogram: collections.Counter = collections.Counter()
+
+    # ---- versions ---------------------------------------------------------------------------
+
+    def set_generator_version(self, version: int):
+        """A version every generator has reached (it only moves forward)."""
+        self.generator_version = max(self.generator_version, int(version))
+
+    # ---- admission --------------------------------------------------------------------------
+
+    @property
+    def unconsumed(self) -> int:
+        return len(self._groups)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(g.min_version is None for g in self._groups.values())
+
+    def capacity(self) -> int:
+        """How many more groups may be admitted now."""
+        cfg = self.config
+        room = None if cfg.max_in_flight_groups is None else \
+            cfg.max_in_flight_groups - self.unconsumed
+        if cfg.policy == "prevent":
+            deadline = self.generator_version + cfg.max_lag
+            batches = deadline - self.trainer_version + 1
+            prevent_room = batches * cfg.groups_per_batch - self.unconsumed
+            room = prevent_room if room is None else min(room, prevent_room)
+        return max(room, 0) if room is not None else 1 << 30
+
+    def admit(self, key: Any) -> bool:
+        """Admits group ``key`` if the bound allows; otherwise counts it as prevented."""
+        if key in self._groups:
+            raise KeyError(f"group {key!r} is already admitted")
+        if self.capacity() < 1:
+            self.counts["prevented"] += 1
+            return False
+        deadline = self.generator_version + self.config.max_lag
+        self._groups[key] = _Group(key, next(self._order), deadline)
+        self.counts["admitted"] += 1
+        return True
+
+    def complete(self, key: Any, min_token_version: int):
+        """Group ``key`` finished generating; its oldest token has ``min_token_version``."""
+        group = self._groups[key]
+        group.min_version = int(min_token_version)
+        group.completed_order = next(self._completed_order)
+        self.counts["completed"] += 1
+
+    def cancel(self, key: Any):
+        """Forgets an admitted group (e.g. its generation failed); counted."""
+        if self._groups.pop(key, None) is not None:
+            self.counts["cancelled"] += 1
+
+    # ---- batches ------------------------------------------------------------------------------
+
+    def next_batch(self) -> list[Any] | None:
+        """Keys of the groups forming the batch for the current trainer version, or None when
+        one cannot be formed yet (wait for generation). The groups are marked consumed; call
+        :meth:`advance` once the trainer has applied the update."""
+        cfg = self.config
+        v = self.trainer_version
+        while True:
+            # Groups already too stale are never returned (drop policy: expected; prevent policy:
+            # only if a generator reported a version below the bound it promised).
+            late = [g for g in self._groups.values()
+                    if g.min_version is not None and v - g.min_version > cfg.max_lag]
+            for g in late:
+                del self._groups[g.key]
+                self.counts["dropped" if cfg.policy == "drop" else "late"] += 1
+            if cfg.policy == "drop":
+                done = sorted((g for g in self._groups.values() if g.min_version is not None),
+                              key=lambda g: g.completed_order)
+                chosen = done[:cfg.groups_per_batch] \
+                    if len(done) >= cfg.groups_per_batch else None
+            else:
+                chosen = self._prevent_choice()
+            if chosen is None:
+                return None
+            if all(v - g.min_version <= cfg.max_lag for g in chosen):
+                break
+        for g in chosen:
+            del self._groups[g.key]
+            self.staleness_histogram[v - g.min_version] += 1
+        self.counts["consumed"] += len(chosen)
+        return [g.key for g in chosen]
+
+    def _prevent_choice(self) -> list[_Group] | None:
+        need = self.config.groups_per_batch
+        if len(self._groups) < need:
+            return None
+        ordered = sorted(self._groups.values(), key=lambda g: (g.deadline, g.order))
+        cut = ordered[need - 1].deadline
+        must = [g for g in ordered if g.deadline < cut]
+        tied = sorted((g for g in ordered if g.deadline == cut),
+                      key=lambda g: (g.min_version is None, g.completed_order, g.order))
+        chosen = must + tied[:need - len(must)]
+        if any(g.min_version is None for g in chosen):
+            return None
+        return chosen
+
+    def advance(self, version: int | None = None):
+        """The trainer applied its update: it is now at ``version`` (default: +1)."""
+        self.trainer_version = self.trainer_version + 1 if version is None else int(version)
+
+    # ---- checkpointing ------------------------------------------------------------------------
+
+    def pending_keys(self) -> list[Any]:
+        """Admitted, not consumed (in flight or completed), in admission order."""
+        return [g.key for g in sorted(self._groups.values(), key=lambda g: g.order)]
+
+    def metrics(self) -> dict[str, float]:
+        hist = self.staleness_histogram
+        total = sum(hist.values())
+        return {**{f"gate/{k}": float(v) for k, v in self.counts.items()},
+                "gate/in_flight": float(self.in_flight), "gate/unconsumed": float(self.unconsumed),
+                "staleness/max": float(max(hist) if hist else 0),
+                "staleness/mean": float(sum(k * n for k, n in hist.items()) / total) if total
+                else 0.0}

@@ -1,0 +1,121 @@
+"""The staleness gate: property test over random interleavings of generation finish times,
+generator weight updates and trainer steps."""
+
+import numpy as np
+import pytest
+
+from rl_jax.rollout.staleness import GateConfig, StalenessConfigError, StalenessGate
+
+
+def simulate(seed: int, policy: str, steps: int = 12):
+    rng = np.random.default_rng(seed)
+    groups_per_batch = int(rng.integers(1, 5))
+    max_lag = int(rng.integers(0, 4))
+    cap = None if policy == "prevent" else groups_per_batch * int(rng.integers(1, 6))
+    gate = StalenessGate(GateConfig(max_lag=max_lag, groups_per_batch=groups_per_batch,
+                                    policy=policy, max_in_flight_groups=cap))
+    generator_version = 0  # what the generators actually run (>= what they reported)
+    in_flight: dict[int, int] = {}  # key -> min token version it will have
+    min_version_of: dict[int, int] = {}
+    next_key = 0
+    consumed: set[int] = set()
+    for _ in range(5000):
+        if gate.trainer_version >= steps:
+            break
+        event = rng.random()
+        if event < 0.35:  # the rollout tries to admit a prompt
+            if gate.admit(next_key):
+                # Its first token comes from the weights running now (or newer, if an update
+                # lands before its prefill).
+                in_flight[next_key] = generator_version + int(rng.integers(0, 2) * (
+                    generator_version < gate.trainer_version))
+                next_key += 1
+        elif event < 0.65 and in_flight:  # some generation finishes (out of order)
+            key = int(rng.choice(list(in_flight)))
+            min_version_of[key] = in_flight.pop(key)
+            gate.complete(key, min_version_of[key])
+        elif event < 0.8:  # a weight update reaches the generators
+            if generator_version < gate.trainer_version:
+                generator_version += int(rng.integers(1, gate.trainer_version - generator_version
+                                                      + 1))
+                gate.set_generator_version(generator_version)
+        else:  # the trainer asks for a batch
+            batch = gate.next_batch()
+            if batch is not None:
+                assert len(batch) == groups_per_batch
+                for key in batch:
+                    assert key not in consumed
+                    staleness = gate.trainer_version - min_version_of[key]
+                    assert 0 <= staleness <= max_lag, (seed, staleness, max_lag)
+                    consumed.add(key)
+                gate.advance()
+    c = gate.counts
+    # Nothing admitted disappears: consumed, still pending, or counted as dropped.
+    assert c["admitted"] == len(consumed) + gate.unconsumed + c["dropped"] + c["late"]
+    assert c["late"] == 0
+    if policy == "prevent":
+        assert c["dropped"] == 0
+    return gate, consumed
+
+
+@pytest.mark.parametrize("policy", ["prevent", "drop"])
+def test_no_sample_over_max_lag_reaches_a_batch(policy):
+    progressed = 0
+    for seed in range(1500):
+        gate, consumed = simulate(seed, policy)
+        progressed += gate.trainer_version >= 12
+        assert gate.staleness_histogram and max(gate.staleness_histogram) <= gate.config.max_lag
+    assert progressed >= 1400  # the gate does not deadlock the run
+
+
+def test_prevent_admits_exactly_up_to_the_bound():
+    gate = StalenessGate(GateConfig(max_lag=2, groups_per_batch=4))
+    admitted = sum(gate.admit(i) for i in range(20))
+    assert admitted == (2 + 1) * 4 and gate.counts["prevented"] == 8
+    for i in range(12):
+        gate.complete(i, 0)
+    assert gate.next_batch() == [0, 1, 2, 3]
+    gate.advance()
+    # Generators still on version 0: no new room (their groups would expire at version 2).
+    assert not gate.admit(100)
+    gate.set_generator_version(1)
+    assert gate.capacity() == 4
+
+
+def test_prevent_waits_for_an_expiring_group_and_prefers_completed_ones():
+    gate = StalenessGate(GateConfig(max_lag=1, groups_per_batch=2))
+    for i in range(4):
+        gate.admit(i)
+    for i in (1, 3):
+        gate.complete(i, 0)
+    # Deadline of all four is version 1; at version 0 two completed ones are enough.
+    assert gate.next_batch() == [1, 3]
+    gate.advance()
+    gate.complete(2, 0)
+    assert gate.next_batch() is None  # group 0 must go into this batch: wait for it
+    gate.complete(0, 0)
+    assert sorted(gate.next_batch()) == [0, 2]
+    assert gate.metrics()["staleness/max"] == 1
+
+
+def test_drop_policy_discards_stale_groups_and_counts_them():
+    gate = StalenessGate(GateConfig(max_lag=0, groups_per_batch=1, policy="drop",
+                                    max_in_flight_groups=4))
+    gate.admit("a")
+    gate.admit("b")
+    gate.complete("a", 0)
+    assert gate.next_batch() == ["a"]
+    gate.advance()
+    gate.complete("b", 0)  # generated under version 0, trainer now at 1 > max_lag
+    assert gate.next_batch() is None and gate.counts["dropped"] == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_lag=-1, groups_per_batch=1), "max_lag"),
+    (dict(max_lag=1, groups_per_batch=0), "groups_per_batch"),
+    (dict(max_lag=1, groups_per_batch=1, policy="maybe"), "policy"),
+    (dict(max_lag=1, groups_per_batch=4, max_in_flight_groups=2), "no batch could ever form"),
+])
+def test_bad_gate_configs(kwargs, message):
+    with pytest.raises(StalenessConfigError, match=message):
+        GateConfig(**kwargs)
