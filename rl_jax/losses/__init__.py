@@ -22,12 +22,12 @@ from typing import Any
 from rl_jax.losses.advantages import (ADVANTAGE_ESTIMATORS, GroupSizeError, check_groups,
                                       dr_grpo_advantages, get_advantage_estimator,
                                       grpo_advantages, rloo_advantages)
-from rl_jax.losses.core import (LOG_RATIO_CLAMP, NORMALIZATIONS, LossConfigError, LossOutput,
-                                PolicyLossConfig, count_sequences, finalize_metrics,
-                                per_sequence_sum)
-from rl_jax.losses.policy import (CISPOConfig, DAPOConfig, DecoupledPPOConfig, DrGRPOConfig,
-                                  GRPOConfig, GSPOConfig, PPOClipConfig, ReinforceTISConfig,
-                                  cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, grpo,
+from rl_jax.losses.configs import (LOG_RATIO_CLAMP, NORMALIZATIONS, CISPOConfig, DAPOConfig,
+                                   DecoupledPPOConfig, DrGRPOConfig, GRPOConfig, GSPOConfig,
+                                   LossConfigError, PolicyLossConfig, PPOClipConfig,
+                                   ReinforceTISConfig)
+from rl_jax.losses.core import LossOutput, count_sequences, finalize_metrics, per_sequence_sum
+from rl_jax.losses.policy import (cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, grpo,
                                   gspo, ppo_clip, reinforce_tis)
 from rl_jax.losses.regularizers import importance_weights, kl_penalty
 

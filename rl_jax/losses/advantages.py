@@ -24,15 +24,17 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
-from rl_jax.losses.core import LossConfigError, safe_divide
+from rl_jax.losses.configs import LossConfigError
+from rl_jax.losses.core import safe_divide
 
 
 class GroupSizeError(ValueError):
     """A group with a single member, or a group id outside ``[0, num_groups)``."""
 
 
-def check_groups(group_ids, num_groups: int | None = None) -> np.ndarray:
+def check_groups(group_ids: ArrayLike, num_groups: int | None = None) -> np.ndarray:
     """Host-side check of concrete group ids; returns the ``[num_groups]`` group sizes.
 
     Raises:
@@ -101,7 +103,8 @@ def _group_moments(rewards, ids, num_groups):
     return member, safe_ids, count, total, safe_divide(total, count)
 
 
-def grpo_advantages(rewards, group_ids=None, *, num_groups: int | None = None,
+def grpo_advantages(rewards: ArrayLike, group_ids: ArrayLike | None = None, *,
+                    num_groups: int | None = None,
                     scale_by_std: bool = True, epsilon: float = 1e-6) -> jax.Array:
     """GRPO's group-normalised advantage ``A_i = (R_i − mean_g R) / (std_g R + ε)``.
 
@@ -130,7 +133,8 @@ def grpo_advantages(rewards, group_ids=None, *, num_groups: int | None = None,
     return centered.reshape(shape)
 
 
-def dr_grpo_advantages(rewards, group_ids=None, *, num_groups: int | None = None) -> jax.Array:
+def dr_grpo_advantages(rewards: ArrayLike, group_ids: ArrayLike | None = None, *,
+                       num_groups: int | None = None) -> jax.Array:
     """Dr. GRPO's advantage ``A_i = R_i − mean_g R``: no division by the group's std, which
     would over-weight groups that are nearly all right or all wrong.
 
@@ -142,7 +146,8 @@ def dr_grpo_advantages(rewards, group_ids=None, *, num_groups: int | None = None
     return grpo_advantages(rewards, group_ids, num_groups=num_groups, scale_by_std=False)
 
 
-def rloo_advantages(rewards, group_ids=None, *, num_groups: int | None = None) -> jax.Array:
+def rloo_advantages(rewards: ArrayLike, group_ids: ArrayLike | None = None, *,
+                    num_groups: int | None = None) -> jax.Array:
     """REINFORCE leave-one-out: ``A_i = R_i − (1/(n−1)) Σ_{j≠i} R_j = n/(n−1) · (R_i − mean_g R)``.
 
     Each sample's baseline is the mean reward of the *other* samples of its group, so it is

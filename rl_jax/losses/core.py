@@ -1,4 +1,4 @@
-"""Shared machinery of the policy losses: configuration, input preparation, normalisation, metrics.
+"""Shared machinery of the policy losses: input preparation, normalisation, metrics.
 
 Every policy loss returns ``LossOutput(loss_sum, denominator, metrics)``. The loss is
 ``loss_sum / denominator``; because both are plain sums over sequences or tokens, the value of a
@@ -38,16 +38,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-LOG_RATIO_CLAMP = 20.0
-NORMALIZATIONS = ("token", "sequence", "sequence_sum", "constant")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-CORRECTIONS = ("none", "tis", "mis")
-CORRECTION_LEVELS = ("token", "sequence", "geometric")
-
-
-class LossConfigError(ValueError):
-    """A loss configuration or a loss input that cannot be used."""
+from rl_jax.losses.configs import LOG_RATIO_CLAMP, LossConfigError, PolicyLossConfig
 
 
 class LossOutput(NamedTuple):
@@ -56,73 +49,6 @@ class LossOutput(NamedTuple):
     loss_sum: jax.Array
     denominator: jax.Array
     metrics: dict[str, jax.Array]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PolicyLossConfig:
-    """Options shared by every policy loss.
-
-    Attributes:
-      normalization: how per-token losses are averaged (see the module docstring).
-      max_tokens: ``L`` of the ``"constant"`` normalisation, in tokens; ``None`` uses ``T``.
-      kl_coef: β of the penalty ``β · KL(π_θ ‖ π_ref)`` added to every token's loss (needs
-        ``ref_logprobs``). 0 disables it; the KL is still reported when ``ref_logprobs`` is given.
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`rl_jax.losses.kl_penalty`).
-      entropy_coef: α of the bonus ``−α · H`` added to every token's loss (needs ``entropy``).
-      correction: trainer–generator mismatch correction of the policy term, weight
-        ``π_prox / μ`` per token (needs ``proximal_logprobs``): ``"none"``, ``"tis"`` (truncate at
-        ``correction_cap``) or ``"mis"`` (zero the tokens above ``correction_cap``).
-      correction_cap: ``C`` of the correction.
-      correction_level: ``"token"`` (each token's ratio), ``"sequence"`` (product over the
-        sequence) or ``"geometric"`` (geometric mean over the sequence); see
-        :func:`rl_jax.losses.importance_weights`.
-      log_ratio_clamp: log-ratios are clamped to ``[−c, c]`` before ``exp`` so that no ratio,
-        loss or gradient overflows; clamped tokens get no gradient through the ratio.
-    """
-
-    normalization: str = "token"
-    max_tokens: int | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    correction: str = "none"
-    correction_cap: float = 5.0
-    correction_level: str = "token"
-    log_ratio_clamp: float = LOG_RATIO_CLAMP
-
-    def __post_init__(self):
-        self._check()
-
-    def _check(self) -> None:
-        _one_of("normalization", self.normalization, NORMALIZATIONS)
-        _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _one_of("correction", self.correction, CORRECTIONS)
-        _one_of("correction_level", self.correction_level, CORRECTION_LEVELS)
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise LossConfigError(f"max_tokens must be positive, got {self.max_tokens}")
-        _positive("correction_cap", self.correction_cap)
-        _positive("log_ratio_clamp", self.log_ratio_clamp)
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise LossConfigError(
-                f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
-
-    def replace(self, **changes: Any) -> "PolicyLossConfig":
-        return dataclasses.replace(self, **changes)
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise LossConfigError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise LossConfigError(f"{name} must be positive, got {value}")
-
-
-def _nonnegative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise LossConfigError(f"{name} must be >= 0, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +80,10 @@ def _float(x: Any) -> jax.Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
-                   ref_logprobs=None, entropy=None, segment_ids=None) -> TokenInputs:
+def prepare_inputs(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+                   loss_mask: ArrayLike, *, proximal_logprobs: ArrayLike | None = None,
+                   ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+                   segment_ids: ArrayLike | None = None) -> TokenInputs:
     """Checks shapes, casts to (at least) float32 and zeroes every masked position.
 
     Masked positions may hold anything, including NaN or ±inf: ``jnp.where`` selects zero there,

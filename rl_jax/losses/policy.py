@@ -34,136 +34,17 @@ is the optional mismatch correction (see :mod:`rl_jax.losses.regularizers`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from rl_jax.losses.core import (LossConfigError, LossOutput, PolicyLossConfig, TokenInputs,
-                                _nonnegative, _positive, clamped_log_ratio, masked_sum,
+from rl_jax.losses.configs import (CISPOConfig, DAPOConfig, DecoupledPPOConfig, DrGRPOConfig,
+                                   GRPOConfig, GSPOConfig, LossConfigError, PolicyLossConfig,
+                                   PPOClipConfig, ReinforceTISConfig)
+from rl_jax.losses.core import (LossOutput, TokenInputs, clamped_log_ratio, masked_sum,
                                 normalization_weights, per_sequence_sum, prepare_inputs,
                                 ratio_metrics, safe_divide)
 from rl_jax.losses.regularizers import add_regularizers, importance_weights, mismatch_correction
-
-# ----------------------------------------------------------------------------------------------
-# Configurations
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ReinforceTISConfig(PolicyLossConfig):
-    """``reinforce_tis``: ``truncation`` is the cap ``c`` of the importance weight."""
-
-    normalization: str = "sequence_sum"
-    truncation: float = 5.0
-
-    def _check(self) -> None:
-        super()._check()
-        _positive("truncation", self.truncation)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOClipConfig(PolicyLossConfig):
-    """Clipped surrogate: ratio clipped to ``[1 − epsilon_low, 1 + epsilon_high]``.
-
-    ``dual_clip`` bounds the loss of negative-advantage tokens by ``dual_clip_c · |A|``
-    (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
-    Learning", arXiv:1912.09729); off by default.
-    """
-
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    dual_clip: bool = False
-    dual_clip_c: float = 3.0
-
-    def _check(self) -> None:
-        super()._check()
-        _nonnegative("epsilon_low", self.epsilon_low)
-        _nonnegative("epsilon_high", self.epsilon_high)
-        if self.epsilon_low > 1:
-            raise LossConfigError(f"epsilon_low must be <= 1, got {self.epsilon_low}")
-        if not self.dual_clip_c > 1:
-            raise LossConfigError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOConfig(PPOClipConfig):
-    """``grpo``: per-sequence token mean, then mean over sequences (DeepSeekMath, eq. 3).
-
-    The paper also adds ``β · k3`` KL to a reference with ``β = 0.04``; here ``kl_coef``
-    defaults to 0 (no reference model), set it together with ``ref_logprobs``.
-    """
-
-    normalization: str = "sequence"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DAPOConfig(PPOClipConfig):
-    """``dapo``: decoupled clip ``ε_low = 0.2``, ``ε_high = 0.28``, token-level mean."""
-
-    epsilon_high: float = 0.28
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DrGRPOConfig(PPOClipConfig):
-    """``dr_grpo``: token sum per sequence divided by a constant ``max_tokens`` (or ``T``)."""
-
-    normalization: str = "constant"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GSPOConfig(PolicyLossConfig):
-    """``gspo``: sequence ratio clipped to ``[1 − 3e-4, 1 + 4e-4]`` (the paper's ranges)."""
-
-    normalization: str = "sequence"
-    epsilon_low: float = 3e-4
-    epsilon_high: float = 4e-4
-
-    def _check(self) -> None:
-        super()._check()
-        _nonnegative("epsilon_low", self.epsilon_low)
-        _nonnegative("epsilon_high", self.epsilon_high)
-        if self.epsilon_low > 1:
-            raise LossConfigError(f"epsilon_low must be <= 1, got {self.epsilon_low}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CISPOConfig(PolicyLossConfig):
-    """``cispo``: weight ``clip(r, 1 − ε_low, 1 + ε_high)``; ``epsilon_low=None`` means no lower
-    bound (as in the paper). ``ε_high = 4`` caps the weight at 5."""
-
-    epsilon_low: float | None = None
-    epsilon_high: float = 4.0
-
-    def _check(self) -> None:
-        super()._check()
-        if self.epsilon_low is not None:
-            _nonnegative("epsilon_low", self.epsilon_low)
-        _nonnegative("epsilon_high", self.epsilon_high)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoupledPPOConfig(PPOClipConfig):
-    """``decoupled_ppo``: clip against ``π_prox``; behaviour weight ``π_prox / μ`` capped at
-    ``behaviour_weight_cap`` by ``behaviour_weight_mode`` (``"mis"``: AReaL's masking of tokens
-    above the cap; ``"tis"``: truncation; ``cap=None``: uncapped). The generic ``correction``
-    must stay ``"none"``: the behaviour weight is that correction."""
-
-    behaviour_weight_cap: float | None = 5.0
-    behaviour_weight_mode: str = "mis"
-
-    def _check(self) -> None:
-        super()._check()
-        if self.correction != "none":
-            raise LossConfigError("decoupled_ppo already weights by π_prox/μ; leave correction="
-                                  f"'none' and set behaviour_weight_* instead (got "
-                                  f"{self.correction!r})")
-        if self.behaviour_weight_cap is not None:
-            _positive("behaviour_weight_cap", self.behaviour_weight_cap)
-        if self.behaviour_weight_mode not in ("tis", "mis"):
-            raise LossConfigError("behaviour_weight_mode must be 'tis' or 'mis', got "
-                                  f"{self.behaviour_weight_mode!r}")
-
 
 # ----------------------------------------------------------------------------------------------
 # Building blocks
@@ -242,9 +123,11 @@ def _clipped_ppo(x: TokenInputs, config: PPOClipConfig, old_logprobs: jax.Array)
 # ----------------------------------------------------------------------------------------------
 
 
-def reinforce_tis(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-                  config: ReinforceTISConfig | None = None, proximal_logprobs=None,
-                  ref_logprobs=None, entropy=None, segment_ids=None) -> LossOutput:
+def reinforce_tis(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+                  loss_mask: ArrayLike, *, config: ReinforceTISConfig | None = None,
+                  proximal_logprobs: ArrayLike | None = None,
+                  ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+                  segment_ids: ArrayLike | None = None) -> LossOutput:
     """Importance-weighted REINFORCE with a truncated weight and no value network (PipelineRL).
 
     ``ℓ_t = −sg(min(r_t, c)) · A_t · log π_θ(y_t)``, ``r_t = π_θ(y_t) / π_old(y_t)``, so
@@ -272,9 +155,11 @@ def reinforce_tis(logprobs, behaviour_logprobs, advantages, loss_mask, *,
     return _finish(x, config, pg, log_ratio, ratio, metrics)
 
 
-def ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-             config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
-             entropy=None, segment_ids=None) -> LossOutput:
+def ppo_clip(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+             loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+             proximal_logprobs: ArrayLike | None = None,
+             ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+             segment_ids: ArrayLike | None = None) -> LossOutput:
     """PPO's clipped surrogate objective, token-level mean.
 
     ``ℓ_t = max(−A_t · r_t, −A_t · clip(r_t, 1 − ε_low, 1 + ε_high))`` with ``ε = 0.2``, and
@@ -294,9 +179,11 @@ def ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, *,
     return _finish(x, config, pg, log_ratio, ratio, metrics)
 
 
-def grpo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-         config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
-         entropy=None, segment_ids=None) -> LossOutput:
+def grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+         loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+         proximal_logprobs: ArrayLike | None = None,
+         ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+         segment_ids: ArrayLike | None = None) -> LossOutput:
     """Group Relative Policy Optimization: PPO's clipped surrogate, sequence-level mean.
 
     ``J = (1/G) Σ_i (1/|o_i|) Σ_t [min(r A, clip(r, 1 − ε, 1 + ε) A) − β · KL_k3]``, ``ε = 0.2``;
@@ -316,9 +203,11 @@ def grpo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
                    entropy=entropy, segment_ids=segment_ids)
 
 
-def dapo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-         config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
-         entropy=None, segment_ids=None) -> LossOutput:
+def dapo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+         loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+         proximal_logprobs: ArrayLike | None = None,
+         ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+         segment_ids: ArrayLike | None = None) -> LossOutput:
     """DAPO: clipped surrogate with decoupled ranges ("clip-higher"), token-level mean.
 
     ``ℓ_t = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``, ``ε_low = 0.2``, ``ε_high = 0.28``;
@@ -337,9 +226,11 @@ def dapo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
                     entropy=entropy, segment_ids=segment_ids)
 
 
-def dr_grpo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-            config: PPOClipConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
-            entropy=None, segment_ids=None) -> LossOutput:
+def dr_grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+            loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+            proximal_logprobs: ArrayLike | None = None,
+            ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+            segment_ids: ArrayLike | None = None) -> LossOutput:
     """Dr. GRPO ("GRPO done right"): GRPO without its length and difficulty biases.
 
     ``loss = (1/G) Σ_i Σ_t max(−A·r, −A·clip(r, 1 − ε, 1 + ε)) / L``: no ``1/|o_i|`` (normalisation
@@ -359,9 +250,11 @@ def dr_grpo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
                     entropy=entropy, segment_ids=segment_ids)
 
 
-def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-         config: GSPOConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
-         entropy=None, segment_ids=None) -> LossOutput:
+def gspo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+         loss_mask: ArrayLike, *, config: GSPOConfig | None = None,
+         proximal_logprobs: ArrayLike | None = None,
+         ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+         segment_ids: ArrayLike | None = None) -> LossOutput:
     """Group Sequence Policy Optimization: one importance ratio and one clip per sequence.
 
     ``s_i = exp((1/|y_i|) Σ_t log(π_θ(y_t) / π_old(y_t)))`` (geometric mean of the token ratios),
@@ -392,9 +285,11 @@ def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
     return _finish(x, config, pg, log_ratio, seq_ratio, metrics)
 
 
-def cispo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-          config: CISPOConfig | None = None, proximal_logprobs=None, ref_logprobs=None,
-          entropy=None, segment_ids=None) -> LossOutput:
+def cispo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+          loss_mask: ArrayLike, *, config: CISPOConfig | None = None,
+          proximal_logprobs: ArrayLike | None = None,
+          ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+          segment_ids: ArrayLike | None = None) -> LossOutput:
     """CISPO: REINFORCE with clipped, stop-gradient importance-sampling weights.
 
     ``ℓ_t = −sg(clip(r_t, 1 − ε_low, 1 + ε_high)) · A_t · log π_θ(y_t)``, token-level mean
@@ -423,9 +318,11 @@ def cispo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
     return _finish(x, config, pg, log_ratio, ratio, metrics)
 
 
-def decoupled_ppo(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-                  config: DecoupledPPOConfig | None = None, proximal_logprobs=None,
-                  ref_logprobs=None, entropy=None, segment_ids=None) -> LossOutput:
+def decoupled_ppo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+                  loss_mask: ArrayLike, *, config: DecoupledPPOConfig | None = None,
+                  proximal_logprobs: ArrayLike | None = None,
+                  ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+                  segment_ids: ArrayLike | None = None) -> LossOutput:
     """Decoupled PPO (AReaL): trust region around the proximal policy, behaviour correction.
 
     ``u_t = π_θ(y_t) / π_prox(y_t)``, ``w_t = π_prox(y_t) / μ(y_t)`` (stop-gradient, capped at

@@ -9,9 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax.losses.core import (CORRECTION_LEVELS, LOG_RATIO_CLAMP, LossConfigError,
-                                PolicyLossConfig, TokenInputs, clamped_log_ratio, masked_sum,
-                                per_sequence_sum, ratio_metrics, safe_divide)
+from rl_jax.losses.configs import (CORRECTION_LEVELS, LOG_RATIO_CLAMP, LossConfigError,
+                                   PolicyLossConfig)
+from rl_jax.losses.core import (TokenInputs, clamped_log_ratio, masked_sum, per_sequence_sum,
+                                ratio_metrics, safe_divide)
 
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k3", *,
