@@ -10,6 +10,8 @@ INSTALL_REQUIRES = [
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
     "grain==0.2.18",
+    "array-record==0.8.6",  # ArrayRecord prompt files (rl_jax.data.sources)
+    "pyarrow==26.0.1",  # Parquet prompt files (rl_jax.data.sources)
     "absl-py>=2.1,<3",
     "ml-collections==1.1.0",
     "safetensors==0.8.0",
@@ -17,6 +19,8 @@ INSTALL_REQUIRES = [
     "numpy>=1.26",
     "tqdm>=4.66",
     "matplotlib>=3.8",
+    # Math answer checking (rl_jax.envs.math).
+    "sympy==1.14.0",
 ]
 
 EXTRAS = {
