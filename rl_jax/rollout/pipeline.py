@@ -1,0 +1,310 @@
+"""The rollout stage: a grain ``IterDataset`` that keeps prompts in flight at the generator pool
+and yields training batches whose staleness is bounded.
+
+    prompts (MapDataset of (position, Prompt)) ─► RolloutDataset ─► .map(GroupsToBatch) ─► trainer
+                                                     │  ▲
+                                   GenerateRequest ──┘  └── completions, rewards (env)
+
+A background thread runs an asyncio loop that admits prompts while the
+:class:`~rl_jax.rollout.staleness.StalenessGate` allows, sends each as one request with ``n``
+samples, scores the completions with the environment as they finish (out of order), and marks
+the group complete. ``next()`` returns the groups the gate picks for the trainer's current
+version. The orchestrator reports versions with :meth:`RolloutIterator.set_trainer_version`
+(after each optimizer step) and :meth:`RolloutIterator.set_generator_version` (once every
+generator runs a version).
+
+Checkpointing: ``get_state()`` records the next prompt position and the positions admitted but
+not yet consumed; ``set_state()`` re-issues those first, so after a crash no prompt is lost and
+none is trained twice except those in flight at the crash (generated again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grain
+import numpy as np
+
+from rl_jax.envs.base import Environment, Prompt, score_many
+from rl_jax.generator.base import Generator
+from rl_jax.generator.types import GenerateRequest, SamplingParams
+from rl_jax.rollout.records import Group, Sample, pack_groups
+from rl_jax.rollout.staleness import GateConfig, StalenessGate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8  # samples per prompt
+    groups_per_batch: int = 16
+    max_lag: int = 1
+    staleness_policy: str = "prevent"
+    max_in_flight_groups: int | None = None
+    sampling: SamplingParams = SamplingParams(max_new_tokens=32)
+    max_retries: int = 3  # generation/scoring failures of one prompt before it is skipped
+
+
+class RolloutIterator(grain.DatasetIterator):
+    """Iterator of lists of :class:`Group` (one list per training batch)."""
+
+    def __init__(self, prompts: grain.MapDataset, env: Environment, generator: Generator,
+                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 config: RolloutConfig, state: dict[str, Any] | None = None):
+        super().__init__()
+        self._prompts = prompts
+        self._env = env
+        self._generator = generator
+        self._encode = encode
+        self._decode = decode
+        self.config = config
+        self._lock = threading.Condition()
+        self._groups: dict[int, Group] = {}
+        self._failures: collections.Counter = collections.Counter()
+        self._exhausted = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self.counts = collections.Counter()
+        self._loop = asyncio.new_event_loop()
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._restore(state or {})
+
+    def _restore(self, state: dict[str, Any]):
+        cfg = self.config
+        self.gate = StalenessGate(
+            GateConfig(max_lag=cfg.max_lag, groups_per_batch=cfg.groups_per_batch,
+                       policy=cfg.staleness_policy, max_in_flight_groups=cfg.max_in_flight_groups),
+            trainer_version=int(state.get("trainer_version", 0)),
+            generator_version=state.get("generator_version"))
+        self._next_position = int(state.get("next_position", 0))
+        self._reissue = collections.deque(int(p) for p in state.get("pending", []))
+
+    def start(self):
+        """Starts rolling out (the first ``next()`` does it too)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run_loop, name="rollout",
+                                                daemon=True)
+                self._thread.start()
+
+    # ---- control from the trainer side ------------------------------------------------------
+
+    def set_trainer_version(self, version: int):
+        with self._lock:
+            self.gate.advance(version)
+        self._poke()
+
+    def set_generator_version(self, version: int):
+        with self._lock:
+            self.gate.set_generator_version(version)
+        self._poke()
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {**self.gate.metrics(),
+                    **{f"rollout/{k}": float(v) for k, v in self.counts.items()}}
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- grain iterator protocol ----------------------------------------------------------------
+
+    def __next__(self) -> list[Group]:
+        self.start()
+        with self._lock:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("rollout loop failed") from self._error
+                keys = self.gate.next_batch()
+                if keys is not None:
+                    groups = [self._groups.pop(k) for k in keys]
+                    break
+                if self._exhausted and not self._reissue and self.gate.unconsumed < \
+                        self.config.groups_per_batch and self.gate.in_flight == 0:
+                    raise StopIteration
+                self._lock.wait(timeout=1.0)
+        self._poke()
+        return groups
+
+    def get_state(self) -> dict[str, Any]:
+        with self._lock:
+            pending = list(self._reissue) + [int(k) for k in self.gate.pending_keys()]
+            return {"next_position": self._next_position, "pending": pending,
+                    "trainer_version": self.gate.trainer_version,
+                    "generator_version": self.gate.generator_version}
+
+    def set_state(self, state: dict[str, Any]):
+        """Resumes from a ``get_state()``; only before the iterator has started (requests
+        already sent to generators cannot be recalled)."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("set_state must be called before the first next(): this "
+                                   "rollout has already sent requests")
+            self._restore(state)
+
+    # ---- background loop ------------------------------------------------------------------------
+
+    def _poke(self):
+        if self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _run_loop(self):
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._admit_forever())
+        except BaseException as e:  # surfaced to the trainer by __next__
+            log.exception("rollout loop failed")
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
+        finally:
+            self._loop.close()
+
+    async def _admit_forever(self):
+        self._wake = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        while not self._closed:
+            while True:
+                with self._lock:
+                    position = self._take_position()
+                    if position is None:
+                        break
+                task = asyncio.create_task(self._rollout(position))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            self._wake.clear()
+            await self._wake.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Requests already sent keep running in the generators; stop them.
+        for position in self.gate.pending_keys():
+            try:
+                await self._generator.abort(f"prompt-{position}-{self._failures[position]}")
+            except Exception as e:  # a dead server: nothing left to stop
+                log.warning("could not abort prompt %s: %s", position, e)
+
+    def _take_position(self) -> int | None:
+        """The next prompt position to admit, if the gate has room (call under the lock)."""
+        if self.gate.capacity() < 1:
+            if self._reissue or not self._exhausted:
+                self.gate.counts["prevented"] += 1  # a prompt waits for the staleness bound
+            return None
+        if self._reissue:
+            position = self._reissue.popleft()
+        elif self._exhausted or self._next_position >= len(self._prompts):
+            self._exhausted = True
+            return None
+        else:
+            position = self._next_position
+            self._next_position += 1
+        self.gate.admit(position)
+        return position
+
+    async def _rollout(self, position: int):
+        cfg = self.config
+        try:
+            element = self._prompts[position]
+            prompt: Prompt = (element if isinstance(element, Prompt) else element[1]
+                              if isinstance(element, tuple) else element.prompt)
+            ids = self._encode(prompt.text)
+            sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size)
+            outputs = await self._generator.generate(
+                GenerateRequest(ids, sampling, rid=f"prompt-{position}-{self._failures[position]}"))
+            texts = [self._decode(o.output_ids) for o in outputs]
+            scores = await score_many(self._env, [prompt] * len(outputs), texts)
+            samples = [Sample(group_id=position, prompt_ids=list(ids),
+                              completion_ids=list(o.output_ids),
+                              behaviour_logprobs=list(o.output_logprobs),
+                              versions=list(o.output_versions),
+                              finish_reason=o.finish_reason.get("type", "unknown"),
+                              reward=float(r), info=info)
+                       for o, (r, info) in zip(outputs, scores)]
+            if any(not s.completion_ids for s in samples):
+                raise RuntimeError(f"a completion of prompt {position} is empty "
+                                   f"({[s.finish_reason for s in samples]})")
+            group = Group(position=position, samples=samples, prompt=prompt)
+            with self._lock:
+                self._groups[position] = group
+                self.gate.complete(position, group.min_version)
+                self.counts["groups"] += 1
+                self.counts["samples"] += len(samples)
+                self.counts["completion_tokens"] += sum(len(s.completion_ids) for s in samples)
+                self._lock.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._failures[position] += 1
+            log.warning("rollout of prompt %d failed (%d/%d): %s", position,
+                        self._failures[position], cfg.max_retries, e)
+            with self._lock:
+                self.gate.cancel(position)
+                self.counts["failures"] += 1
+                if self._failures[position] < cfg.max_retries:
+                    self._reissue.append(position)
+                else:
+                    self.counts["skipped_prompts"] += 1
+                self._lock.notify_all()
+        self._wake.set()
+
+
+class RolloutDataset(grain.IterDataset):
+    """grain stage over a prompt ``MapDataset``; iterate it to start rolling out.
+
+    Args:
+      prompts: ``MapDataset`` of ``Prompt``, ``(position, Prompt)`` or
+        ``rl_jax.data.sources.PositionedPrompt`` (``prompt_dataset``); element ``i`` is the prompt
+        at stream position ``i`` (shuffled, repeated and sharded before).
+      env: scores completions.
+      generator: any :class:`~rl_jax.generator.base.Generator` (in-process engine or servers).
+      encode / decode: prompt text → token ids; completion token ids → text.
+      state: a ``get_state()`` of an earlier iterator, to resume.
+    """
+
+    def __init__(self, prompts: grain.MapDataset, env: Environment, generator: Generator, *,
+                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 config: RolloutConfig, state: dict[str, Any] | None = None):
+        super().__init__()
+        self._args = (prompts, env, generator, encode, decode, config)
+        self._state = state
+
+    def __iter__(self) -> RolloutIterator:
+        return RolloutIterator(*self._args, state=self._state)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupsToBatch:
+    """grain map: groups → advantages → packed ``[rows, seq_len]`` numpy batch + metrics."""
+
+    seq_len: int
+    rows: int
+    advantage: str = "grpo"
+    pad_id: int = 0
+
+    def __call__(self, groups: list[Group]) -> dict[str, Any]:
+        batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
+                            advantage=self.advantage, pad_id=self.pad_id)
+        rewards = batch["rewards"]
+        solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
+        batch["metrics"] = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "groups/zero_signal": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
+            "groups/solve_rate_band": float(np.mean((solve > 0) & (solve < 1))),
+            "tokens/completion": float(sum(len(s.completion_ids) for g in groups
+                                           for s in g.samples)),
+            "versions/min": float(min(g.min_version for g in groups)),
+            "positions": [g.position for g in groups],
+        }
+        return batch

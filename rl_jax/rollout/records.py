@@ -1,0 +1,122 @@
+"""Completion records and their conversion into packed training batches.
+
+A :class:`Sample` is the contract between generation and training: prompt and completion token
+ids, per-token behaviour log-probabilities and policy versions, finish reason, reward and group.
+:func:`pack_groups` turns groups of samples into fixed-shape ``[rows, seq_len]`` arrays, every
+per-token field aligned with ``targets`` (the token predicted at that position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rl_jax.data.packing import pack_sequences
+from rl_jax.losses import get_advantage_estimator
+
+
+@dataclasses.dataclass
+class Sample:
+    """One completion of one prompt.
+
+    ``loss_mask`` weights each completion token (0 for tokens an environment wrote in a
+    multi-turn episode); None means all ones.
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    reward: float = 0.0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    loss_mask: list[float] | None = None
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclasses.dataclass
+class Group:
+    """The samples of one prompt (``position`` in the prompt stream identifies it)."""
+
+    position: int
+    samples: list[Sample]
+    prompt: Any = None
+
+    @property
+    def min_version(self) -> int:
+        return min(s.min_version for s in self.samples)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.asarray([s.reward for s in self.samples], np.float32)
+
+
+BATCH_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "advantages",
+                "behaviour_logprobs", "versions")
+
+
+class PackingError(ValueError):
+    """A batch of samples that does not fit the configured rows."""
+
+
+def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: str = "grpo",
+                pad_id: int = 0, **advantage_kwargs) -> dict[str, np.ndarray]:
+    """Advantages per group, then first-fit-decreasing packing into ``[rows, seq_len]``.
+
+    Returns numpy arrays (all ``[rows, seq_len]``): ``tokens``, ``targets``, ``loss_mask``
+    (completion tokens only), ``positions``, ``segment_ids``, ``advantages`` (the sample's
+    advantage on each of its completion tokens), ``behaviour_logprobs`` and ``versions`` (-1 where
+    no completion token is predicted), plus per-sample ``rewards [N]`` and ``sample_advantages [N]``.
+    """
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        raise PackingError("no samples to pack")
+    rewards = np.asarray([s.reward for s in samples], np.float32)
+    group_ids = np.concatenate([np.full(len(g.samples), i) for i, g in enumerate(groups)])
+    estimator = get_advantage_estimator(advantage)
+    adv = np.asarray(estimator(rewards, group_ids, num_groups=len(groups), **advantage_kwargs),
+                     np.float32)
+    seqs, masks = [], []
+    for s in samples:
+        if s.num_tokens > seq_len:
+            raise PackingError(f"a sample of {s.num_tokens} tokens (prompt {len(s.prompt_ids)} + "
+                               f"completion {len(s.completion_ids)}) exceeds seq_len={seq_len}")
+        completion_mask = s.loss_mask if s.loss_mask is not None else [1.0] * len(
+            s.completion_ids)
+        seqs.append(list(s.prompt_ids) + list(s.completion_ids))
+        masks.append([0.0] * len(s.prompt_ids) + [float(m) for m in completion_mask])
+    packed, leftover = pack_sequences(seqs, seq_len, num_rows=rows, loss_masks=masks,
+                                      pad_id=pad_id)
+    if leftover:
+        needed = len(pack_sequences(seqs, seq_len, loss_masks=masks, pad_id=pad_id)[0]["tokens"])
+        raise PackingError(f"{len(samples)} samples need {needed} rows of {seq_len} tokens but "
+                           f"the batch has {rows}; raise rollout.rows_per_batch or seq_len")
+    shape = packed["tokens"].shape
+    advantages = np.zeros(shape, np.float32)
+    behaviour = np.zeros(shape, np.float32)
+    versions = np.full(shape, -1, np.int32)
+    seq_index = packed["sequence_index"]
+    for i, s in enumerate(samples):
+        rows_i, cols_i = np.nonzero(seq_index == i)
+        # Position p of sample i predicts its token p+1; completion token j is token P+j.
+        j = packed["positions"][rows_i, cols_i] + 1 - len(s.prompt_ids)
+        valid = (j >= 0) & (j < len(s.completion_ids))
+        r, c, jj = rows_i[valid], cols_i[valid], j[valid]
+        advantages[r, c] = adv[i]
+        behaviour[r, c] = np.asarray(s.behaviour_logprobs, np.float32)[jj]
+        versions[r, c] = np.asarray(s.versions, np.int32)[jj]
+    out = {k: packed[k] for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
+    out.update(advantages=advantages, behaviour_logprobs=behaviour, versions=versions,
+               rewards=rewards, sample_advantages=adv)
+    return out
