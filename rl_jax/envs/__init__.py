@@ -1,0 +1,63 @@
+"""Reward environments behind one async interface (see :mod:`rl_jax.envs.base`).
+
+Built in, by name (``rl_jax.envs.get(name, **kwargs)``):
+
+==============  ==================================================================
+``arithmetic``  multi-digit addition (:class:`rl_jax.envs.arithmetic.ArithmeticEnv`)
+``countdown``   reach a target with + − × ÷ (:class:`rl_jax.envs.countdown.CountdownEnv`)
+``math``        final-answer checking (:class:`rl_jax.envs.math.MathEnv`)
+``code``        programs run against tests in a sandbox (:class:`rl_jax.envs.code.CodeEnv`)
+==============  ==================================================================
+
+Modules are imported when their environment is first requested, so asking for ``arithmetic``
+does not import sympy. :func:`register` adds user environments.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from rl_jax.envs.base import (EnvError, Environment, EpisodeState, EpisodeTokens, Prompt,
+                              Segment, StepResult, as_prompt, build_loss_mask, run_episode,
+                              score_many)
+
+_BUILTIN = {
+    "arithmetic": "rl_jax.envs.arithmetic:ArithmeticEnv",
+    "countdown": "rl_jax.envs.countdown:CountdownEnv",
+    "math": "rl_jax.envs.math:MathEnv",
+    "code": "rl_jax.envs.code:CodeEnv",
+}
+_REGISTRY: dict[str, str | Callable[..., Environment]] = dict(_BUILTIN)
+
+
+def register(name: str, factory: Callable[..., Environment], *, overwrite: bool = False) -> None:
+    """Makes ``get(name, **kwargs)`` return ``factory(**kwargs)``."""
+    if name in _REGISTRY and not overwrite:
+        raise EnvError(f"environment {name!r} is already registered; pass overwrite=True")
+    _REGISTRY[name] = factory
+
+
+def names() -> list[str]:
+    """Registered environment names."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, **kwargs) -> Environment:
+    """A new environment ``name`` configured by ``kwargs``.
+
+    Raises:
+      EnvError: for an unknown name.
+    """
+    if name not in _REGISTRY:
+        raise EnvError(f"unknown environment {name!r}; registered: {', '.join(names())}")
+    factory = _REGISTRY[name]
+    if isinstance(factory, str):
+        module, attr = factory.split(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory(**kwargs)
+
+
+__all__ = ["EnvError", "Environment", "EpisodeState", "EpisodeTokens", "Prompt", "Segment",
+           "StepResult", "as_prompt", "build_loss_mask", "get", "names", "register",
+           "run_episode", "score_many"]

@@ -1,0 +1,351 @@
+"""Running untrusted Python programs: isolated processes, hard limits, a bounded worker pool.
+
+Every program runs in its own process tree, started by :class:`Sandbox` through the trusted runner
+script ``sandbox_runner.py`` (stdlib only). Isolation modes:
+
+``namespaces`` (root and a working ``unshare`` from util-linux; the default when available)
+  * no network: a fresh network namespace, whose loopback is down (``connect`` to 127.0.0.1 fails
+    with ENETUNREACH);
+  * a fresh PID namespace whose init is the runner: the program sees only its own processes, and
+    when the runner exits (or is killed: ``--kill-child``) the kernel kills every process left;
+  * a fresh mount namespace with one tmpfs limited to ``max_disk_bytes`` and ``max_files``
+    inodes on ``/tmp``, also bound over ``/var/tmp``, ``/dev/shm`` and ``/run/lock``: the
+    program's cwd and HOME are a fresh directory on it, and every file it can create counts
+    against those two limits (other directories are not writable by its uid). The tmpfs
+    disappears with the namespace;
+  * fresh IPC and UTS namespaces (SysV shared memory dies with the sandbox).
+``rlimits`` (fallback when not root or ``unshare`` fails, e.g. a default Docker container)
+  a fresh temporary directory whose file count and size the runner polls (and kills past the
+  limit), a child subreaper so that detached descendants can still be killed, and the rlimits
+  below. No network isolation, and directories such as ``/tmp`` are writable outside the limit.
+
+In both modes the program gets a uid of its own per concurrent slot when the sandbox runs as root
+(``uid_base + slot``: ``RLIMIT_NPROC`` is per uid and is not enforced for root, so one fork bomb
+cannot exhaust another sample's process quota), no supplementary groups, ``no_new_privs``, a new
+session, a scrubbed environment, and these limits (:class:`SandboxLimits`): wall time (the runner
+kills the whole tree at the deadline), CPU time (``RLIMIT_CPU``), address space per process
+(``RLIMIT_AS``), resident memory of all its processes together (the runner samples it every
+20 ms and kills the tree past the limit; no cgroup is needed), processes and threads
+(``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``), open files (``RLIMIT_NOFILE``), no core dumps.
+Memory used by one sandbox is therefore bounded by ``max_total_memory_bytes`` (plus what can be
+faulted in within one 20 ms sample) plus the tmpfs's ``max_disk_bytes``. Stdout and stderr are
+read by the runner up to ``max_output_bytes`` each; past that the program is killed. The parent
+reads one bounded JSON report; its memory does not grow with what the program prints. If the
+caller dies, every runner still kills its program at the wall deadline and cleans up.
+
+Concurrency: a :class:`Sandbox` owns a thread pool of ``max_concurrency`` workers, each driving
+one sandboxed process at a time; :meth:`Sandbox.run` is awaitable from any event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
+_UNSHARE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child",
+                  "--mount-proc")
+# Added to the wall-time limit before the parent kills a runner that has not reported (the runner
+# enforces the limit itself; this only covers a runner that is stuck or starved of CPU).
+_PARENT_GRACE_SECONDS = 5.0
+# The runner's report: two base64 streams of at most max_output_bytes each, plus small fields.
+_REPORT_OVERHEAD_BYTES = 64 * 1024
+
+REASONS = ("ok", "runtime_error", "timeout", "memory", "output_limit", "file_limit",
+           "process_limit", "sandbox_error")
+ISOLATION_MODES = ("auto", "namespaces", "rlimits")
+
+logger = logging.getLogger(__name__)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself cannot run (bad limits, no isolation available, missing interpreter)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run.
+
+    Attributes:
+      wall_time: seconds from start until the whole process tree is killed.
+      cpu_time: CPU seconds of the program (``RLIMIT_CPU``, rounded up to whole seconds).
+      memory_bytes: address space per process (``RLIMIT_AS``).
+      max_total_memory_bytes: resident memory of all the program's processes together, sampled
+        every 20 ms (overshoot is what the program can fault in between two samples).
+      max_processes: processes and threads of the program's uid (``RLIMIT_NPROC``).
+      max_file_bytes: size of any one file (``RLIMIT_FSIZE``).
+      max_open_files: open file descriptors per process (``RLIMIT_NOFILE``).
+      max_files: files and directories the program may create.
+      max_disk_bytes: bytes the program may store in files.
+      max_output_bytes: bytes kept from stdout and from stderr; more kills the program.
+    """
+
+    wall_time: float = 10.0
+    cpu_time: float = 10.0
+    memory_bytes: int = 512 * 2**20
+    max_total_memory_bytes: int = 2**30
+    max_processes: int = 32
+    max_file_bytes: int = 16 * 2**20
+    max_open_files: int = 64
+    max_files: int = 256
+    max_disk_bytes: int = 64 * 2**20
+    max_output_bytes: int = 2**20
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not value > 0:
+                raise SandboxError(f"SandboxLimits.{field.name} must be positive, got {value!r}")
+        if self.memory_bytes < 32 * 2**20:
+            raise SandboxError(f"SandboxLimits.memory_bytes={self.memory_bytes} is below 32 MiB, "
+                               "too little to start a Python interpreter")
+        if self.max_open_files < 8:
+            raise SandboxError(f"SandboxLimits.max_open_files={self.max_open_files} is below 8, "
+                               "too few to start a Python interpreter")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """What happened to one program.
+
+    Attributes:
+      reason: one of :data:`REASONS`; ``"ok"`` means the program exited with status 0.
+      detail: a human-readable explanation of ``reason``.
+      exit_code: the main process's exit status, or None if it was killed by a signal.
+      signal: the signal that killed the main process, or None.
+      stdout, stderr: decoded output (UTF-8, invalid bytes replaced), at most
+        ``max_output_bytes`` each.
+      stdout_truncated, stderr_truncated: whether more was written than kept.
+      wall_time: seconds from the runner's start to the end of the program.
+      cpu_time: CPU seconds of all the program's processes.
+      peak_processes: most processes seen at once (sampled every 20 ms).
+      peak_memory_bytes: most resident memory of all its processes together (sampled).
+      files_created: files and directories the program created.
+    """
+
+    reason: str
+    detail: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    wall_time: float = 0.0
+    cpu_time: float = 0.0
+    peak_processes: int = 0
+    peak_memory_bytes: int = 0
+    files_created: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "ok"
+
+
+@functools.cache
+def _namespaces_problem() -> str | None:
+    """Why the ``namespaces`` mode cannot work here, or None if it does (probed once)."""
+    if os.geteuid() != 0:
+        return "it needs root (mount and network namespaces, per-sample uids)"
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return "the `unshare` program (util-linux) is not on PATH"
+    # The runner itself, as root inside the namespaces: checks the namespaces and the tmpfs mount.
+    probe = _run_job("namespaces", None, [sys.executable, "-I", "-S", "-c", "pass"], "", "",
+                     SandboxLimits(wall_time=10.0))
+    if not probe.ok:
+        return f"a trial run failed ({probe.reason}): {probe.detail[-300:]}"
+    return None
+
+
+def _usable_by_others(path: str) -> bool:
+    """Whether a uid that owns nothing can execute ``path`` (every directory on the way
+    searchable, the file readable and executable, by "others")."""
+    real = os.path.realpath(path)
+    try:
+        if os.stat(real).st_mode & 0o005 != 0o005:
+            return False
+        parent = os.path.dirname(real)
+        while True:
+            if os.stat(parent).st_mode & 0o001 == 0:
+                return False
+            if parent == os.path.dirname(parent):
+                return True
+            parent = os.path.dirname(parent)
+    except OSError:
+        return False
+
+
+def default_interpreter(unprivileged: bool = True) -> str:
+    """The Python that runs sandboxed programs by default.
+
+    This process's interpreter when an unprivileged uid can run it (or ``unprivileged`` is
+    False), else the first ``python3`` on PATH that it can run. Programs see that interpreter's
+    standard library and installed packages.
+
+    Raises:
+      SandboxError: if no such interpreter exists; pass ``interpreter=`` explicitly.
+    """
+    candidates = [sys.executable]
+    if unprivileged:
+        candidates += [shutil.which(name) for name in ("python3", "python")]
+        candidates += ["/usr/bin/python3", "/usr/local/bin/python3"]
+    for path in candidates:
+        if path and (not unprivileged or _usable_by_others(path)):
+            return path
+    raise SandboxError(f"no Python interpreter is executable by an unprivileged uid (tried "
+                       f"{sys.executable!r} and python3 on PATH); pass interpreter= to Sandbox")
+
+
+def resolve_isolation(isolation: str = "auto") -> str:
+    """The isolation mode ``"auto"`` picks here, or ``isolation`` itself after checking it works.
+
+    Raises:
+      SandboxError: for an unknown mode, or ``"namespaces"`` where it cannot work.
+    """
+    if isolation not in ISOLATION_MODES:
+        raise SandboxError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+    if isolation == "rlimits":
+        return isolation
+    problem = _namespaces_problem()
+    if problem is None:
+        return "namespaces"
+    if isolation == "namespaces":
+        raise SandboxError(f"sandbox isolation 'namespaces' is unavailable: {problem}")
+    logger.warning("sandbox: namespaces unavailable (%s); falling back to 'rlimits' isolation "
+                   "(no network isolation, writable directories outside the work dir)", problem)
+    return "rlimits"
+
+
+class Sandbox:
+    """A pool that runs Python programs in isolated, limited processes.
+
+    Args:
+      limits: default limits of each run.
+      max_concurrency: programs running at once (default: the number of CPUs).
+      isolation: ``"auto"``, ``"namespaces"`` or ``"rlimits"`` (see the module docstring).
+      interpreter: absolute path of the Python that runs programs (default:
+        :func:`default_interpreter`); as root it must be executable by an unprivileged uid.
+      uid_base: as root, slot ``k`` runs as uid and gid ``uid_base + k``; pick an unused range.
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, *, max_concurrency: int | None = None,
+                 isolation: str = "auto", interpreter: str | None = None,
+                 uid_base: int = 61000):
+        self.limits = limits or SandboxLimits()
+        self.max_concurrency = int(max_concurrency or os.cpu_count() or 1)
+        if self.max_concurrency < 1:
+            raise SandboxError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.isolation = resolve_isolation(isolation)
+        self._as_root = os.geteuid() == 0
+        self.interpreter = interpreter or default_interpreter(unprivileged=self._as_root)
+        if not os.path.isabs(self.interpreter) or not os.access(self.interpreter, os.X_OK):
+            raise SandboxError(f"interpreter {self.interpreter!r} is not an executable absolute "
+                               "path")
+        if self._as_root and not 1000 <= uid_base <= 2**31 - 1 - self.max_concurrency:
+            raise SandboxError(f"uid_base={uid_base} must leave room for {self.max_concurrency} "
+                               "unprivileged uids (>= 1000)")
+        self.uid_base = uid_base
+        self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(self.max_concurrency):
+            self._slots.put(slot)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.max_concurrency, thread_name_prefix="sandbox")
+
+    def close(self) -> None:
+        """Waits for running programs and stops the worker threads."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def run(self, program: str, stdin: str = "", *,
+                  limits: SandboxLimits | None = None) -> SandboxResult:
+        """Runs ``program`` (Python source) with ``stdin``; waits for a free worker first."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, functools.partial(self._run_in_slot, program, stdin, limits))
+
+    def run_sync(self, program: str, stdin: str = "", *,
+                 limits: SandboxLimits | None = None) -> SandboxResult:
+        """Blocking :meth:`run`, through the same worker pool."""
+        return self._pool.submit(self._run_in_slot, program, stdin, limits).result()
+
+    def _run_in_slot(self, program: str, stdin: str, limits: SandboxLimits | None):
+        slot = self._slots.get()  # never blocks: one slot per worker thread
+        try:
+            return self._run(program, stdin, limits or self.limits, slot)
+        finally:
+            self._slots.put(slot)
+
+    def _run(self, program: str, stdin: str, limits: SandboxLimits, slot: int) -> SandboxResult:
+        argv = [self.interpreter, "-I", "-B", "-X", "utf8", "program.py"]
+        uid = self.uid_base + slot if self._as_root else None
+        return _run_job(self.isolation, uid, argv, program, stdin, limits)
+
+
+_PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _run_job(mode: str, uid: int | None, argv: list[str], program: str, stdin: str,
+             limits: SandboxLimits) -> SandboxResult:
+    """Starts the runner (inside fresh namespaces for ``mode="namespaces"``) on one job."""
+    job = {"mode": mode, "uid": uid, "argv": argv, "files": {"program.py": program},
+           "stdin": stdin, "env": _PROGRAM_ENV, "limits": dataclasses.asdict(limits)}
+    runner = [sys.executable, "-I", "-S", _RUNNER]
+    if mode == "namespaces":
+        runner = [shutil.which("unshare") or "unshare", *_UNSHARE_FLAGS, *runner]
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(runner, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except OSError as e:
+        return SandboxResult("sandbox_error", f"cannot start the sandbox runner: {e}")
+    try:
+        out, err = proc.communicate(json.dumps(job).encode(),
+                                    timeout=limits.wall_time + _PARENT_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return SandboxResult("timeout", "the sandbox runner missed its deadline and was killed",
+                             wall_time=time.monotonic() - start)
+    report_limit = 3 * limits.max_output_bytes + _REPORT_OVERHEAD_BYTES
+    return _parse_report(out[:report_limit], err, proc.returncode)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+
+
+def _parse_report(out: bytes, err: bytes, returncode: int) -> SandboxResult:
+    try:
+        report = json.loads(out)
+    except ValueError:
+        return SandboxResult("sandbox_error", f"the runner exited with {returncode} and no "
+                             f"report; stderr: {err.decode('utf-8', 'replace')[-500:]}")
+    if report.get("reason") not in REASONS:
+        return SandboxResult("sandbox_error", f"the runner reported {report!r}"[:1000])
+    decoded = {k[:-4]: base64.b64decode(report.pop(k)).decode("utf-8", "replace")
+               for k in ("stdout_b64", "stderr_b64") if k in report}
+    fields = {f.name for f in dataclasses.fields(SandboxResult)}
+    return SandboxResult(**decoded, **{k: v for k, v in report.items() if k in fields})
