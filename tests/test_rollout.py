@@ -137,3 +137,50 @@ def test_resume_loses_nothing_and_repeats_nothing(setup):
     assert len(set(range(20)) - set(first) - set(second)) < config.groups_per_batch
     with pytest.raises(RuntimeError, match="before the first next"):
         resumed.set_state(state)
+
+
+class CoinEnv(ArithmeticEnv):
+    """Reward 1 when the completion's first token is even: mixed groups without training."""
+
+    async def score(self, prompt, completion):
+        solved = TOKENIZER.token_to_id(completion[0]) % 2 == 0 if completion else False
+        return float(solved), {"correct": solved, "reason": "coin"}
+
+
+class AlwaysEnv(ArithmeticEnv):
+    async def score(self, prompt, completion):
+        return 1.0, {"correct": True, "reason": "always"}
+
+
+def test_dynamic_filtering_replaces_zero_signal_groups(setup):
+    _, _, engine = setup
+    config = RolloutConfig(group_size=2, groups_per_batch=2, max_lag=4, filter_zero_signal=True,
+                           sampling=SamplingParams(max_new_tokens=3))
+    it = iter(make_rollout(engine, config, CoinEnv(num_digits=2), size=400))
+    try:
+        for _ in range(3):
+            for g in next(it):
+                assert np.ptp(g.rewards) > 0
+        metrics = it.metrics()
+    finally:
+        it.close()
+    assert metrics["rollout/filtered_zero_signal"] > 0
+
+
+def test_prompts_always_solved_are_skipped(setup):
+    _, _, engine = setup
+    config = RolloutConfig(group_size=2, groups_per_batch=2, max_lag=4, solve_rate_window=2,
+                           solve_rate_period=4, sampling=SamplingParams(max_new_tokens=3))
+    it = iter(make_rollout(engine, config, AlwaysEnv(num_digits=2), size=200))
+    try:
+        positions = []
+        for _ in range(8):
+            positions += [g.position for g in next(it)]
+        state = it.get_state()
+        metrics = it.metrics()
+    finally:
+        it.close()
+    # After one round over the 4 distinct prompts each has solve rate 1 and is skipped (every
+    # 8th time it is revisited).
+    assert metrics.get("rollout/skipped_solved_or_unsolved", 0) > 0, (metrics, positions)
+    assert state["solve_rates"]["total_skipped"] > 0

@@ -32,6 +32,7 @@ import grain
 import numpy as np
 
 from rl_jax.envs.base import Environment, Prompt, score_many
+from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 from rl_jax.rollout.records import Group, Sample, pack_groups
@@ -49,6 +50,15 @@ class RolloutConfig:
     max_in_flight_groups: int | None = None
     sampling: SamplingParams = SamplingParams(max_new_tokens=32)
     max_retries: int = 3  # generation/scoring failures of one prompt before it is skipped
+    shaping: RewardShaping | None = None  # length penalties on top of the environment's reward
+    # DAPO-style dynamic sampling: a group whose rewards are all equal (no learning signal) is
+    # discarded and another prompt takes its place.
+    filter_zero_signal: bool = False
+    # Skip prompts whose solve rate over their last `solve_rate_window` samples is 0 or 1
+    # (None: never skip). Keys are the prompts' positions modulo `solve_rate_period` (the
+    # source length when the stream repeats epochs), so that epochs share a history.
+    solve_rate_window: int | None = None
+    solve_rate_period: int | None = None
 
 
 class RolloutIterator(grain.DatasetIterator):
@@ -67,6 +77,8 @@ class RolloutIterator(grain.DatasetIterator):
         self._lock = threading.Condition()
         self._groups: dict[int, Group] = {}
         self._failures: collections.Counter = collections.Counter()
+        self.solve_rates = None if config.solve_rate_window is None else SolveRateTracker(
+            window=config.solve_rate_window)
         self._exhausted = False
         self._error: BaseException | None = None
         self._closed = False
@@ -85,6 +97,8 @@ class RolloutIterator(grain.DatasetIterator):
             generator_version=state.get("generator_version"))
         self._next_position = int(state.get("next_position", 0))
         self._reissue = collections.deque(int(p) for p in state.get("pending", []))
+        if state.get("solve_rates") is not None and getattr(self, "solve_rates", None):
+            self.solve_rates.load_state_dict(state["solve_rates"])
 
     def start(self):
         """Starts rolling out (the first ``next()`` does it too)."""
@@ -143,7 +157,9 @@ class RolloutIterator(grain.DatasetIterator):
             pending = list(self._reissue) + [int(k) for k in self.gate.pending_keys()]
             return {"next_position": self._next_position, "pending": pending,
                     "trainer_version": self.gate.trainer_version,
-                    "generator_version": self.gate.generator_version}
+                    "generator_version": self.gate.generator_version,
+                    "solve_rates": None if self.solve_rates is None
+                    else self.solve_rates.state_dict()}
 
     def set_state(self, state: dict[str, Any]):
         """Resumes from a ``get_state()``; only before the iterator has started (requests
@@ -210,8 +226,16 @@ class RolloutIterator(grain.DatasetIterator):
         else:
             position = self._next_position
             self._next_position += 1
+            if self.solve_rates is not None and self.solve_rates.should_skip(
+                    self._prompt_key(position)):
+                self.counts["skipped_solved_or_unsolved"] += 1
+                return self._take_position()
         self.gate.admit(position)
         return position
+
+    def _prompt_key(self, position: int) -> int:
+        period = self.config.solve_rate_period
+        return position % period if period else position
 
     async def _rollout(self, position: int):
         cfg = self.config
@@ -225,6 +249,10 @@ class RolloutIterator(grain.DatasetIterator):
                 GenerateRequest(ids, sampling, rid=f"prompt-{position}-{self._failures[position]}"))
             texts = [self._decode(o.output_ids) for o in outputs]
             scores = await score_many(self._env, [prompt] * len(outputs), texts)
+            if cfg.shaping is not None:
+                scores = [(cfg.shaping.apply(r, len(o.output_ids),
+                                             truncated=o.finish_reason.get("type") == "length"),
+                           info) for (r, info), o in zip(scores, outputs)]
             samples = [Sample(group_id=position, prompt_ids=list(ids),
                               completion_ids=list(o.output_ids),
                               behaviour_logprobs=list(o.output_logprobs),
@@ -237,6 +265,15 @@ class RolloutIterator(grain.DatasetIterator):
                                    f"({[s.finish_reason for s in samples]})")
             group = Group(position=position, samples=samples, prompt=prompt)
             with self._lock:
+                if self.solve_rates is not None:
+                    self.solve_rates.update(self._prompt_key(position),
+                                            [bool(info.get("correct")) for _, info in scores])
+                if cfg.filter_zero_signal and np.ptp(group.rewards) == 0:
+                    self.gate.cancel(position)
+                    self.counts["filtered_zero_signal"] += 1
+                    self._lock.notify_all()
+                    self._wake.set()
+                    return
                 self._groups[position] = group
                 self.gate.complete(position, group.min_version)
                 self.counts["groups"] += 1
