@@ -21,11 +21,13 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     # Math answer checking (rl_jax.envs.math).
     "sympy==1.14.0",
+    # Generator HTTP server and client (rl_jax.generator.server / client).
+    "aiohttp>=3.9,<4",
 ]
 
 EXTRAS = {
     # torch is pinned to the CPU build; transformers is only a parity reference in tests.
-    "test": ["pytest>=8", "torch==2.13.0", "transformers==5.23.0"],
+    "test": ["pytest>=8", "torch==2.13.0", "transformers==5.23.0", "sglang-router==0.3.2"],
     # Real SGLang servers for GPU machines (needs CUDA).
     "sglang": ["sglang[srt]"],
 }

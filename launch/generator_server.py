@@ -1,0 +1,66 @@
+r"""Serves an HF checkpoint with the JAX engine over SGLang's HTTP API.
+
+    python -m launch.generator_server --model=DIR --port=30000 \
+        [--host=127.0.0.1 --max_slots=32 --max_seq_len=512 --dtype=float32 \
+         --tensor_parallel=1 --weight_version=0]
+
+Prints one line starting with "rl_jax generator server ready at http://HOST:PORT" once it
+answers requests; stops cleanly on SIGINT/SIGTERM. On CPU, --tensor_parallel=N forces N host
+devices unless XLA_FLAGS already sets a count.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory (config.json, "
+                             "*.safetensors, optionally tokenizer.json).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+_PORT = flags.DEFINE_integer("port", 30000, "Port to bind (0: any free port).")
+_MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "Sequences decoded together (KV slots).")
+_MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 512, "Prompt + completion tokens per slot.")
+_MAX_WAITING = flags.DEFINE_integer("max_waiting", 4096,
+                                    "Queued sequences before requests get 503.")
+_MAX_PREFILL = flags.DEFINE_integer("max_prefill_tokens", 2048,
+                                    "Prompt tokens prefilled per scheduler step.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                           "Parameter and computation dtype.")
+_TP = flags.DEFINE_integer("tensor_parallel", 1, "Devices the model is split over.")
+_VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
+_STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
+                            "honour (penalties, grammars, ...); --nostrict ignores them.")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile before reporting ready.")
+_NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models.")
+_PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
+flags.mark_flags_as_required(["model"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _TP.value > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+            "XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={_TP.value}")
+    from rl_jax.errors import USER_ERRORS
+    from rl_jax.generator import server
+
+    config = server.ServerConfig(
+        model=_MODEL.value, host=_HOST.value, port=_PORT.value, max_slots=_MAX_SLOTS.value,
+        max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
+        max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
+        weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
+        served_model_name=_NAME.value, parent_pid=_PARENT.value)
+    try:
+        server.run(config)
+    except USER_ERRORS as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # e.g. the port is taken
+        print(f"error: cannot serve on {config.host}:{config.port}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,398 @@
+"""Async HTTP client for a pool of generator servers (this project's or real SGLang servers).
+
+:class:`GeneratorClient` implements :class:`~rl_jax.generator.base.Generator` over N servers:
+
+- one pooled ``aiohttp.ClientSession`` (keep-alive connections to every server);
+- least-outstanding-requests balancing (ties rotate), counted from this client's view;
+- health checks: every ``health_check_interval`` for healthy servers, every
+  ``down_retry_interval`` for servers marked down; a connection error or timeout marks a server
+  down at once, a 5xx schedules an immediate probe;
+- a request that fails on one server (connection error, timeout, 5xx, 503 overload) is retried
+  on another, up to ``max_attempts`` in all; a 4xx is the request's fault and is raised at once
+  as :class:`GeneratorRequestError` (never retried);
+- control operations (pause, resume, abort, flush, weight updates) are broadcast to every
+  server. The last weight update and pause are re-applied to a server that comes back up, so a
+  restarted server does not serve stale weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from rl_jax.generator.base import Generator
+from rl_jax.generator.protocol import outputs_from_json, request_json
+from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError
+
+log = logging.getLogger(__name__)
+
+HEALTH_TICK_S = 0.05
+
+
+class GeneratorRequestError(GeneratorError):
+    """A server refused the request (HTTP 4xx); retrying elsewhere would not help."""
+
+    def __init__(self, message: str, *, status: int, url: str):
+        super().__init__(f"{url} answered {status}: {message}")
+        self.status = status
+        self.url = url
+
+
+class GeneratorUnavailable(RuntimeError):
+    """No server could serve the request (all down, or every attempt failed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    request_timeout: float = 3600.0  # s, one /generate attempt (long completions are slow)
+    control_timeout: float = 600.0  # s, control calls (a weight load can take minutes)
+    connect_timeout: float = 5.0  # s
+    max_attempts: int = 3  # per request, across servers
+    retry_backoff: float = 0.1  # s before the 2nd attempt, doubling after
+    health_check_interval: float = 10.0  # s between probes of healthy servers
+    down_retry_interval: float = 1.0  # s between probes of servers marked down
+    health_timeout: float = 5.0  # s
+    max_connections: int = 0  # total pooled connections (0: unlimited)
+
+
+@dataclasses.dataclass
+class ServerState:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0  # requests this client has in flight there
+    served: int = 0  # requests answered 200
+    failures: int = 0  # consecutive failed attempts or probes
+    next_probe: float = 0.0  # time.monotonic() of the next health check
+    weight_version: int | None = None  # as last seen
+
+
+class GeneratorClient(Generator):
+    """:class:`Generator` over HTTP servers speaking SGLang's API.
+
+    Use as ``async with GeneratorClient(urls) as client: ...`` (or call :meth:`close`). The
+    session and health checker start on first use, inside the running event loop.
+    """
+
+    def __init__(self, urls: Sequence[str], config: ClientConfig = ClientConfig()):
+        if not urls:
+            raise ValueError("GeneratorClient needs at least one server url")
+        self.config = config
+        self.servers = [ServerState(url.rstrip("/")) for url in urls]
+        self.stats: collections.Counter = collections.Counter()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self._rotation = itertools.count()
+        self._replay: dict[str, dict[str, Any]] = {}  # "weights"/"pause" -> last broadcast body
+        self._probe_locks: dict[str, asyncio.Lock] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def _ensure_started(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.config.max_connections),
+                timeout=aiohttp.ClientTimeout(total=None))
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.create_task(self._health_loop())
+        return self._session
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._probe_locks.clear()
+
+    # ---- HTTP -----------------------------------------------------------------------------------
+
+    async def _request(self, server: ServerState, method: str, path: str, body: Any = None,
+                       timeout: float | None = None) -> tuple[int, Any, dict[str, str]]:
+        """(status, JSON or text body, headers); raises aiohttp/asyncio errors on transport
+        failure."""
+        session = await self._ensure_started()
+        timeout = aiohttp.ClientTimeout(total=timeout or self.config.control_timeout,
+                                        sock_connect=self.config.connect_timeout)
+        async with session.request(method, server.url + path, json=body,
+                                   timeout=timeout) as response:
+            text = await response.text()
+            try:
+                data = await response.json(content_type=None) if text else None
+            except ValueError:
+                data = text
+            return response.status, data, dict(response.headers)
+
+    def _mark_down(self, server: ServerState, reason: str):
+        if server.healthy:
+            log.warning("generator server %s is down: %s", server.url, reason)
+            self.stats["marked_down"] += 1
+        server.healthy = False
+        server.failures += 1
+        server.next_probe = time.monotonic() + self.config.down_retry_interval
+
+    def _probe_soon(self, server: ServerState):
+        server.next_probe = time.monotonic()
+
+    # ---- health ---------------------------------------------------------------------------------
+
+    async def _probe(self, server: ServerState) -> bool:
+        lock = self._probe_locks.setdefault(server.url, asyncio.Lock())
+        if lock.locked():  # a probe (maybe restoring weights) is under way: share its result
+            async with lock:
+                return server.healthy
+        async with lock:
+            return await self._probe_unlocked(server)
+
+    async def _probe_unlocked(self, server: ServerState) -> bool:
+        try:
+            status, data, _ = await self._request(server, "GET", "/health",
+                                                  timeout=self.config.health_timeout)
+            ok = status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ok, data = False, repr(e)
+        if ok and not server.healthy:
+            ok = await self._recover(server)
+            if ok:
+                log.warning("generator server %s is back up", server.url)
+                self.stats["recovered"] += 1
+        if ok:
+            server.healthy, server.failures = True, 0
+            server.next_probe = time.monotonic() + self.config.health_check_interval
+        else:
+            self._mark_down(server, f"health check failed: {data!r:.200}")
+        return ok
+
+    async def _recover(self, server: ServerState) -> bool:
+        """Re-applies the last weight update and pause to a server that was down."""
+        try:
+            weights = self._replay.get("weights")
+            if weights is not None:
+                status, data, _ = await self._request(server, "GET", "/get_weight_version")
+                current = data.get("weight_version") if isinstance(data, dict) else None
+                if status != 200 or str(current) != str(weights["weight_version"]):
+                    status, data, _ = await self._request(server, "POST",
+                                                          "/update_weights_from_disk", weights)
+                    if status != 200:
+                        log.error("cannot restore weights on %s: %s", server.url, data)
+                        return False
+            pause = self._replay.get("pause")
+            if pause is not None:
+                status, _, _ = await self._request(server, "POST", "/pause_generation", pause)
+                if status != 200:
+                    return False
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+        return True
+
+    async def _health_loop(self):
+        while True:
+            now = time.monotonic()
+            due = [s for s in self.servers if s.next_probe <= now]
+            if due:
+                await asyncio.gather(*(self._probe(s) for s in due))
+            # Short ticks (no asyncio.wait_for: cancelling it can hang on Python 3.11) so that a
+            # probe scheduled by a failure runs within HEALTH_TICK_S.
+            wait = min(s.next_probe for s in self.servers) - time.monotonic()
+            await asyncio.sleep(min(max(wait, 0.0), HEALTH_TICK_S))
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probes every server now; url → healthy."""
+        await self._ensure_started()
+        results = await asyncio.gather(*(self._probe(s) for s in self.servers))
+        return {s.url: ok for s, ok in zip(self.servers, results)}
+
+    # ---- generate -------------------------------------------------------------------------------
+
+    def _pick(self, exclude: set[str]) -> ServerState | None:
+        healthy = [s for s in self.servers if s.healthy]
+        candidates = [s for s in healthy if s.url not in exclude] or healthy
+        if not candidates:
+            return None
+        start = next(self._rotation) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda s: s.outstanding)
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        """The ``n`` completions of ``request``, from the least-loaded healthy server."""
+        await self._ensure_started()
+        if request.rid is None:
+            request = dataclasses.replace(request, rid=uuid.uuid4().hex)
+        body = request_json(request)
+        tried: set[str] = set()
+        problems: list[str] = []
+        backoff = self.config.retry_backoff
+        for attempt in range(self.config.max_attempts):
+            if attempt:
+                self.stats["retries"] += 1
+                await asyncio.sleep(backoff)
+                backoff *= 2
+            server = self._pick(tried)
+            if server is None:
+                await asyncio.gather(*(self._probe(s) for s in self.servers))
+                server = self._pick(tried)
+            if server is None:
+                problems.append("no healthy server")
+                continue
+            tried.add(server.url)
+            server.outstanding += 1
+            self.stats["attempts"] += 1
+            try:
+                status, data, headers = await self._request(
+                    server, "POST", "/generate", body, timeout=self.config.request_timeout)
+            except asyncio.TimeoutError:
+                problems.append(f"{server.url}: timed out after {self.config.request_timeout} s")
+                # Free the rid there before a retry could land on the same server.
+                await self._abort_on(server, request.rid)
+                self._probe_soon(server)
+                continue
+            except (aiohttp.ClientError, OSError) as e:
+                problems.append(f"{server.url}: {e!r}")
+                self._mark_down(server, repr(e))
+                continue
+            finally:
+                server.outstanding -= 1
+            if status == 200:
+                server.served += 1
+                server.failures = 0
+                outputs = outputs_from_json(data, request)
+                if outputs and outputs[0].output_versions:
+                    server.weight_version = max(outputs[0].output_versions)
+                return outputs
+            message = _message(data)
+            if status == 503:
+                self.stats["overloaded"] += 1
+                problems.append(f"{server.url}: overloaded ({message})")
+                backoff = max(backoff, _retry_after(headers))
+                continue
+            if status >= 500:
+                problems.append(f"{server.url}: {status} {message}")
+                self._probe_soon(server)
+                continue
+            raise GeneratorRequestError(message, status=status, url=server.url)
+        self.stats["failed"] += 1
+        raise GeneratorUnavailable(f"request {request.rid} failed after "
+                                   f"{self.config.max_attempts} attempts: {'; '.join(problems)}")
+
+    async def _abort_on(self, server: ServerState, rid: str):
+        try:
+            await self._request(server, "POST", "/abort_request", {"rid": rid},
+                                timeout=self.config.health_timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass
+
+    # ---- broadcast control ----------------------------------------------------------------------
+
+    async def broadcast(self, method: str, path: str, body: Any = None
+                        ) -> dict[str, tuple[int, Any]]:
+        """Sends one call to every server marked up; url → (status, body). Unreachable servers
+        are marked down (and get the replayed state when they recover)."""
+        await self._ensure_started()
+
+        async def one(server):
+            try:
+                status, data, _ = await self._request(server, method, path, body)
+                return status, data
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._mark_down(server, repr(e))
+                return None, repr(e)
+
+        targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            await self.check_health()
+            targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            raise GeneratorUnavailable(f"{method} {path}: no generator server is up")
+        results = dict(zip((s.url for s in targets), await asyncio.gather(*map(one, targets))))
+        refused = {url: r for url, r in results.items() if r[0] is not None and r[0] >= 400}
+        if refused:
+            url, (status, data) = next(iter(refused.items()))
+            if all(400 <= r[0] < 500 for r in refused.values()):
+                raise GeneratorRequestError(f"{path}: {_message(data)}", status=status, url=url)
+            raise GeneratorUnavailable(f"{path} failed on {sorted(refused)}: {_message(data)}")
+        if all(r[0] is None for r in results.values()):
+            raise GeneratorUnavailable(f"{path}: no server answered: {results}")
+        return results
+
+    async def update_weights_from_disk(self, model_path: str | Path, version: int | None = None,
+                                       *, abort_all_requests: bool = False,
+                                       flush_cache: bool = False) -> int:
+        """Every server loads ``model_path`` (a directory each server can read) as ``version``
+        (default: the highest current version + 1)."""
+        if version is None:
+            version = max(v for v in (await self.weight_versions()).values()) + 1
+        body = {"model_path": str(model_path), "weight_version": str(int(version)),
+                "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
+        await self.broadcast("POST", "/update_weights_from_disk", body)
+        self._replay["weights"] = body
+        for s in self.servers:
+            if s.healthy:
+                s.weight_version = int(version)
+        return int(version)
+
+    async def weight_versions(self) -> dict[str, int]:
+        """url → weight version of every server up (-1 where it is not an integer)."""
+        results = await self.broadcast("GET", "/get_weight_version")
+        versions = {}
+        for url, (status, data) in results.items():
+            if status == 200 and isinstance(data, dict):
+                try:
+                    versions[url] = int(data.get("weight_version"))
+                except (TypeError, ValueError):
+                    versions[url] = -1
+        return versions
+
+    async def weight_version(self) -> int:
+        return min((await self.weight_versions()).values())
+
+    async def pause(self, mode: str = "abort") -> None:
+        body = {"mode": mode}
+        await self.broadcast("POST", "/pause_generation", body)
+        self._replay["pause"] = body
+
+    async def resume(self) -> None:
+        self._replay.pop("pause", None)
+        await self.broadcast("POST", "/continue_generation", {})
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self.broadcast("POST", "/abort_request",
+                             {"rid": rid or "", "abort_all": rid is None})
+
+    async def flush_cache(self) -> bool:
+        try:
+            await self.broadcast("POST", "/flush_cache")
+        except GeneratorRequestError:  # a server with running sequences refuses (400)
+            return False
+        return True
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Per-server state as this client sees it (for logs and tests)."""
+        return [dataclasses.asdict(s) for s in self.servers]
+
+
+def _message(data: Any) -> str:
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+    return f"{data!r:.500}"
+
+
+def _retry_after(headers: dict[str, str]) -> float:
+    try:
+        return min(float(headers.get("Retry-After", 0)), 30.0)
+    except ValueError:
+        return 0.0

@@ -1,0 +1,239 @@
+"""Starts a pool of generator servers from one config block and stops it cleanly.
+
+``kind = "rl_jax"`` runs this project's JAX server (``python -m launch.generator_server``);
+``kind = "sglang"`` runs real SGLang servers (``python -m sglang.launch_server``, needs the
+``[sglang]`` extra and GPUs; server ``i`` gets GPUs ``i*tp .. i*tp+tp-1`` via
+``--base-gpu-id``). Both speak the same API, so :class:`~rl_jax.generator.client.
+GeneratorClient` drives either::
+
+    with ServerPool(PoolConfig(model="ckpt", ports=(30001, 30002))) as pool:
+        async with GeneratorClient(pool.urls) as client: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+KINDS = ("rl_jax", "sglang")
+# What rl_jax.generator.server prints once it serves.
+READY_LINE = re.compile(r"rl_jax generator server ready at http://\S+:(\d+)\s")
+
+
+class LaunchError(RuntimeError):
+    """A server did not start (bad config, missing package, crash or timeout)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """The ``generator`` block of a recipe config."""
+
+    model: str  # HF checkpoint directory (or hub id, for SGLang)
+    kind: str = "rl_jax"  # "rl_jax" | "sglang"
+    host: str = "127.0.0.1"
+    ports: tuple[int, ...] = (30000,)  # one server per port; 0: any free port
+    max_slots: int = 32  # rl_jax --max_slots / sglang --max-running-requests
+    max_seq_len: int = 512  # rl_jax --max_seq_len / sglang --context-length
+    max_waiting: int = 4096  # rl_jax only
+    dtype: str = "float32"  # sglang also accepts "auto"
+    tensor_parallel: int = 1
+    weight_version: int = 0
+    extra_args: tuple[str, ...] = ()  # appended to every server's command line
+    env: tuple[tuple[str, str], ...] = ()  # extra environment variables
+    startup_timeout: float = 900.0  # s until /health answers 200
+    log_dir: str | None = None  # server logs (default: a temporary directory)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise LaunchError(f"generator kind must be one of {KINDS}, got {self.kind!r}")
+        if not self.ports:
+            raise LaunchError("the generator pool needs at least one port")
+
+    @classmethod
+    def from_config(cls, block: Any) -> "PoolConfig":
+        """From an ``ml_collections.ConfigDict``, a mapping or a PoolConfig."""
+        if isinstance(block, cls):
+            return block
+        values = dict(block.to_dict() if hasattr(block, "to_dict") else block)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise LaunchError(f"unknown generator pool settings {unknown}; known: {sorted(known)}")
+        for name in ("ports", "extra_args"):
+            if name in values:
+                values[name] = tuple(values[name])
+        if "env" in values:
+            env = values["env"]
+            values["env"] = tuple((env.items() if isinstance(env, Mapping) else env))
+        return cls(**values)
+
+
+def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
+    """The command line of server ``index`` listening on ``port``."""
+    c = config
+    if c.kind == "rl_jax":
+        cmd = [sys.executable, "-m", "launch.generator_server", f"--model={c.model}",
+               f"--host={c.host}", f"--port={port}", f"--max_slots={c.max_slots}",
+               f"--max_seq_len={c.max_seq_len}", f"--max_waiting={c.max_waiting}",
+               f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",
+               f"--weight_version={c.weight_version}", f"--parent_pid={os.getpid()}"]
+    else:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model,
+               "--host", c.host, "--port", str(port), "--tp-size", str(c.tensor_parallel),
+               "--base-gpu-id", str(index * c.tensor_parallel), "--dtype", c.dtype,
+               "--max-running-requests", str(c.max_slots),
+               "--context-length", str(c.max_seq_len),
+               "--weight-version", str(c.weight_version)]
+    return cmd + list(c.extra_args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ServerPool:
+    """Server processes started from a :class:`PoolConfig` (a context manager)."""
+
+    def __init__(self, config: PoolConfig | Mapping[str, Any] | Any):
+        self.config = PoolConfig.from_config(config)
+        # Port 0: this project's servers bind a free port themselves and print it (no race with
+        # other processes); SGLang cannot, so a free port is picked for it here.
+        own = self.config.kind == "rl_jax"
+        self.ports = [p or (0 if own else free_port(self.config.host)) for p in self.config.ports]
+        self.processes: list[subprocess.Popen | None] = [None] * len(self.ports)
+        self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="rl_jax-generators-"))
+        self.log_files = [self.log_dir / f"{self.config.kind}-server-{i}.log"
+                          for i in range(len(self.ports))]
+        self._log_offsets = [0] * len(self.ports)
+        self.env = {**os.environ, **dict(self.config.env)}
+        if self.config.kind == "rl_jax":  # `launch` must be importable from the subprocess
+            root = str(Path(__file__).resolve().parents[2])
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (root, self.env.get("PYTHONPATH")) if p)
+
+    @property
+    def urls(self) -> list[str]:
+        host = self.config.host
+        host = f"[{host}]" if ":" in host else host  # IPv6
+        return [f"http://{host}:{p}" for p in self.ports]
+
+    def commands(self) -> list[list[str]]:
+        return [server_command(self.config, p, i) for i, p in enumerate(self.ports)]
+
+    def start(self, wait: bool = True) -> "ServerPool":
+        if self.config.kind == "sglang" and importlib.util.find_spec("sglang") is None:
+            raise LaunchError("generator kind 'sglang' needs the sglang package: "
+                              "pip install 'rl_jax[sglang]' (CUDA machines)")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(len(self.ports)):
+            self.start_server(i, wait=False)
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def start_server(self, index: int, *, wait: bool = True):
+        """(Re)starts server ``index`` (e.g. after it died)."""
+        cmd = server_command(self.config, self.ports[index], index)
+        with open(self.log_files[index], "ab") as log:
+            self._log_offsets[index] = log.tell()
+            self.processes[index] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, start_new_session=True)
+        if wait:
+            self.wait_healthy([index])
+
+    def wait_healthy(self, indices: list[int] | None = None):
+        indices = list(range(len(self.ports))) if indices is None else indices
+        deadline = time.monotonic() + self.config.startup_timeout
+        pending = set(indices)
+        while pending:
+            for i in sorted(pending):
+                process = self.processes[i]
+                if process.poll() is not None:
+                    self.stop()
+                    raise LaunchError(f"generator server on port {self.ports[i]} exited with "
+                                      f"code {process.returncode}:\n{self.log_tail(i)}")
+                if not self.ports[i]:
+                    self.ports[i] = self._announced_port(i)
+                if self.ports[i] and _healthy(self.urls[i]):
+                    pending.discard(i)
+            if pending and time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"generator servers {sorted(self.urls[i] for i in pending)} "
+                                  f"not healthy after {self.config.startup_timeout:.0f} s")
+            if pending:
+                time.sleep(0.2)
+
+    def _announced_port(self, index: int) -> int:
+        """The port in the server's ready line (0 while it has not printed it)."""
+        try:
+            with open(self.log_files[index], "rb") as log:
+                log.seek(self._log_offsets[index])
+                match = READY_LINE.search(log.read().decode(errors="replace"))
+        except OSError:
+            return 0
+        return int(match.group(1)) if match else 0
+
+    def log_tail(self, index: int, lines: int = 30) -> str:
+        try:
+            text = self.log_files[index].read_text(errors="replace")
+            return "\n".join(text.splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self, index: int, sig: int = signal.SIGKILL):
+        """Sends ``sig`` to server ``index``'s process group (tests: simulate a crash)."""
+        process = self.processes[index]
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                process.wait()
+
+    def stop(self, timeout: float = 30.0):
+        """SIGTERM to every server's process group, SIGKILL to what is left after ``timeout``."""
+        alive = [p for p in self.processes if p is not None and p.poll() is None]
+        for p in alive:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in alive:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+
+    def __enter__(self) -> "ServerPool":
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen, sig: int):
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass

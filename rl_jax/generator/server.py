@@ -1,0 +1,604 @@
+"""HTTP server speaking SGLang's API in front of one in-process :class:`Engine`.
+
+One process: an aiohttp event loop answers HTTP while the engine's scheduler thread decodes;
+``/generate`` awaits the engine's futures (``asyncio.wrap_future``), and blocking engine calls
+(pause, abort, flush, weight loading) run in worker threads so the loop keeps answering health
+probes. Endpoints (SGLang's names; the router probes the ``/server_info``-style aliases too):
+
+  POST /generate                    text or input_ids (single or batch), sampling_params, ...
+  GET  /health, /health_generate    200 while the engine runs (the latter generates one token)
+  GET  /get_model_info, /model_info       model_path, is_generation, weight_version, ...
+  GET  /get_server_info, /server_info     server arguments, load, engine counters
+  GET  /get_load                    {"load": running + waiting sequences}
+  GET  /get_weight_version          {"weight_version": int}
+  GET/POST /flush_cache             clears the KV cache (400 while sequences run)
+  POST /abort_request               {rid, abort_all}
+  POST /pause_generation            {mode: abort | retract | in_place}
+  POST /continue_generation
+  POST /update_weights_from_disk    {model_path, load_format, abort_all_requests,
+                                     weight_version, flush_cache}; an in-flight swap
+  GET  /v1/models                   OpenAI-style model list
+
+Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for malformed or unservable
+requests (which fields are honoured, ignored or refused: see ``protocol``), 404 for unknown
+paths, 503 with ``Retry-After`` when the waiting queue is full, 503 once the engine has stopped.
+A client that disconnects has its requests aborted. Weight versions are integers (SGLang uses
+strings); every token's version is in ``meta_info.output_token_weight_versions``.
+
+Differences from SGLang worth knowing: the engine stops on token ids only, so ``stop`` strings
+are applied to the finished completion (decoding continues until a stop token or
+``max_new_tokens``); ``stream: true`` sends one event per finished completion rather than
+incremental text; ``/update_weights_from_disk`` swaps weights in flight instead of waiting for
+running requests to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+import rl_jax
+from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
+from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
+                                       error_json, output_json, parse_generate)
+from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
+from rl_jax.models.config import DTYPES, ConfigError, ModelConfig
+from rl_jax.models.hf import CheckpointError, load_pretrained, load_tokenizer, read_config
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 512 << 20
+SWAP_TIMEOUT_S = 300.0
+# Fields that may differ between checkpoints served by one engine (its compiled functions
+# close over everything else).
+_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str  # HF checkpoint directory (config.json, *.safetensors, optional tokenizer.json)
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0 picks a free port (printed in the ready line)
+    max_slots: int = 32
+    max_seq_len: int = 512
+    max_waiting: int = 4096
+    max_prefill_tokens: int = 2048
+    dtype: str = "float32"
+    tensor_parallel: int = 1
+    weight_version: int = 0
+    strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
+    warmup: bool = True  # compile prefill/decode before reporting ready
+    served_model_name: str | None = None
+    parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
+
+
+class EngineStopped(RuntimeError):
+    """The engine's scheduler thread is not running (HTTP 503): nothing would be served."""
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+def make_generator_mesh(tensor_parallel: int):
+    """None for one device, else a ``(data=1, fsdp=1, tensor=tp)`` mesh over the first devices."""
+    if tensor_parallel <= 1:
+        return None
+    import jax
+
+    from rl_jax.sharding import ShardingError, make_mesh
+    devices = jax.devices()
+    if len(devices) < tensor_parallel:
+        raise ShardingError(f"tensor_parallel={tensor_parallel} needs {tensor_parallel} "
+                              f"devices, {len(devices)} are available")
+    return make_mesh(data=1, fsdp=1, tensor=tensor_parallel, devices=devices[:tensor_parallel])
+
+
+def load_params(model_dir: str | Path, *, mesh, rules, dtype) -> tuple[ModelConfig, dict]:
+    """Reads an HF checkpoint into the engine's parameter dict, placed for ``mesh``."""
+    from flax import nnx
+    model = load_pretrained(model_dir, mesh, dtype, rules=rules)
+    return model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def incompatibilities(current: ModelConfig, new: ModelConfig) -> list[str]:
+    """Why ``new`` cannot replace ``current`` in a running engine ([] when it can)."""
+    return [f"{f.name}: {getattr(current, f.name)!r} -> {getattr(new, f.name)!r}"
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in _TOKEN_FIELDS and getattr(current, f.name) != getattr(new, f.name)]
+
+
+def check_update(current: ModelConfig, model_dir: str | Path) -> ModelConfig:
+    """The config of ``model_dir`` if its weights can be swapped into an engine serving
+    ``current``; raises :class:`CheckpointError` otherwise."""
+    new = read_config(model_dir)
+    problems = incompatibilities(current, new)
+    if problems:
+        raise CheckpointError(f"checkpoint {str(model_dir)!r} does not match the served model "
+                              f"({'; '.join(problems)})")
+    return new
+
+
+def eos_ids(config: ModelConfig) -> tuple[int, ...]:
+    eos = config.eos_token_id
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def parse_version(value: Any, current: int) -> int:
+    """A request's ``weight_version`` (int or integer string; None → current + 1)."""
+    if value is None:
+        return current + 1
+    if isinstance(value, bool):
+        raise ProtocolError(f"weight_version must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"weight_version must be an integer (this engine counts optimizer "
+                            f"steps), got {value!r}") from None
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+class GeneratorServer:
+    """The aiohttp application around one engine (built by :meth:`from_config`)."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, *, tokenizer=None, mesh=None,
+                 rules=None, dtype=None):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = tokenizer
+        self.mesh, self.rules, self.dtype = mesh, rules, dtype
+        self.model_path = str(config.model)
+        self.started = time.time()
+        self.http_requests: collections.Counter = collections.Counter()  # path -> count
+        self._groups: dict[str, list[str]] = {}  # HTTP-level rid -> engine rids
+        self._update_lock: asyncio.Lock | None = None
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> "GeneratorServer":
+        from rl_jax.generator.runner import generator_rules
+        for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
+                     "tensor_parallel"):
+            if getattr(config, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
+        if config.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        dtype = DTYPES[config.dtype]
+        mesh = make_generator_mesh(config.tensor_parallel)
+        rules = generator_rules()
+        model_config, params = load_params(config.model, mesh=mesh, rules=rules, dtype=dtype)
+        tokenizer = None
+        if (Path(config.model) / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(config.model)
+        engine = Engine(model_config, params, version=config.weight_version, mesh=mesh,
+                        rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
+                        engine_config=EngineConfig(
+                            max_slots=config.max_slots, max_seq_len=config.max_seq_len,
+                            max_waiting=config.max_waiting,
+                            max_prefill_tokens=config.max_prefill_tokens))
+        server = cls(engine, config, tokenizer=tokenizer, mesh=mesh, rules=rules, dtype=dtype)
+        if config.warmup:
+            server.warmup()
+        return server
+
+    def warmup(self):
+        """Compiles prefill, decode and sampling with one short greedy request."""
+        steps = min(2, self.config.max_seq_len - 1)
+        if steps > 0:
+            self.engine.generate(GenerateRequest(
+                [0], SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True),
+                rid="warmup"), timeout=600)
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.model_path
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def alive(self) -> bool:
+        return self.engine._thread.is_alive()  # the scheduler thread; dead after shutdown/crash
+
+    def _require_alive(self):
+        """Engine calls block until the scheduler thread applies them: refuse them once it is
+        gone instead of hanging."""
+        if not self.alive():
+            raise EngineStopped("the engine's scheduler is not running")
+
+    async def _abort(self, rids: list[str]):
+        for rid in rids:
+            await asyncio.to_thread(self.engine.abort, rid)
+
+    # ---- /generate ------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._require_alive()
+        parsed = parse_generate(
+            body, tokenize=self._tokenize if self.tokenizer else None,
+            vocab_size=self.engine.config.vocab_size, max_seq_len=self.config.max_seq_len,
+            strict=self.config.strict)
+        for item in parsed.items:
+            if item.request.sampling.n > self.config.max_waiting:
+                raise ProtocolError(f"n={item.request.sampling.n} exceeds this server's queue "
+                                    f"limit of {self.config.max_waiting} sequences")
+        futures = []
+        try:
+            for item in parsed.items:
+                futures.append(asyncio.wrap_future(self.engine.submit(item.request)))
+        except (GeneratorError, Overloaded):
+            await self._abort([it.request.rid for it in parsed.items[:len(futures)]])
+            raise
+        group = body.get("rid") if isinstance(body.get("rid"), str) else None
+        engine_rids = [it.request.rid for it in parsed.items]
+        if group:
+            self._groups[group] = engine_rids
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, futures)
+            results = await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # the client went away: stop spending compute on it
+            await asyncio.shield(self._abort(engine_rids))
+            raise
+        finally:
+            if group:
+                self._groups.pop(group, None)
+        answers = [self._answer(parsed, i, out)
+                   for i, outs in enumerate(results) for out in outs]
+        return _json_response(answers if parsed.as_list else answers[0])
+
+    def _answer(self, parsed: ParsedGenerate, i: int, out) -> dict[str, Any]:
+        item = parsed.items[i]
+        if self.tokenizer is not None and item.stop_strings:
+            out = apply_stop_strings(out, item.stop_strings,
+                                     lambda ids: self._decode(ids, item.skip_special_tokens))
+        return output_json(out, item, weight_version=self.engine.version,
+                           decode=self._decode if self.tokenizer else None,
+                           token_text=self._token_text if self.tokenizer else None,
+                           return_text_in_logprobs=parsed.return_text_in_logprobs)
+
+    async def _stream(self, request, parsed: ParsedGenerate, futures) -> web.StreamResponse:
+        """Server-sent events: one ``data:`` event per finished completion (with its ``index``
+        in the flattened, prompt-major answer list for batches), then ``data: [DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        offsets = [0]
+        for item in parsed.items:
+            offsets.append(offsets[-1] + item.request.sampling.n)
+        pending = {f: i for i, f in enumerate(futures)}
+        try:
+            await self._stream_events(response, parsed, pending, offsets)
+        except ConnectionResetError:  # the client went away
+            await self._abort([parsed.items[i].request.rid for i in pending.values()])
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _stream_events(self, response, parsed, pending, offsets):
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for f in done:
+                i = pending.pop(f)
+                try:
+                    outs = f.result()
+                except Exception as e:  # headers are sent: report in-band, as SGLang does
+                    await _sse(response, error_json(str(e), "internal_error", 500))
+                    continue
+                for j, out in enumerate(outs):
+                    chunk = self._answer(parsed, i, out)
+                    if parsed.as_list:
+                        chunk["index"] = offsets[i] + j
+                    await _sse(response, chunk)
+
+    # ---- control --------------------------------------------------------------------------------
+
+    async def health(self, request):
+        if not self.alive():
+            return _error("the engine's scheduler is not running", "unavailable", 503)
+        return _json_response({"status": "ok", "weight_version": self.engine.version,
+                               "paused": self.engine.paused})
+
+    async def health_generate(self, request):
+        """Generates one token unless the engine is paused or already busy (then its scheduler
+        being alive is enough, as in SGLang)."""
+        if not self.alive():
+            return _error("the engine's scheduler is not running", "unavailable", 503)
+        load = self.engine.load()
+        if self.engine.paused or load["running"] or load["waiting"]:
+            return await self.health(request)
+        probe = GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0,
+                                                    ignore_eos=True))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.submit(probe)), 20)
+        except (asyncio.TimeoutError, Overloaded, GeneratorError) as e:
+            return _error(f"health generation failed: {e!r}", "unavailable", 503)
+        return await self.health(request)
+
+    def _model_info(self) -> dict[str, Any]:
+        cfg = self.engine.config
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path if
+                self.tokenizer else None, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.engine.version,
+                "served_model_name": self.served_model_name, "architecture": cfg.architecture,
+                "vocab_size": cfg.vocab_size, "max_seq_len": self.config.max_seq_len,
+                "eos_token_ids": list(eos_ids(cfg))}
+
+    async def model_info(self, request):
+        return _json_response(self._model_info())
+
+    async def server_info(self, request):
+        c = self.config
+        load = self.engine.load()
+        return _json_response({
+            **self._model_info(), "host": c.host, "port": request.url.port or c.port,
+            "tp_size": c.tensor_parallel, "dp_size": 1, "dtype": c.dtype,
+            "max_running_requests": c.max_slots, "context_length": c.max_seq_len,
+            "max_total_num_tokens": c.max_slots * c.max_seq_len,
+            "max_queued_requests": c.max_waiting, "max_prefill_tokens": c.max_prefill_tokens,
+            "strict_sampling_params": c.strict, "paused": self.engine.paused,
+            "version": f"rl_jax-{rl_jax.__version__}",
+            "internal_states": [{**load, **dict(self.engine.stats)}],
+            "http_requests": dict(self.http_requests)})
+
+    async def get_load(self, request):
+        load = self.engine.load()
+        return _json_response({"load": load["running"] + load["waiting"], **load})
+
+    async def weight_version(self, request):
+        return _json_response({"weight_version": self.engine.version})
+
+    async def models(self, request):
+        return _json_response({"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": int(self.started),
+            "owned_by": "rl_jax", "root": self.model_path,
+            "max_model_len": self.config.max_seq_len}]})
+
+    async def flush_cache(self, request):
+        self._require_alive()
+        if await asyncio.to_thread(self.engine.flush_cache):
+            return _json_response({"success": True, "message": "Cache flushed."})
+        return _json_response({"success": False, "message": "Cache not flushed: sequences are "
+                               "running (retry when idle)."}, status=400)
+
+    async def abort_request(self, request):
+        self._require_alive()
+        body = await _json_body(request, optional=True)
+        rid = body.get("rid")
+        abort_all = body.get("abort_all", False)
+        if rid is not None and not isinstance(rid, str):
+            raise ProtocolError(f"rid must be a string, got {rid!r}")
+        if not isinstance(abort_all, bool):
+            raise ProtocolError(f"abort_all must be true or false, got {abort_all!r}")
+        if abort_all:
+            await asyncio.to_thread(self.engine.abort, None)
+        elif rid:
+            await self._abort(list(dict.fromkeys([rid, *self._groups.get(rid, ())])))
+        else:
+            raise ProtocolError("give rid or abort_all=true")
+        return _json_response({"success": True})
+
+    async def pause_generation(self, request):
+        self._require_alive()
+        body = await _json_body(request, optional=True)
+        mode = body.get("mode") or "abort"
+        if mode not in PAUSE_MODES:
+            raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        await asyncio.to_thread(self.engine.pause, mode)
+        return _json_response({"message": "Generation paused successfully.", "status": "ok",
+                               "mode": mode})
+
+    async def continue_generation(self, request):
+        self._require_alive()
+        await _json_body(request, optional=True)
+        await asyncio.to_thread(self.engine.resume)
+        return _json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights_from_disk(self, request):
+        """Loads an HF checkpoint of the same shape and swaps it in between two decode steps;
+        running sequences continue under the new version (no pause needed)."""
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("model_path (an HF checkpoint directory) is required")
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", "safetensors"):
+            raise ProtocolError(f"load_format={load_format!r} is not supported "
+                                f"(HF safetensors directories only: auto or safetensors)")
+        for name in ("abort_all_requests", "flush_cache"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise ProtocolError(f"{name} must be true or false, got {body[name]!r}")
+        self._require_alive()
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            version = parse_version(body.get("weight_version"), self.engine.version)
+            try:
+                check_update(self.engine.config, path)
+                _, params = await asyncio.to_thread(load_params, path, mesh=self.mesh,
+                                                    rules=self.rules, dtype=self.dtype)
+            except CheckpointError as e:
+                return _json_response({"success": False, "message": str(e),
+                                       **error_json(str(e), "invalid_request_error", 400)},
+                                      status=400)
+            if body.get("abort_all_requests"):
+                await asyncio.to_thread(self.engine.abort, None)
+            start = time.perf_counter()
+            self.engine.update_weights(params, version)
+            swapped = await asyncio.to_thread(wait_for_swap, self.engine, params)
+            if not swapped:
+                return _error(f"the engine did not apply the new weights within "
+                              f"{SWAP_TIMEOUT_S:.0f} s", "internal_error", 500)
+            if body.get("flush_cache", True):
+                await asyncio.to_thread(self.engine.flush_cache)
+            self.model_path = path
+        return _json_response({
+            "success": True, "num_paused_requests": 0, "weight_version": version,
+            "message": f"Succeeded to update model weights from {path}; weight version "
+                       f"{version} (swapped in {1000 * (time.perf_counter() - start):.0f} ms)."})
+
+    # ---- app ------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def count(request, handler):
+            self.http_requests[request.path] += 1
+            return await handler(request)
+
+        app = web.Application(middlewares=[count, _errors_middleware],
+                              client_max_size=MAX_BODY_BYTES)
+        add = app.router.add_route
+        for method in ("POST", "PUT"):
+            add(method, "/generate", self.generate)
+        for path, handler in (("/health", self.health), ("/health_generate", self.health_generate),
+                              ("/get_model_info", self.model_info),
+                              ("/model_info", self.model_info),
+                              ("/get_server_info", self.server_info),
+                              ("/server_info", self.server_info), ("/get_load", self.get_load),
+                              ("/get_weight_version", self.weight_version),
+                              ("/v1/models", self.models)):
+            add("GET", path, handler)
+        for method in ("GET", "POST"):
+            add(method, "/flush_cache", self.flush_cache)
+        for path, handler in (("/abort_request", self.abort_request),
+                              ("/pause_generation", self.pause_generation),
+                              ("/continue_generation", self.continue_generation),
+                              ("/update_weights_from_disk", self.update_weights_from_disk)):
+            add("POST", path, handler)
+        return app
+
+    async def serve(self, stop: asyncio.Event | None = None):
+        """Serves until ``stop`` is set (or SIGINT/SIGTERM), then shuts the engine down."""
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"rl_jax generator server ready at http://{self.config.host}:{port} "
+              f"(model {self.model_path}, weight version {self.engine.version}, "
+              f"max_slots {self.config.max_slots}, max_seq_len {self.config.max_seq_len})",
+              flush=True)
+        watchdog = (asyncio.create_task(_exit_with_parent(self.config.parent_pid, stop))
+                    if self.config.parent_pid > 0 else None)
+        try:
+            await stop.wait()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            await runner.cleanup()
+            await asyncio.to_thread(self.engine.shutdown)
+
+
+def run(config: ServerConfig):
+    """Loads the model, starts the engine and serves HTTP until SIGINT/SIGTERM."""
+    server = GeneratorServer.from_config(config)
+    asyncio.run(server.serve())
+
+
+# ---- plumbing -----------------------------------------------------------------------------------
+
+async def _exit_with_parent(parent_pid: int, stop: asyncio.Event, interval: float = 1.0):
+    """Sets ``stop`` once process ``parent_pid`` is gone (a killed test run or launcher must not
+    leave servers behind). A direct parent is gone as soon as this process is re-parented."""
+    def alive():
+        if direct:
+            return os.getppid() == parent_pid
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    direct = os.getppid() == parent_pid
+    while alive():
+        await asyncio.sleep(interval)
+    log.warning("parent process %d is gone; shutting down", parent_pid)
+    stop.set()
+
+
+def wait_for_swap(engine: Engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while engine.params is not params:
+        if time.monotonic() > deadline or not engine._thread.is_alive():
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _json_response(data: Any, status: int = 200, headers=None) -> web.Response:
+    return web.Response(text=json.dumps(data), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def _error(message: str, kind: str, status: int, headers=None) -> web.Response:
+    return _json_response(error_json(message, kind, status), status=status, headers=headers)
+
+
+async def _sse(response: web.StreamResponse, data: Any):
+    await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
+async def _json_body(request: web.Request, optional: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise ProtocolError("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except Overloaded as e:
+        return _error(str(e), "overloaded", 503, headers={"Retry-After": "1"})
+    except EngineStopped as e:
+        return _error(str(e), "unavailable", 503)
+    except (GeneratorError, CheckpointError) as e:
+        return _error(str(e), "invalid_request_error", 400)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+            e.status, "http_error")
+        message = {404: f"no endpoint {request.path}",
+                   405: f"{request.method} is not allowed on {request.path}"}.get(e.status,
+                                                                                  e.reason)
+        return _error(message, kind, e.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("error serving %s %s", request.method, request.path)
+        return _error(f"{type(e).__name__}: {e}", "internal_error", 500)
