@@ -23,6 +23,8 @@ INSTALL_REQUIRES = [
     "sympy==1.14.0",
     # Generator HTTP server and client (rl_jax.generator.server / client).
     "aiohttp>=3.9,<4",
+    # Per-tensor checksums of transferred weights (rl_jax.transfer).
+    "xxhash==4.1.0",
 ]
 
 EXTRAS = {

@@ -1,0 +1,84 @@
+"""Configuration of the publisher (trainer side) and of pullers (generator side)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+# Transports, fastest first on one host (see benchmarks/transfer_throughput.py):
+#   shm           staging buffers in shared memory, read by pullers on the same host
+#   socket        the same safetensors-format chunks streamed over HTTP (sendfile)
+#   jax_transfer  device-to-device through jax.experimental.transfer
+#   disk          an HF safetensors directory (the fallback; also what SGLang servers load)
+TRANSPORTS = ("shm", "socket", "jax_transfer", "disk")
+HOST_TRANSPORTS = ("shm", "socket")  # both read the publisher's staging buffers
+
+
+def default_staging_dir() -> str:
+    """Shared memory when the host has it (``/dev/shm``), else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+        else tempfile.gettempdir()
+
+
+@dataclasses.dataclass(frozen=True)
+class PublisherConfig:
+    """Trainer side.
+
+    Attributes:
+      host, port: where the HTTP control channel (and the socket transport) listens; port 0
+        picks a free port (``Publisher.url`` tells which).
+      transports: what the publisher prepares for each version (a subset of ``TRANSPORTS``).
+        Each layout is prepared only for the transports its pullers asked for.
+      staging_dir: parent directory of the host staging buffers (shm/socket). Shared memory
+        by default.
+      disk_dir: where ``disk`` versions are written (``<disk_dir>/v<version>``, only the
+        newest kept); required when ``disk`` is enabled.
+      chunk_bytes: target size of one safetensors chunk (a tensor shard larger than this is a
+        chunk of its own).
+      num_transport_addresses: parallel streams of the jax transfer server; pullers must use
+        the same number (the manifest carries it, and a mismatch is refused, not aborted).
+      ticket_ttl_s: how long a jax-transfer pull ticket stays valid on the publisher (an
+        unused ticket of a dead generator expires then and frees its hold on the arrays).
+      layout_ttl_s: a registered layout whose generators have not asked for a manifest for
+        this long is no longer prepared.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    transports: tuple[str, ...] = ("shm", "socket", "jax_transfer")
+    staging_dir: str | None = None
+    disk_dir: str | None = None
+    chunk_bytes: int = 64 << 20
+    num_transport_addresses: int = 1
+    ticket_ttl_s: float = 120.0
+    layout_ttl_s: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PullerConfig:
+    """Generator side.
+
+    Attributes:
+      transport: one of ``TRANSPORTS`` or ``"auto"`` (the first the publisher offers, in the
+        order of ``TRANSPORTS``, skipping ``shm`` when the publisher is on another host).
+      timeout_s: deadline of one whole pull (manifest, data, verification); past it the pull
+        is abandoned and the generator keeps its weights.
+      http_timeout_s: socket timeout of one control request.
+      socket_connections: parallel HTTP connections of the socket transport.
+      num_transport_addresses: streams of this process's jax transfer server (must equal the
+        publisher's).
+      retries: how many times a pull restarts on the newest version when the one it was
+        pulling is superseded meanwhile.
+      host_buffers: model-sized host buffers the host transports keep for reuse (pulled
+        weights alias them on CPU, so one is in use per live version; reusing the others
+        avoids page faults).
+    """
+
+    transport: str = "auto"
+    timeout_s: float = 120.0
+    http_timeout_s: float = 30.0
+    socket_connections: int = 4
+    num_transport_addresses: int = 1
+    retries: int = 2
+    host_buffers: int = 3

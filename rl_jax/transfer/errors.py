@@ -1,0 +1,37 @@
+"""Errors of the weight-transfer service.
+
+Every failure of a pull leaves the generator on the weights it had: callers catch
+:class:`TransferError` (or a subclass), log it, and keep serving.
+"""
+
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """A pull or publish failed; the generator keeps its current version."""
+
+
+class IntegrityError(TransferError):
+    """Pulled weights do not match their manifest: a checksum, a missing or extra tensor or
+    shard, or a shape/dtype mismatch. The version is refused."""
+
+
+class TransferTimeout(TransferError):
+    """A pull did not finish within its deadline (the pulling thread was abandoned)."""
+
+
+class VersionGone(TransferError):
+    """The version being pulled was superseded on the publisher before the pull finished."""
+
+
+class PublisherUnavailable(TransferError):
+    """The publisher's control channel cannot be reached (or answered with a server error)."""
+
+
+class TransportUnavailable(TransferError):
+    """The requested transport is not offered by the publisher or cannot run here (for
+    example shared memory across hosts, or torch missing for SGLang's distributed protocol)."""
+
+
+class LayoutError(TransferError):
+    """A generator's layout cannot be produced (unknown tensors, mesh that does not fit)."""

@@ -1,0 +1,469 @@
+"""Trainer side: publishes each new version of the parameters in every layout generators asked
+for, and answers them over the control channel (:mod:`rl_jax.transfer.control`).
+
+Typical use in a training loop (single-process trainer; in a multi-process trainer every process
+must call :meth:`Publisher.publish`, and the host transports need each layout's shards to be
+addressable in the publishing process)::
+
+    publisher = Publisher(PublisherConfig(transports=("shm", "socket", "jax_transfer")))
+    print(publisher.url)                        # give this to the generators
+    for step in ...:
+        state, metrics = train_step(state, batch)
+        stats = publisher.publish(state.params, int(state.step))   # before the next step
+                                                                   # donates state.params
+
+``publish`` returns once the version is announced; it has then read everything it needs from
+``params`` (a copy per layout lives in the staging buffers or on the trainer's devices), so the
+next train step may donate them. Only the newest version is offered; the previous one is
+dropped as soon as the new one is announced (a generator in the middle of pulling it gets
+"superseded" and starts again on the newest).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from rl_jax.transfer import checksum, jax_transport
+from rl_jax.transfer.config import HOST_TRANSPORTS, TRANSPORTS, PublisherConfig, \
+    default_staging_dir
+from rl_jax.transfer.control import ControlServer, FileSlice, HTTPStatus, host_id
+from rl_jax.transfer.errors import LayoutError, TransferError
+from rl_jax.transfer.layout import Layout, flatten, index_slices
+from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo, canonical_digests
+from rl_jax.transfer.staging import DeviceStaging, HostStaging, check_layout, target_dtype
+
+log = logging.getLogger(__name__)
+
+_STAGING_PREFIX = "rl_jax-transfer-"
+
+
+@dataclasses.dataclass
+class _Registration:
+    layout: Layout
+    transports: set[str]
+    last_seen: float
+    pullers: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    manifest: Manifest | None = None
+    error: str | None = None
+    device_arrays: list[jax.Array] | None = None  # manifest tensor order
+    staging: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class _Version:
+    version: int
+    prepared: dict[str, _Prepared]
+    disk_path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishStats:
+    """What one :meth:`Publisher.publish` did. ``bytes`` counts bytes written per kind of
+    copy (``host`` staging buffers, ``device`` layout copies, ``disk``)."""
+
+    version: int
+    seconds: float
+    layouts: int
+    bytes: Mapping[str, int]
+    errors: Mapping[str, str]
+
+    @property
+    def gbps(self) -> float:
+        return sum(self.bytes.values()) / max(self.seconds, 1e-9) / 1e9
+
+
+def _clean_stale_staging(root: Path) -> None:
+    """Removes staging directories left by publishers that died (their pid is gone)."""
+    for path in root.glob(f"{_STAGING_PREFIX}*"):
+        m = re.fullmatch(rf"{_STAGING_PREFIX}(\d+)-[0-9a-f]+", path.name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _corrupt_hf_tensor(path: Path, name: str, config: Any) -> None:
+    """Flips one bit of the first HF tensor that holds parameter ``name`` (fault injection)."""
+    import struct
+
+    from rl_jax.models.hf import hf_mappings
+    hf_name = hf_mappings(config)[name].hf_name.format(i=0)
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            if hf_name in header:
+                pos = 8 + n + header[hf_name]["data_offsets"][0]
+                f.seek(pos)
+                byte = f.read(1)[0]
+                f.seek(pos)
+                f.write(bytes([byte ^ 0x01]))
+                return
+
+
+class Publisher:
+    """Publishes versioned weights to generators (see the module docstring).
+
+    Args:
+      config: :class:`PublisherConfig`.
+      spec: a ``ModelSpec`` (or anything with ``.config`` and ``.merge(params)``); needed only
+        by the ``disk`` transport, which writes HF checkpoints.
+    """
+
+    def __init__(self, config: PublisherConfig = PublisherConfig(), *, spec: Any = None):
+        unknown = set(config.transports) - set(TRANSPORTS)
+        if unknown or not config.transports:
+            raise ValueError(f"transports must be a non-empty subset of {TRANSPORTS}, got "
+                             f"{config.transports}")
+        if "disk" in config.transports and (config.disk_dir is None or spec is None):
+            raise ValueError("the disk transport needs PublisherConfig.disk_dir and spec=")
+        self.config = config
+        self.spec = spec
+        self.algorithm = checksum.DEFAULT_ALGORITHM
+        self.host_id = host_id()
+        root = Path(config.staging_dir or default_staging_dir())
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_stale_staging(root)
+        self._staging_root = root / f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._host: dict[str, HostStaging] = {}
+        self._device = DeviceStaging()
+        self._layouts: dict[str, _Registration] = {}
+        self._current: _Version | None = None
+        self._cond = threading.Condition()
+        self._publish_lock = threading.Lock()
+        self._closed = False
+        self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+        self.history: collections.deque[PublishStats] = collections.deque(maxlen=256)
+        # Test seams: {"corrupt": {"version": v, "tensor": name}} flips one bit of that tensor
+        # after its checksum is taken; hooks["before_announce"](version) runs just before a
+        # version is announced, hooks["after_ticket"](version) after a pull ticket is issued.
+        self.faults: dict[str, Any] = {}
+        self.hooks: dict[str, Callable[[int], None]] = {}
+        self._transfer_server = None
+        if "jax_transfer" in config.transports:
+            self._transfer_server = jax_transport.start_server(config.host,
+                                                               config.num_transport_addresses)
+        self._server = ControlServer(config.host, config.port, {
+            ("GET", "/v1/info"): self._route_info,
+            ("POST", "/v1/register"): self._route_register,
+            ("GET", "/v1/manifest"): self._route_manifest,
+            ("POST", "/v1/ticket"): self._route_ticket,
+            ("GET", "/v1/chunk"): self._route_chunk,
+            ("POST", "/v1/report"): self._route_report,
+        })
+        log.info("transfer publisher at %s (transports %s)", self.url, config.transports)
+
+    # ---- public API -----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    @property
+    def version(self) -> int | None:
+        with self._cond:
+            return None if self._current is None else self._current.version
+
+    def layouts(self) -> dict[str, dict[str, Any]]:
+        """Registered layouts: key → ``{"transports", "pullers", "idle_s"}``."""
+        now = time.monotonic()
+        with self._cond:
+            return {k: {"transports": sorted(r.transports), "pullers": sorted(r.pullers),
+                        "idle_s": now - r.last_seen} for k, r in self._layouts.items()}
+
+    def wait_for_layouts(self, count: int, timeout: float = 60.0) -> bool:
+        """Blocks until ``count`` layouts are registered (e.g. before the first publish)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._layouts) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def publish(self, params: Mapping[str, Any], version: int) -> PublishStats:
+        """Prepares ``params`` (the trainer's nested dict, any sharding) as ``version`` for
+        every active layout and announces it. Versions must increase. A layout that cannot be
+        produced gets an error its pullers will see; the others are unaffected."""
+        start = time.perf_counter()
+        flat = flatten(params)
+        version = int(version)
+        with self._publish_lock:
+            current = self.version
+            if current is not None and version <= current:
+                raise ValueError(f"version {version} is not newer than the published {current}")
+            now = time.monotonic()
+            with self._cond:
+                active = {k: r for k, r in self._layouts.items()
+                          if now - r.last_seen <= self.config.layout_ttl_s}
+            nbytes: collections.Counter[str] = collections.Counter()
+            prepared: dict[str, _Prepared] = {}
+            host_full = None
+            disk_path = None
+            if "disk" in self.config.transports:
+                disk_path, host_full = self._write_disk(params, flat, version)
+                nbytes["disk"] += sum(v.nbytes for v in host_full.values())
+                fault = self.faults.get("corrupt")
+                if fault and int(fault.get("version", -1)) == version:
+                    _corrupt_hf_tensor(Path(disk_path), fault["tensor"], self.spec.config)
+            for key, reg in active.items():
+                try:
+                    prepared[key] = self._prepare(key, reg, flat, version, nbytes, host_full)
+                except (LayoutError, TransferError) as e:
+                    log.warning("layout %s cannot be published: %s", key, e)
+                    prepared[key] = _Prepared(error=str(e))
+            hook = self.hooks.get("before_announce")
+            if hook is not None:
+                hook(version)
+            with self._cond:
+                previous, self._current = self._current, _Version(version, prepared, disk_path)
+                for key, prep in prepared.items():
+                    if prep.staging is not None:
+                        self._host[key].commit(prep.staging["slot"])
+                self._cond.notify_all()
+            if previous is not None:
+                self._release(previous)
+        stats = PublishStats(version, time.perf_counter() - start, len(prepared), dict(nbytes),
+                             {k: p.error for k, p in prepared.items() if p.error})
+        self.history.append(stats)
+        return stats
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._server.close()
+        for staging in self._host.values():
+            staging.close()
+        shutil.rmtree(self._staging_root, ignore_errors=True)
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- preparing a version --------------------------------------------------------------------
+
+    def _prepare(self, key: str, reg: _Registration, flat: Mapping[str, jax.Array], version: int,
+                 nbytes: collections.Counter, host_full: Mapping[str, np.ndarray] | None
+                 ) -> _Prepared:
+        layout = reg.layout
+        check_layout(layout, flat)
+        wanted = reg.transports & set(self.config.transports)
+        prep = _Prepared()
+        infos: dict[str, TensorInfo] = {}
+        transports: dict[str, Any] = {}
+        if wanted & set(HOST_TRANSPORTS):
+            if key not in self._host:
+                self._host[key] = HostStaging(self._staging_root / key)
+            tensors, staging, _ = self._host[key].stage(version, flat, layout,
+                                                        self.config.chunk_bytes, self.algorithm)
+            infos = {t.name: t for t in tensors}
+            prep.staging = staging
+            nbytes["host"] += sum(s.nbytes for t in tensors for s in t.shards)
+            if "shm" in wanted:
+                transports["shm"] = {"file": staging["file"], "stamp": staging["stamp"]}
+            if "socket" in wanted:
+                transports["socket"] = {}
+            transports["staging"] = {"nbytes": staging["nbytes"], "chunks": staging["chunks"]}
+        if "jax_transfer" in wanted:
+            arrays, shard_infos = self._device.stage(flat, layout, self.algorithm)
+            nbytes["device"] += sum(s.nbytes for v in shard_infos.values() for s in v)
+            if not infos:
+                infos = {n: TensorInfo(n, tuple(flat[n].shape), target_dtype(layout, n, flat[n]).name,
+                                       checksum.combine([(s.index, s.checksum) for s in v],
+                                                        self.algorithm), tuple(v))
+                         for n, v in shard_infos.items()}
+            prep.device_arrays = [arrays[n] for n in sorted(arrays)]
+            transports["jax_transfer"] = {
+                "address": self._transfer_server.address(),
+                "num_transport_addresses": self.config.num_transport_addresses}
+        if "disk" in wanted and host_full is not None:
+            if not infos:
+                infos = {n: self._host_infos(n, v, layout) for n, v in host_full.items()}
+            transports["disk"] = {"path": self._disk_path(version)}
+        if not infos:
+            raise LayoutError(f"none of the transports {sorted(reg.transports)} this layout's "
+                              f"pullers asked for is enabled ({list(self.config.transports)})")
+        self._inject_corruption(key, version, prep, infos)
+        prep.manifest = Manifest(version, key, self.algorithm, self.host_id,
+                                 tuple(infos[n] for n in sorted(infos)), transports)
+        return prep
+
+    def _host_infos(self, name: str, full: np.ndarray, layout: Layout) -> TensorInfo:
+        dtype = target_dtype(layout, name, full)
+        value = full.astype(dtype, copy=False)
+        shards = []
+        for index in layout.indices(name, full.shape):
+            part = value[index_slices(index)]
+            shards.append(ShardInfo(index, checksum.digest(part, self.algorithm), part.nbytes))
+        return TensorInfo(name, tuple(full.shape), dtype.name,
+                          checksum.combine([(s.index, s.checksum) for s in shards],
+                                           self.algorithm), tuple(shards))
+
+    def _inject_corruption(self, key: str, version: int, prep: _Prepared,
+                           infos: dict[str, TensorInfo]):
+        fault = self.faults.get("corrupt")
+        if not fault or int(fault.get("version", -1)) != version:
+            return
+        name = fault["tensor"]
+        shard = infos[name].shards[0]
+        if prep.staging is not None and shard.offset is not None:
+            self._host[key].corrupt(shard.offset)
+        if prep.device_arrays is not None:
+            k = sorted(infos).index(name)
+            bad = np.array(prep.device_arrays[k]).copy()
+            flat = bad.reshape(-1).view(np.uint8)
+            flat[0] ^= 0x01
+            prep.device_arrays[k] = jax.device_put(bad, prep.device_arrays[k].sharding)
+        log.warning("fault injection: corrupted %s of version %d", name, version)
+
+    def _disk_path(self, version: int) -> str:
+        return str(Path(self.config.disk_dir) / f"v{version}")
+
+    def _write_disk(self, params, flat, version: int) -> tuple[str, dict[str, np.ndarray]]:
+        """Writes an HF checkpoint directory (atomically) and returns the gathered host arrays
+        (the disk transport gathers the whole model on this host by nature)."""
+        from rl_jax.models.hf import save_pretrained
+        path = self._disk_path(version)
+        save_pretrained(self.spec.merge(params), path)
+        host_full = {n: np.asarray(jax.device_get(v)) for n, v in flat.items()}
+        (Path(path) / "rl_jax_checksums.json").write_text(json.dumps(
+            {"version": version, "algorithm": self.algorithm,
+             "tensors": canonical_digests(host_full, self.algorithm)}, indent=1))
+        return path, host_full
+
+    def _release(self, previous: _Version) -> None:
+        """Drops a superseded version (tickets already issued keep their arrays until pulled or
+        expired); keeps one older disk directory for loaders still reading it."""
+        for prep in previous.prepared.values():
+            prep.device_arrays = None
+        if previous.disk_path:
+            for old in Path(previous.disk_path).parent.glob("v*"):
+                m = re.fullmatch(r"v(\d+)", old.name)
+                if m and int(m.group(1)) < previous.version:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    # ---- control routes (run in the HTTP server's threads) ---------------------------------------
+
+    def _route_info(self, query, body):
+        with self._cond:
+            return {"version": None if self._current is None else self._current.version,
+                    "transports": list(self.config.transports), "host_id": self.host_id,
+                    "pid": os.getpid(), "layouts": len(self._layouts),
+                    "checksum": self.algorithm}
+
+    def _route_register(self, query, body):
+        try:
+            layout = Layout.from_json(body["layout"])
+        except (KeyError, TypeError, LayoutError) as e:
+            raise HTTPStatus(400, f"register needs a valid layout: {e}")
+        requested = set(body.get("transports") or self.config.transports)
+        usable = requested & set(self.config.transports)
+        if not usable:
+            raise HTTPStatus(409, f"none of the transports {sorted(requested)} is enabled on "
+                                  f"this publisher (enabled: {list(self.config.transports)})")
+        key = layout.key
+        with self._cond:
+            reg = self._layouts.get(key)
+            if reg is None:
+                reg = self._layouts[key] = _Registration(layout, set(), time.monotonic())
+            reg.transports |= usable
+            reg.pullers.add(str(body.get("puller_id", "")))
+            reg.last_seen = time.monotonic()
+            self._cond.notify_all()
+            return {"layout_key": key, "transports": sorted(reg.transports),
+                    "version": None if self._current is None else self._current.version}
+
+    def _route_manifest(self, query, body):
+        key = query.get("layout", "")
+        after = int(query.get("after", -1))
+        deadline = time.monotonic() + min(float(query.get("wait", 0)), 600.0)
+        with self._cond:
+            while True:
+                reg = self._layouts.get(key)
+                if reg is None:
+                    raise HTTPStatus(404, f"unknown layout {key!r}; register it first")
+                reg.last_seen = time.monotonic()
+                cur = self._current
+                if cur is not None and cur.version > after and key in cur.prepared:
+                    prep = cur.prepared[key]
+                    if prep.error:
+                        raise HTTPStatus(409, prep.error, version=cur.version)
+                    return prep.manifest.to_json()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return None
+                self._cond.wait(min(remaining, 5.0))
+
+    def _prepared(self, key: str, version: int) -> _Prepared:
+        """Caller holds ``self._cond``."""
+        cur = self._current
+        if cur is None or cur.version != version:
+            raise HTTPStatus(410, f"version {version} is no longer offered",
+                             latest=None if cur is None else cur.version)
+        prep = cur.prepared.get(key)
+        if prep is None or prep.manifest is None:
+            raise HTTPStatus(409, f"layout {key!r} was not prepared for version {version}")
+        return prep
+
+    def _route_ticket(self, query, body):
+        version = int(body.get("version", -1))
+        with self._cond:
+            prep = self._prepared(str(body.get("layout_key", "")), version)
+            arrays = prep.device_arrays
+        if arrays is None:
+            raise HTTPStatus(409, "jax_transfer was not prepared for this layout (register it "
+                                  "with that transport)")
+        uuid = secrets.randbits(62)
+        jax_transport.offer(self._transfer_server, uuid, arrays, self.config.ticket_ttl_s)
+        hook = self.hooks.get("after_ticket")
+        if hook is not None:
+            hook(version)
+        return {"uuid": uuid, "address": self._transfer_server.address(),
+                "num_transport_addresses": self.config.num_transport_addresses}
+
+    def _route_chunk(self, query, body):
+        key = query.get("layout", "")
+        try:
+            version, offset, nbytes = (int(query[k]) for k in ("version", "offset", "nbytes"))
+        except (KeyError, ValueError):
+            raise HTTPStatus(400, "chunk needs integer version, offset and nbytes")
+        with self._cond:
+            prep = self._prepared(key, version)
+            if prep.staging is None:
+                raise HTTPStatus(409, "host staging was not prepared for this layout")
+            if {"offset": offset, "nbytes": nbytes} not in prep.staging["chunks"]:
+                raise HTTPStatus(400, f"no chunk at offset {offset} of {nbytes} bytes")
+            staging = self._host[key]
+            fd = os.dup(staging.fd(prep.staging["slot"]))
+        return FileSlice(fd, offset, nbytes, owned=True)
+
+    def _route_report(self, query, body):
+        self.reports.append({**body, "time": time.time()})
+        return {"ok": True}

@@ -1,0 +1,640 @@
+"""Generator side: pulls the newest version in the generator's own layout, verifies it, and
+returns parameters ready for ``Engine.update_weights``.
+
+A pull never touches the engine: it builds new arrays in the engine's shardings (and dtypes),
+checks every shard's checksum against the manifest, and only then returns them. Any failure
+(publisher gone, deadline passed, corrupted or superseded data, layout refused) raises a
+:class:`~rl_jax.transfer.errors.TransferError` and the caller simply keeps serving the weights it
+has: a generator can never see a half-written version.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import http.client
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
+import uuid as uuid_lib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from rl_jax.transfer import checksum, jax_transport
+from rl_jax.transfer.chunks import numpy_dtype, parse_chunk
+from rl_jax.transfer.config import TRANSPORTS, PullerConfig
+from rl_jax.transfer.control import ControlClient, host_id
+from rl_jax.transfer.errors import (IntegrityError, LayoutError, PublisherUnavailable,
+                                    TransferError, TransferTimeout, TransportUnavailable,
+                                    VersionGone)
+from rl_jax.transfer.layout import (Index, Layout, flatten, index_shape, normalize_index,
+                                    unflatten)
+from rl_jax.transfer.manifest import Manifest, verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PullMetrics:
+    """One successful pull. ``bytes`` are the bytes that crossed the process boundary into
+    this process (for ``jax_transfer``, one copy per device shard); ``seconds`` runs from the
+    manifest's arrival to verified arrays (``fetch_seconds`` + ``verify_seconds``)."""
+
+    transport: str
+    version: int
+    previous_version: int | None
+    versions_skipped: int
+    bytes: int
+    seconds: float
+    fetch_seconds: float
+    verify_seconds: float
+    attempts: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "gbps": self.gbps}
+
+
+@dataclasses.dataclass
+class WeightUpdate:
+    """Verified parameters (nested dict, in the target shardings) and their version."""
+
+    params: dict[str, Any]
+    version: int
+    metrics: PullMetrics
+    manifest: Manifest
+
+
+def run_with_deadline(fn: Callable[[], Any], seconds: float, what: str,
+                      on_abandon: Callable[[], None] | None = None) -> Any:
+    """Runs ``fn`` in a daemon thread; past ``seconds`` the thread is abandoned (it may hang in
+    a pull that never completes) and :class:`TransferTimeout` is raised."""
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=f"transfer-{what}", daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.0))
+    if thread.is_alive():
+        if on_abandon is not None:
+            on_abandon()
+        raise TransferTimeout(f"{what} did not finish within {seconds:.1f} s; abandoned")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def aligned_host_buffer(nbytes: int) -> np.ndarray:
+    """A fresh page-aligned private buffer (transparent huge pages where the kernel allows),
+    so that XLA's CPU client can adopt its 64-byte aligned slices without copying."""
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(m, np.uint8)  # exactly nbytes long: views of it have it as their base
+
+
+class HostBufferPool:
+    """Reusable aligned host buffers for the host transports.
+
+    Pulled arrays alias their buffer (no copy into XLA on CPU), so a buffer can be reused only
+    once nothing references it any more: JAX keeps a reference to the buffer's base array for as
+    long as an array aliases it, which ``sys.getrefcount`` sees. A buffer still in use is never
+    handed out; when none is free a new one is allocated (at most ``max_buffers`` are kept).
+    Reused buffers have warm pages: no page faults, no kernel zeroing.
+    """
+
+    def __init__(self, max_buffers: int = 3):
+        self.max_buffers = max_buffers
+        self._bases: list[np.ndarray] = []
+
+    def get(self, nbytes: int) -> np.ndarray:
+        for base in self._bases:
+            # references: the list, the loop variable, getrefcount's argument
+            if base.size >= nbytes and sys.getrefcount(base) <= 3:
+                return base[:nbytes]
+        base = aligned_host_buffer(nbytes)
+        assert base.base is not None and not isinstance(base.base, np.ndarray)
+        if len(self._bases) >= self.max_buffers:
+            free = [b for b in self._bases if sys.getrefcount(b) <= 3]
+            if not free:
+                return base  # all kept buffers are in use: this one is not pooled
+            self._bases.remove(min(free, key=lambda b: b.size))
+        self._bases.append(base)
+        return base[:nbytes]
+
+
+class _SourceMaps:
+    """Read-only mappings of the publisher's staging files, kept across versions: the files are
+    rewritten in place, so after the first pull their page tables are warm here too."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[int, int, mmap.mmap, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def view(self, path: str, nbytes: int) -> np.ndarray:
+        with self._lock:
+            st = os.stat(path)
+            entry = self._maps.get(path)
+            if entry is None or entry[0] != st.st_ino or entry[1] < nbytes or \
+                    entry[1] != st.st_size:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size < nbytes:
+                        raise VersionGone(f"staging file {path} is shorter than the manifest says")
+                    m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                entry = self._maps[path] = (st.st_ino, size, m, np.frombuffer(m, np.uint8))
+            return entry[3][:nbytes]
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class Puller:
+    """Pulls versions from one publisher into fixed target shardings.
+
+    Args:
+      url: the publisher's control URL (``Publisher.url``).
+      target: nested dict of arrays or ``ShapeDtypeStruct``s with shardings: the layout and
+        dtypes the pulled parameters must have (e.g. an engine's live parameters).
+      config: :class:`PullerConfig`.
+      transports: what to register for (default: the one transport this puller will use);
+        list several to pull one version through different transports.
+    """
+
+    def __init__(self, url: str, target: Mapping[str, Any], *,
+                 config: PullerConfig = PullerConfig(), puller_id: str | None = None,
+                 transports: Sequence[str] | None = None):
+        if config.transport != "auto" and config.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got "
+                             f"{config.transport!r}")
+        self.config = config
+        self.client = ControlClient(url, config.http_timeout_s)
+        self.layout = Layout.from_arrays(target)
+        self.layout_key = self.layout.key
+        flat = flatten(target)
+        self.shardings = {n: a.sharding for n, a in flat.items()}
+        self.puller_id = puller_id or f"{host_id().split('/')[0]}:{os.getpid()}:" \
+                                      f"{uuid_lib.uuid4().hex[:8]}"
+        self._transports = list(transports) if transports else None
+        self._registered = False
+        self._transfer_host = "127.0.0.1" if _is_loopback(self.client.host) else "0.0.0.0"
+        self.hooks: dict[str, Callable[[], None]] = {}  # test seam: "mid_pull"
+        self._buffers = HostBufferPool(config.host_buffers)
+        self._sources = _SourceMaps()
+
+    # ---- control --------------------------------------------------------------------------------
+
+    def _choose(self, offered: Sequence[str], publisher_host: str) -> str:
+        if self.config.transport != "auto":
+            return self.config.transport
+        for t in TRANSPORTS:
+            if t in offered and not (t == "shm" and publisher_host != host_id()):
+                return t
+        raise TransportUnavailable(f"no usable transport among {list(offered)}")
+
+    def register(self) -> dict[str, Any]:
+        """Tells the publisher this layout (and transports); returns its answer."""
+        status, info = self.client.request("GET", "/v1/info")
+        if self._transports is None:
+            self._transports = [self._choose(info["transports"], info["host_id"])]
+        status, data = self.client.request("POST", "/v1/register", body={
+            "layout": self.layout.to_json(), "transports": self._transports,
+            "puller_id": self.puller_id})
+        if status != 200:
+            raise TransportUnavailable(f"publisher refused the registration: "
+                                       f"{(data or {}).get('error')}")
+        self._registered = True
+        return data
+
+    def poll(self, after: int, wait_s: float = 0.0) -> Manifest | None:
+        """The manifest of the newest version ``> after`` for this layout, waiting up to
+        ``wait_s`` for one to appear (None if none did)."""
+        for _ in range(2):
+            if not self._registered:
+                self.register()
+            status, data = self.client.request(
+                "GET", "/v1/manifest", query={"layout": self.layout_key, "after": after,
+                                              "wait": wait_s},
+                timeout=self.config.http_timeout_s + wait_s)
+            if status == 404:  # a restarted publisher: register again
+                self._registered = False
+                continue
+            if status == 409:
+                raise LayoutError(f"publisher cannot produce this generator's layout: "
+                                  f"{data.get('error')}")
+            if status == 204 or data is None:
+                return None
+            if status != 200:
+                raise TransferError(f"manifest request failed: {status} {data}")
+            return Manifest.from_json(data)
+        raise PublisherUnavailable("publisher keeps forgetting this layout")
+
+    # ---- pulling --------------------------------------------------------------------------------
+
+    def pull(self, after: int, *, wait_s: float = 0.0, current: int | None = None,
+             transport: str | None = None) -> WeightUpdate | None:
+        """Pulls the newest version ``> after`` (waiting up to ``wait_s`` for one), verified.
+
+        ``current`` is the version the caller runs now (default ``after``): versions between
+        it and the pulled one count as skipped. Returns None when there is nothing newer;
+        raises :class:`TransferError` on any failure (the caller keeps its weights).
+        """
+        current = after if current is None else current
+        manifest = self.poll(after, wait_s)
+        if manifest is None:
+            return None
+        deadline = time.monotonic() + self.config.timeout_s
+        attempts = 0
+        while True:
+            attempts += 1
+            chosen = transport or self._pick(manifest)
+            start = time.perf_counter()
+            try:
+                arrays, nbytes, *digests = self._fetch(chosen, manifest, deadline)
+                fetched = time.perf_counter()
+                verify(manifest, arrays, digests=digests[0] if digests else None)
+            except (VersionGone, IntegrityError) as e:
+                if attempts > self.config.retries or not self._superseded(manifest, e):
+                    self._report(manifest.version, chosen, False, 0.0, 0, str(e))
+                    raise
+                log.info("version %d superseded while pulling; pulling the newest",
+                         manifest.version)
+                newer = self.poll(manifest.version, 0.0)
+                if newer is None:
+                    raise
+                manifest = newer
+                continue
+            except TransferError as e:
+                self._report(manifest.version, chosen, False, 0.0, 0, str(e))
+                raise
+            end = time.perf_counter()
+            metrics = PullMetrics(
+                transport=chosen, version=manifest.version, previous_version=current,
+                versions_skipped=0 if current is None or current < 0
+                else max(0, manifest.version - current - 1),
+                bytes=nbytes, seconds=end - start, fetch_seconds=fetched - start,
+                verify_seconds=end - fetched, attempts=attempts)
+            self._report(manifest.version, chosen, True, metrics.seconds, nbytes, None)
+            return WeightUpdate(unflatten(arrays), manifest.version, metrics, manifest)
+
+    def _pick(self, manifest: Manifest) -> str:
+        offered = [t for t in TRANSPORTS if t in manifest.transports]
+        if self._transports:
+            offered = [t for t in offered if t in self._transports]
+        return self._choose(offered, manifest.host_id)
+
+    def _superseded(self, manifest: Manifest, error: Exception) -> bool:
+        if isinstance(error, VersionGone):
+            return True
+        try:
+            _, info = self.client.request("GET", "/v1/info", timeout=5.0)
+        except TransferError:
+            return False
+        return info.get("version") is not None and info["version"] > manifest.version
+
+    def _report(self, version, transport, ok, seconds, nbytes, error):
+        body = {"puller_id": self.puller_id, "version": version, "transport": transport,
+                "ok": ok, "seconds": seconds, "bytes": nbytes, "error": error,
+                "layout_key": self.layout_key}
+
+        def send():
+            try:
+                self.client.request("POST", "/v1/report", body=body, timeout=5.0)
+            except TransferError:
+                pass
+
+        threading.Thread(target=send, daemon=True, name="transfer-report").start()
+
+    def _fetch(self, transport: str, manifest: Manifest, deadline: float
+               ) -> tuple[dict[str, jax.Array], int]:
+        if transport not in manifest.transports:
+            raise TransportUnavailable(
+                f"version {manifest.version} is not offered over {transport} for this layout "
+                f"(offered: {sorted(t for t in manifest.transports if t in TRANSPORTS)}); "
+                "register with that transport")
+        remaining = deadline - time.monotonic()
+        try:
+            if transport == "jax_transfer":
+                return self._fetch_jax(manifest, remaining)
+            fn = {"shm": self._fetch_shm, "socket": self._fetch_socket,
+                  "disk": self._fetch_disk}[transport]
+            return run_with_deadline(lambda: fn(manifest), remaining, f"{transport} pull")
+        except TransferError:
+            raise
+        except Exception as e:  # never let a transport bug take the generator down
+            raise TransferError(f"{transport} pull of version {manifest.version} failed: "
+                                f"{type(e).__name__}: {e}") from e
+
+    # ---- host transports ------------------------------------------------------------------------
+
+    def _fetch_shm(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
+        if manifest.host_id != host_id():
+            raise TransportUnavailable("the publisher is on another host: shm is unusable")
+        info, staging = manifest.transports["shm"], manifest.transports["staging"]
+        total = int(staging["nbytes"])
+
+        def stamp() -> int:
+            try:
+                with open(info["stamp"], "rb") as f:
+                    return int(np.frombuffer(f.read(8), np.int64)[0])
+            except (OSError, IndexError) as e:
+                raise VersionGone(f"staging of version {manifest.version} is gone: {e}") from e
+
+        if stamp() != manifest.version:
+            raise VersionGone(f"version {manifest.version} was superseded")
+        try:
+            src = self._sources.view(info["file"], total)
+        except OSError as e:
+            raise VersionGone(f"staging file of version {manifest.version} is gone: {e}") from e
+        buf = self._buffers.get(total)
+        # Copy each shard and hash it while it is in cache; the arrays will alias these bytes.
+        digests: dict[str, dict[Index, str]] = {}
+        for c in staging["chunks"]:  # headers (and padding) first
+            lo, hi = int(c["offset"]), int(c["offset"]) + int(c["nbytes"])
+            np.copyto(buf[lo:hi], src[lo:hi])
+        for k, tensor in enumerate(manifest.tensors):
+            if k == len(manifest.tensors) // 2 and "mid_pull" in self.hooks:
+                self.hooks["mid_pull"]()
+            for shard in tensor.shards:
+                lo, hi = shard.offset, shard.offset + shard.nbytes
+                digests.setdefault(tensor.name, {})[shard.index] = checksum.copy_and_digest(
+                    buf[lo:hi], src[lo:hi], manifest.algorithm)
+        del src
+        if stamp() != manifest.version:
+            raise VersionGone(f"version {manifest.version} was overwritten while read")
+        return self._arrays_from_chunks(manifest, buf), total, digests
+
+    def _fetch_socket(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
+        staging = manifest.transports["staging"]
+        total = int(staging["nbytes"])
+        buf = self._buffers.get(total)
+        chunks = [(int(c["offset"]), int(c["nbytes"])) for c in staging["chunks"]]
+        local = threading.local()
+        done = []
+
+        def get(chunk):
+            offset, nbytes = chunk
+            conn = getattr(local, "conn", None)
+            if conn is None:
+                conn = local.conn = self.client.connection()
+            query = (f"/v1/chunk?layout={self.layout_key}&version={manifest.version}"
+                     f"&offset={offset}&nbytes={nbytes}")
+            try:
+                conn.request("GET", query)
+                resp = conn.getresponse()
+                if resp.status == 410:
+                    resp.read()
+                    raise VersionGone(f"version {manifest.version} was superseded")
+                if resp.status != 200:
+                    raise TransferError(f"chunk request failed: {resp.status} "
+                                        f"{resp.read()[:300]!r}")
+                view = memoryview(buf[offset:offset + nbytes])
+                got = 0
+                while got < nbytes:
+                    n = resp.readinto(view[got:])
+                    if not n:
+                        raise TransferError(f"chunk at {offset} ended after {got} of {nbytes} "
+                                            "bytes (publisher gone?)")
+                    got += n
+            except (OSError, http.client.HTTPException) as e:
+                local.conn = None
+                conn.close()
+                raise PublisherUnavailable(f"chunk at {offset} failed: {type(e).__name__}: "
+                                           f"{e}") from e
+            done.append(nbytes)
+            if "mid_pull" in self.hooks and len(done) == 1:
+                self.hooks["mid_pull"]()  # test seam: one chunk in, the others not yet
+
+        workers = max(1, min(self.config.socket_connections, len(chunks)))
+        with concurrent.futures.ThreadPoolExecutor(workers, "transfer-socket") as pool:
+            for f in [pool.submit(get, c) for c in chunks]:
+                f.result()
+        return self._arrays_from_chunks(manifest, buf), sum(done)
+
+    def _arrays_from_chunks(self, manifest: Manifest, buf: np.ndarray) -> dict[str, jax.Array]:
+        """Views into the staged bytes (after checking every chunk header against the
+        manifest), placed in the target shardings (without a copy when aligned, on CPU)."""
+        entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        for c in manifest.transports["staging"]["chunks"]:
+            offset, nbytes = int(c["offset"]), int(c["nbytes"])
+            found, meta = parse_chunk(buf[offset:offset + nbytes])
+            if meta.get("version") != str(manifest.version):
+                raise IntegrityError(f"chunk at {offset} holds version {meta.get('version')}, "
+                                     f"expected {manifest.version}")
+            for name, (dtype, shape, start, stop) in found.items():
+                entries[name] = (dtype, shape, offset + start, offset + stop)
+        arrays = {}
+        for tensor in manifest.tensors:
+            dtype = numpy_dtype(tensor.dtype)
+            views: dict[Index, np.ndarray] = {}
+            for k, shard in enumerate(tensor.shards):
+                entry = entries.get(f"{tensor.name}#{k}")
+                if entry is None:
+                    raise IntegrityError(f"{tensor.name}: shard {k} is missing from the chunks")
+                e_dtype, e_shape, start, stop = entry
+                if e_dtype != dtype or e_shape != index_shape(shard.index) or (
+                        shard.offset is not None and start != shard.offset):
+                    raise IntegrityError(f"{tensor.name}: shard {k} in the chunks ({e_dtype}, "
+                                         f"{e_shape} at {start}) does not match the manifest")
+                views[shard.index] = buf[start:stop].view(dtype).reshape(e_shape)
+            arrays[tensor.name] = self._place(tensor.name, tensor.shape, views)
+        return arrays
+
+    def _place(self, name: str, shape: tuple[int, ...], views: Mapping[Index, np.ndarray]
+               ) -> jax.Array:
+        sharding = self.shardings.get(name)
+        if sharding is None:
+            raise IntegrityError(f"the publisher sent tensor {name!r}, which this generator "
+                                 "does not have")
+
+        def callback(index):
+            key = normalize_index(index, shape)
+            if key not in views:
+                raise IntegrityError(f"{name}: no shard for index {key} in the pulled data")
+            return views[key]
+
+        return jax.make_array_from_callback(shape, sharding, callback)
+
+    # ---- jax.experimental.transfer --------------------------------------------------------------
+
+    def _fetch_jax(self, manifest: Manifest, remaining: float
+                   ) -> tuple[dict[str, jax.Array], int]:
+        info = manifest.transports["jax_transfer"]
+        count = int(info["num_transport_addresses"])
+        if count != self.config.num_transport_addresses:
+            raise TransportUnavailable(
+                f"publisher uses {count} transport addresses, this puller "
+                f"{self.config.num_transport_addresses}; they must match")
+        status, ticket = self.client.request("POST", "/v1/ticket", body={
+            "version": manifest.version, "layout_key": self.layout_key,
+            "puller_id": self.puller_id})
+        if status == 410:
+            raise VersionGone(f"version {manifest.version} was superseded")
+        if status != 200:
+            raise TransferError(f"pull ticket refused: {status} {(ticket or {}).get('error')}")
+        address = ticket["address"]
+        names = [t.name for t in manifest.tensors]
+        missing = [n for n in names if n not in self.shardings]
+        if missing:
+            raise IntegrityError(f"the publisher sent tensors this generator does not have: "
+                                 f"{missing[:5]}")
+        avals = [jax.ShapeDtypeStruct(t.shape, numpy_dtype(t.dtype),
+                                      sharding=self.shardings[t.name])
+                 for t in manifest.tensors]
+
+        def run():
+            conn = jax_transport.connection(address, self._transfer_host, count)
+            if "mid_pull" in self.hooks:  # test seam: ticket issued, no data moved yet
+                self.hooks["mid_pull"]()
+            return jax_transport.pull(conn, int(ticket["uuid"]), avals)
+
+        try:
+            pulled = run_with_deadline(run, remaining, "jax_transfer pull",
+                                       on_abandon=lambda: jax_transport.drop_connection(address))
+        except jax.errors.JaxRuntimeError as e:
+            jax_transport.drop_connection(address)
+            raise PublisherUnavailable(f"jax_transfer pull from {address} failed: {e}") from e
+        arrays = dict(zip(names, pulled))
+        nbytes = sum(s.data.nbytes for a in pulled for s in a.addressable_shards)
+        return arrays, nbytes
+
+    # ---- disk -----------------------------------------------------------------------------------
+
+    def _fetch_disk(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
+        from rl_jax.models.hf import CheckpointError, _TensorReader, hf_mappings, read_config
+        path = manifest.transports["disk"]["path"]
+        try:
+            cfg = read_config(path)
+            reader = _TensorReader(Path(path))
+        except (CheckpointError, OSError) as e:
+            raise VersionGone(f"checkpoint {path} of version {manifest.version} is not "
+                              f"readable: {e}") from e
+        maps = hf_mappings(cfg)
+        arrays, nbytes = {}, 0
+        for tensor in manifest.tensors:
+            m = maps.get(tensor.name)
+            if m is None:
+                raise IntegrityError(f"{tensor.name}: no HF name for this tensor")
+            dtype = numpy_dtype(tensor.dtype)
+            try:
+                if "{i}" in m.hf_name:
+                    full = np.stack([m.to_ours(reader.get(m.hf_name.format(i=i)))
+                                     for i in range(tensor.shape[0])])
+                else:
+                    full = m.to_ours(reader.get(m.hf_name))
+            except (CheckpointError, KeyError) as e:
+                raise IntegrityError(f"{tensor.name}: {e}") from e
+            full = np.ascontiguousarray(full.astype(dtype, copy=False))
+            nbytes += full.nbytes
+            if full.shape != tensor.shape:
+                raise IntegrityError(f"{tensor.name}: checkpoint shape {full.shape} != "
+                                     f"manifest {tensor.shape}")
+            views = {shard.index: full[tuple(slice(a, b) for a, b in shard.index)]
+                     for shard in tensor.shards}
+            arrays[tensor.name] = self._place(tensor.name, tensor.shape, views)
+        return arrays, nbytes
+
+
+class GeneratorPuller:
+    """The generator server's integration surface: pulls for an :class:`Engine`.
+
+    ``pull_latest(engine)`` pauses nothing and changes nothing: it returns a verified
+    :class:`WeightUpdate` in the engine's live shardings and dtypes (or None when the publisher
+    has nothing newer than ``engine.version``); the server then calls
+    ``engine.update_weights(update.params, update.version)``, which swaps between two decode
+    steps. :meth:`start` runs that loop in a background thread instead.
+    """
+
+    def __init__(self, url: str, *, config: PullerConfig = PullerConfig(),
+                 puller_id: str | None = None, transports: Sequence[str] | None = None):
+        self.url, self.config = url, config
+        self.puller_id, self.transports = puller_id, transports
+        self._puller: Puller | None = None
+        self._lock = threading.Lock()
+        self.last: PullMetrics | None = None
+        self.counters = {"updates": 0, "failures": 0, "versions_skipped": 0, "bytes": 0}
+        self.last_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def puller(self, params: Mapping[str, Any]) -> Puller:
+        """The :class:`Puller` for ``params``'s layout (rebuilt if the layout changed)."""
+        key = Layout.from_arrays(params).key
+        if self._puller is None or self._puller.layout_key != key:
+            self._puller = Puller(self.url, params, config=self.config,
+                                  puller_id=self.puller_id, transports=self.transports)
+        return self._puller
+
+    def pull_latest(self, engine: Any, *, wait_s: float = 0.0, min_version: int | None = None,
+                    transport: str | None = None) -> WeightUpdate | None:
+        """Pulls the newest version newer than ``engine.version`` (and at least
+        ``min_version``), waiting up to ``wait_s`` for one. Raises ``TransferError`` on
+        failure; the engine is untouched either way."""
+        with self._lock:
+            current = int(engine.version)
+            after = current if min_version is None else max(current, int(min_version) - 1)
+            try:
+                update = self.puller(engine.params).pull(after, wait_s=wait_s, current=current,
+                                                         transport=transport)
+            except TransferError as e:
+                self.counters["failures"] += 1
+                self.last_error = str(e)
+                raise
+            if update is not None:
+                self.last = update.metrics
+                self.counters["updates"] += 1
+                self.counters["versions_skipped"] += update.metrics.versions_skipped
+                self.counters["bytes"] += update.metrics.bytes
+            return update
+
+    def run(self, engine: Any, stop: threading.Event, wait_s: float = 30.0,
+            backoff_s: float = 1.0) -> None:
+        """Long-polls and applies every new version until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                update = self.pull_latest(engine, wait_s=wait_s)
+            except TransferError as e:
+                log.warning("weight pull failed (keeping version %s): %s", engine.version, e)
+                stop.wait(backoff_s)
+                continue
+            if update is not None:
+                engine.update_weights(update.params, update.version)
+
+    def start(self, engine: Any, wait_s: float = 30.0) -> threading.Thread:
+        """:meth:`run` in a daemon thread (stop it with :meth:`stop`)."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, args=(engine, self._stop, wait_s),
+                                        name="transfer-puller", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "last": None if self.last is None else self.last.to_json(),
+                "last_error": self.last_error}

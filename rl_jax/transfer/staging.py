@@ -1,0 +1,265 @@
+"""Publisher-side materialisation of one version in one generator layout.
+
+Host staging (``shm`` and ``socket`` transports): the trainer's shards are copied straight into
+the generator's shards inside a reusable staging file (safetensors-format chunks, see
+:mod:`rl_jax.transfer.chunks`), hashing each block while it is in cache. The copy *is* the
+reshard: no device work and one pass over the bytes. Each layout has two slot files used in turn
+(the newest version is never overwritten; the slot being rewritten held a superseded version), so
+after two versions the pages are warm and a publish costs about one ``memcpy``. Each slot has a
+stamp file (``int64`` version, -1 while it is being written): pullers check it before and after
+reading, and the per-shard checksums catch anything else.
+
+Device staging (``jax_transfer``): each tensor is resharded in a jit over all the trainer's
+devices, laid out as ``(replicas, *generator mesh)``, then the shards of replica group 0 are
+taken as an array on the generator-shaped sub-mesh: exactly the layout the puller asks for.
+Tensors go one at a time, so the transient replication costs one tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from rl_jax.transfer import checksum
+from rl_jax.transfer.chunks import Entry, numpy_dtype, plan_chunks
+from rl_jax.transfer.errors import LayoutError
+from rl_jax.transfer.layout import Index, Layout, index_shape, index_slices, normalize_index
+from rl_jax.transfer.manifest import ShardInfo, TensorInfo
+
+STAMP_WRITING = -1
+
+
+def check_layout(layout: Layout, flat: Mapping[str, Any]) -> None:
+    """Raises :class:`LayoutError` unless ``layout`` names exactly the published tensors and
+    cuts each into whole shards."""
+    missing = sorted(set(flat) - set(layout.specs))
+    extra = sorted(set(layout.specs) - set(flat))
+    if missing or extra:
+        raise LayoutError(f"layout does not match the published tensors: missing {missing[:5]}, "
+                          f"unknown {extra[:5]}")
+    for name, value in flat.items():
+        layout.indices(name, value.shape)
+        if layout.dtypes is not None:
+            numpy_dtype(layout.dtypes.get(name, np.dtype(value.dtype).name))
+
+
+def target_dtype(layout: Layout, name: str, value: Any) -> np.dtype:
+    if layout.dtypes is not None and name in layout.dtypes:
+        return numpy_dtype(layout.dtypes[name])
+    return np.dtype(value.dtype)
+
+
+def _host_shards(array: jax.Array) -> list[tuple[Index, np.ndarray]]:
+    """The distinct addressable shards of ``array`` as host arrays (views on CPU)."""
+    seen: dict[Index, np.ndarray] = {}
+    for shard in array.addressable_shards:
+        index = normalize_index(shard.index, array.shape)
+        if index not in seen:
+            seen[index] = np.asarray(shard.data)
+    if not seen:
+        raise LayoutError("parameter has no shards in this process")
+    return list(seen.items())
+
+
+def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]],
+              algorithm: str) -> str:
+    """Fills ``dst`` (the shard ``target``) from the overlapping source shards; returns its
+    digest. One covering source: copy-and-hash in cache-sized blocks."""
+    for index, host in sources:
+        if all(s0 <= t0 and t1 <= s1 for (s0, s1), (t0, t1) in zip(index, target)):
+            region = tuple(slice(t0 - s0, t1 - s0) for (s0, _), (t0, t1) in zip(index, target))
+            return checksum.copy_and_digest(dst, host[region].astype(dst.dtype, copy=False),
+                                            algorithm)
+    covered = 0
+    for index, host in sources:
+        lo = [max(s0, t0) for (s0, _), (t0, _) in zip(index, target)]
+        hi = [min(s1, t1) for (_, s1), (_, t1) in zip(index, target)]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        src = tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, index))
+        out = tuple(slice(a - t0, b - t0) for a, b, (t0, _) in zip(lo, hi, target))
+        np.copyto(dst[out], host[src], casting="unsafe")
+        covered += int(np.prod([b - a for a, b in zip(lo, hi)]))
+    if covered != dst.size:
+        raise LayoutError(f"source shards cover {covered} of {dst.size} elements of shard "
+                          f"{target} (parameters not fully addressable in this process?)")
+    return checksum.digest(dst, algorithm)
+
+
+class HostStaging:
+    """Two slot files (and their stamps) for one layout, reused version after version."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._maps: dict[int, tuple[int, mmap.mmap, int]] = {}  # slot -> (fd, map, size)
+        self._stamps: dict[int, np.ndarray] = {}
+        self._stamp_maps: dict[int, tuple[int, mmap.mmap]] = {}
+        self.current_slot: int | None = None
+
+    def slot_path(self, slot: int) -> Path:
+        return self.dir / f"slot{slot}.safetensors"
+
+    def stamp_path(self, slot: int) -> Path:
+        return self.dir / f"slot{slot}.version"
+
+    def _stamp(self, slot: int) -> np.ndarray:
+        if slot not in self._stamps:
+            fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, 8)
+            m = mmap.mmap(fd, 8)
+            self._stamp_maps[slot] = (fd, m)
+            self._stamps[slot] = np.frombuffer(m, np.int64)
+            self._stamps[slot][0] = STAMP_WRITING
+        return self._stamps[slot]
+
+    def stamp(self, slot: int) -> int:
+        return int(self._stamp(slot)[0])
+
+    def _map(self, slot: int, size: int) -> mmap.mmap:
+        fd, m, have = self._maps.get(slot, (None, None, 0))
+        if m is None or have < size:
+            if m is not None:
+                m.close()
+                os.close(fd)
+            fd = os.open(self.slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, size)
+            m = mmap.mmap(fd, size)
+            self._maps[slot] = (fd, m, size)
+        return m
+
+    def fd(self, slot: int) -> int:
+        return self._maps[slot][0]
+
+    def stage(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
+              chunk_bytes: int, algorithm: str) -> tuple[list[TensorInfo], dict[str, Any], int]:
+        """Writes ``flat`` in ``layout`` into the slot not holding the current version.
+
+        Returns ``(tensor infos with offsets, staging description, slot)``; call
+        :meth:`commit` once the version is announced.
+        """
+        slot = 0 if self.current_slot != 0 else 1
+        names = sorted(flat)
+        entries, shard_lists = [], {}
+        for name in names:
+            dtype = target_dtype(layout, name, flat[name])
+            indices = layout.indices(name, flat[name].shape)
+            shard_lists[name] = indices
+            entries += [Entry(f"{name}#{k}", dtype, index_shape(i)) for k, i in enumerate(indices)]
+        plans = plan_chunks(entries, chunk_bytes, {"format": "rl_jax.transfer",
+                                                   "version": str(version), "layout": layout.key})
+        size = max(p.offset + p.nbytes for p in plans)
+        stamp = self._stamp(slot)
+        stamp[0] = STAMP_WRITING
+        m = self._map(slot, size)
+        buf = np.frombuffer(m, np.uint8)
+        offsets = {}
+        for p in plans:
+            buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
+            offsets.update(p.entries)
+        infos = []
+        for name in names:
+            dtype = target_dtype(layout, name, flat[name])
+            sources = _host_shards(flat[name])
+            shards = []
+            for k, index in enumerate(shard_lists[name]):
+                shape = index_shape(index)
+                off = offsets[f"{name}#{k}"]
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                dst = buf[off:off + nbytes].view(dtype).reshape(shape)
+                shards.append(ShardInfo(index, _assemble(dst, index, sources, algorithm),
+                                        nbytes, off))
+            infos.append(TensorInfo(name, tuple(flat[name].shape), dtype.name,
+                                    checksum.combine([(s.index, s.checksum) for s in shards],
+                                                     algorithm), tuple(shards)))
+        stamp[0] = version
+        description = {"file": str(self.slot_path(slot)), "stamp": str(self.stamp_path(slot)),
+                       "slot": slot, "nbytes": size,
+                       "chunks": [{"offset": p.offset, "nbytes": p.nbytes} for p in plans]}
+        return infos, description, slot
+
+    def commit(self, slot: int) -> None:
+        self.current_slot = slot
+
+    def corrupt(self, offset: int) -> None:
+        """Flips one bit at ``offset`` of the slot being published (fault injection)."""
+        slot = 0 if self.current_slot != 0 else 1
+        m = self._maps[slot][1]
+        m[offset] = m[offset] ^ 0x01
+
+    def close(self) -> None:
+        for fd, m, _ in self._maps.values():
+            m.close()
+            os.close(fd)
+        self._stamps.clear()
+        for fd, m in self._stamp_maps.values():
+            try:
+                m.close()
+            except BufferError:  # a numpy view is still alive; the OS frees it at exit
+                pass
+            os.close(fd)
+        self._maps.clear()
+        self._stamp_maps.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class DeviceStaging:
+    """Generator-layout copies of the parameters on the trainer's own devices."""
+
+    def __init__(self):
+        self._fns: dict[Any, Any] = {}
+
+    @staticmethod
+    def param_devices(flat: Mapping[str, jax.Array]) -> list[jax.Device]:
+        """The devices all parameters live on, in mesh order."""
+        first = next(iter(flat.values())).sharding
+        if isinstance(first, NamedSharding):
+            devices = list(first.mesh.devices.flat)
+        else:
+            devices = sorted(first.device_set, key=lambda d: d.id)
+        for name, value in flat.items():
+            if value.sharding.device_set != set(devices):
+                raise LayoutError(f"{name} lives on other devices than the first parameter; the "
+                                  "jax_transfer publisher needs one device set")
+        return devices
+
+    def stage(self, flat: Mapping[str, jax.Array], layout: Layout, algorithm: str
+              ) -> tuple[dict[str, jax.Array], dict[str, list[ShardInfo]]]:
+        """Returns ``({name: array in layout on the first devices}, {name: shard infos})``."""
+        devices = self.param_devices(flat)
+        rep_mesh = layout.replicated_mesh_on(devices)
+        group = list(rep_mesh.devices[0].flat)
+        target_mesh = layout.mesh_on(group)
+        out, infos = {}, {}
+        for name in sorted(flat):
+            value = flat[name]
+            dtype = target_dtype(layout, name, value)
+            spec = layout.specs[name]
+            key = (rep_mesh, spec, np.dtype(dtype).name)
+            if key not in self._fns:
+                self._fns[key] = jax.jit(lambda x, _d=dtype: jnp.copy(x.astype(_d)),
+                                         out_shardings=NamedSharding(rep_mesh, spec))
+            resharded = self._fns[key](value)
+            by_device = {s.device: s.data for s in resharded.addressable_shards}
+            target = NamedSharding(target_mesh, spec)
+            array = jax.make_array_from_single_device_arrays(
+                value.shape, target, [by_device[d] for d in target_mesh.devices.flat])
+            del resharded, by_device
+            out[name] = array
+            digests = {}
+            for shard in array.addressable_shards:
+                index = normalize_index(shard.index, array.shape)
+                if index not in digests:
+                    digests[index] = checksum.digest(np.asarray(shard.data), algorithm)
+            infos[name] = [ShardInfo(i, d, int(np.prod(index_shape(i), dtype=np.int64))
+                                     * np.dtype(dtype).itemsize) for i, d in sorted(digests.items())]
+        return out, infos

@@ -1,0 +1,327 @@
+"""The transfer service in one process (8 host devices): layouts, chunks, checksums, manifests
+and verification, and publisher → puller round trips over each transport, including casts,
+superseded versions, refused layouts and deadlines. The cross-process behaviour is in
+``test_transfer_multiprocess.py``."""
+
+import io
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load as load_safetensors
+
+from rl_jax.generator.engine import Engine
+from rl_jax.generator.runner import generator_rules
+from rl_jax.models import ModelConfig
+from rl_jax.sharding import make_mesh
+from rl_jax.trainer.state import ModelSpec
+from rl_jax.transfer import (GeneratorPuller, IntegrityError, LayoutError, Publisher,
+                             PublisherConfig, Puller, PullerConfig, TransferTimeout,
+                             TransportUnavailable, verify)
+from rl_jax.transfer import checksum
+from rl_jax.transfer.chunks import Entry, parse_chunk, plan_chunks
+from rl_jax.transfer.layout import Layout, flatten, shard_indices
+from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo
+from rl_jax.transfer.puller import run_with_deadline
+from rl_jax.transfer.publisher import _clean_stale_staging
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def random_params(spec, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a, s: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype),
+                                                     s),
+                        spec.abstract_params, spec.param_shardings)
+
+
+def target_of(spec, dtype=None):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=s),
+                        spec.abstract_params, spec.param_shardings)
+
+
+@pytest.fixture(scope="module")
+def specs():
+    devices = jax.devices()
+    trainer = ModelSpec(CONFIG, mesh=make_mesh(data=1, fsdp=4, tensor=1, devices=devices[:4]))
+    tp2 = ModelSpec(CONFIG, mesh=make_mesh(data=1, fsdp=1, tensor=2, devices=devices[4:6]),
+                    rules=generator_rules())
+    single = ModelSpec(CONFIG, mesh=None, rules=generator_rules())
+    return {"trainer": trainer, "tp2": tp2, "single": single}
+
+
+@pytest.fixture
+def publisher(tmp_path, specs):
+    pub = Publisher(PublisherConfig(transports=("shm", "socket", "jax_transfer", "disk"),
+                                    disk_dir=str(tmp_path / "disk"),
+                                    staging_dir=str(tmp_path / "staging"), chunk_bytes=4096),
+                    spec=specs["trainer"])
+    yield pub
+    pub.close()
+
+
+def host(params):
+    return {n: np.asarray(jax.device_get(v)) for n, v in flatten(params).items()}
+
+
+# ---- layouts, chunks, checksums ----------------------------------------------------------------
+
+def test_layout_indices_match_jax_shardings(specs):
+    for name in ("trainer", "tp2", "single"):
+        target = target_of(specs[name])
+        layout = Layout.from_arrays(target)
+        assert Layout.from_json(layout.to_json()) == layout
+        for tensor, aval in flatten(target).items():
+            assert layout.indices(tensor, aval.shape) == shard_indices(aval.sharding, aval.shape)
+    keys = {Layout.from_arrays(target_of(specs[n])).key for n in specs}
+    assert len(keys) == 3
+    bf16 = Layout.from_arrays(target_of(specs["tp2"], jnp.bfloat16))
+    assert bf16.key != Layout.from_arrays(target_of(specs["tp2"])).key
+
+
+def test_layout_refuses_mixed_meshes(specs):
+    shardings = {"a": specs["tp2"].param_shardings["embed"],
+                 "b": specs["trainer"].param_shardings["embed"]}
+    with pytest.raises(LayoutError, match="one mesh"):
+        Layout.from_shardings(shardings)
+
+
+def test_chunks_are_valid_aligned_safetensors():
+    rng = np.random.default_rng(0)
+    arrays = {"a#0": rng.standard_normal((3, 5)).astype(np.float32),
+              "b#0": rng.integers(0, 9, (7,)).astype(np.int32),
+              "c#1": rng.standard_normal((4, 4)).astype(np.float16)}
+    entries = [Entry(n, a.dtype, a.shape) for n, a in arrays.items()]
+    plans = plan_chunks(entries, chunk_bytes=130, metadata={"version": "3"})
+    assert len(plans) == 2
+    size = max(p.offset + p.nbytes for p in plans)
+    buf = np.zeros(size, np.uint8)
+    for p in plans:
+        buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
+        for name, offset in p.entries.items():
+            assert offset % 64 == 0
+            raw = arrays[name].reshape(-1).view(np.uint8)
+            buf[offset:offset + raw.size] = raw
+        blob = buf[p.offset:p.offset + p.nbytes].tobytes()
+        loaded = load_safetensors(blob)  # the reference reader accepts every chunk
+        entries_, meta = parse_chunk(buf[p.offset:p.offset + p.nbytes])
+        assert meta == {"version": "3"}
+        for name in p.entries:
+            np.testing.assert_array_equal(loaded[name], arrays[name])
+            dtype, shape, start, stop = entries_[name]
+            assert (dtype, shape) == (arrays[name].dtype, arrays[name].shape)
+    with pytest.raises(IntegrityError, match="too short|claims|do not fit"):
+        parse_chunk(buf[plans[0].offset:plans[0].offset + plans[0].nbytes - 8])
+
+
+def test_checksums_catch_single_bit_flips_and_misplaced_shards():
+    x = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
+    dst = np.empty_like(x)
+    d = checksum.digest(x)
+    assert checksum.copy_and_digest(dst, x, block_bytes=100) == d and np.array_equal(dst, x)
+    assert checksum.copy_and_digest(np.empty((33, 64), np.float32), x.T) == checksum.digest(x.T)
+    flipped = x.copy()
+    flipped.reshape(-1).view(np.uint8)[1234] ^= 0x10
+    assert checksum.digest(flipped) != d
+    a, b = ((0, 32), (0, 33)), ((32, 64), (0, 33))
+    da, db = checksum.digest(x[:32]), checksum.digest(x[32:])
+    assert checksum.combine([(a, da), (b, db)]) == checksum.combine([(b, db), (a, da)])
+    assert checksum.combine([(a, db), (b, da)]) != checksum.combine([(a, da), (b, db)])
+    assert checksum.digest(x, "crc32") != checksum.digest(flipped, "crc32")
+
+
+def _manifest_for(arrays):
+    tensors = []
+    for name, value in sorted(arrays.items()):
+        full = tuple((0, d) for d in value.shape)
+        digest = checksum.digest(np.asarray(value))
+        tensors.append(TensorInfo(name, tuple(value.shape), np.dtype(value.dtype).name,
+                                  checksum.combine([(full, digest)]),
+                                  (ShardInfo(full, digest, value.nbytes),)))
+    return Manifest.from_json(Manifest(7, "k", checksum.DEFAULT_ALGORITHM, "h", tuple(tensors),
+                                       {}).to_json())
+
+
+def test_verify_refuses_every_kind_of_mismatch():
+    arrays = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": jnp.ones(4, jnp.int32)}
+    manifest = _manifest_for(arrays)
+    verify(manifest, arrays)
+    cases = [({"w": arrays["w"]}, r"missing tensor\(s\) \['b'\]"),
+             ({**arrays, "x": arrays["b"]}, r"unexpected tensor\(s\) \['x'\]"),
+             ({**arrays, "w": arrays["w"].reshape(4, 3)}, r"w: shape \(4, 3\) != manifest"),
+             ({**arrays, "w": arrays["w"].astype(jnp.bfloat16)}, "w: dtype bfloat16 != manifest"),
+             ({**arrays, "w": arrays["w"].at[1, 2].add(1)}, "w: checksum mismatch in 1 shard")]
+    for bad, message in cases:
+        with pytest.raises(IntegrityError, match=message) as e:
+            verify(manifest, bad)
+        assert "version 7" in str(e.value) and "refused" in str(e.value)
+
+
+# ---- publisher → puller in one process ---------------------------------------------------------
+
+@pytest.mark.parametrize("transport", ["shm", "socket", "jax_transfer", "disk"])
+def test_round_trip_into_tensor_parallel_layout(publisher, specs, transport):
+    puller = Puller(publisher.url, target_of(specs["tp2"]), transports=[transport])
+    puller.register()
+    assert puller.pull(-1) is None  # nothing published yet
+    for version in (1, 2):
+        params = random_params(specs["trainer"], version)
+        stats = publisher.publish(params, version)
+        assert stats.version == version and not stats.errors
+        update = puller.pull(version - 1)
+        assert update.version == version and update.metrics.transport == transport
+        got, want = host(update.params), host(params)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        for name, value in flatten(update.params).items():
+            assert value.sharding == flatten(specs["tp2"].param_shardings)[name]
+        assert update.metrics.bytes >= update.manifest.nbytes > 0
+    assert puller.pull(2) is None
+
+
+def test_cast_to_the_generator_dtype(publisher, specs):
+    puller = Puller(publisher.url, target_of(specs["single"], jnp.bfloat16),
+                    transports=["socket", "jax_transfer"])
+    puller.register()
+    params = random_params(specs["trainer"], 5)
+    publisher.publish(params, 5)
+    want = {n: v.astype(ml_dtypes.bfloat16) for n, v in host(params).items()}
+    for transport in ("socket", "jax_transfer"):
+        update = puller.pull(4, transport=transport)
+        got = host(update.params)
+        for n in want:
+            assert got[n].dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(got[n].view(np.uint16), want[n].view(np.uint16))
+
+
+def test_superseded_while_pulling_restarts_on_the_newest(publisher, specs):
+    puller = Puller(publisher.url, target_of(specs["single"]), transports=["shm"])
+    puller.register()
+    publisher.publish(random_params(specs["trainer"], 1), 1)
+    newest = random_params(specs["trainer"], 3)
+
+    def publish_twice():  # rewrites the slot being read: version 1's stamp changes
+        puller.hooks.pop("mid_pull")
+        publisher.publish(random_params(specs["trainer"], 2), 2)
+        publisher.publish(newest, 3)
+
+    puller.hooks["mid_pull"] = publish_twice
+    update = puller.pull(0)
+    assert update.version == 3 and update.metrics.attempts == 2
+    assert update.metrics.versions_skipped == 2
+    got, want = host(update.params), host(newest)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_unproducible_layout_is_refused_with_a_clear_error(publisher, specs):
+    bad = dict(target_of(specs["single"]))
+    bad["extra"] = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=bad["embed"].sharding)
+    broken = Puller(publisher.url, bad, transports=["socket"])
+    good = Puller(publisher.url, target_of(specs["single"]), transports=["socket"])
+    broken.register()
+    good.register()
+    stats = publisher.publish(random_params(specs["trainer"], 1), 1)
+    assert broken.layout_key in stats.errors
+    with pytest.raises(LayoutError, match=r"unknown \['extra'\]"):
+        broken.pull(0)
+    assert good.pull(0).version == 1
+
+
+def test_transport_address_count_mismatch_is_refused_not_aborted(publisher, specs):
+    puller = Puller(publisher.url, target_of(specs["single"]),
+                    config=PullerConfig(num_transport_addresses=2), transports=["jax_transfer"])
+    puller.register()
+    publisher.publish(random_params(specs["trainer"], 1), 1)
+    with pytest.raises(TransportUnavailable, match="transport addresses"):
+        puller.pull(0)
+
+
+def test_versions_must_increase(publisher, specs):
+    params = random_params(specs["trainer"], 1)
+    publisher.publish(params, 4)
+    with pytest.raises(ValueError, match="not newer"):
+        publisher.publish(params, 4)
+
+
+def test_deadline_abandons_a_hung_pull():
+    release = threading.Event()
+    abandoned = []
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match="within 0.2 s"):
+        run_with_deadline(release.wait, 0.2, "hung pull", on_abandon=lambda: abandoned.append(1))
+    assert time.monotonic() - start < 2 and abandoned == [1]
+    release.set()
+    assert run_with_deadline(lambda: 5, 1.0, "quick") == 5
+
+
+def test_generator_puller_feeds_a_live_engine(publisher, specs):
+    spec = specs["tp2"]
+    engine = Engine(CONFIG, random_params(spec, 0), version=0, mesh=spec.mesh,
+                    rules=generator_rules())
+    try:
+        gp = GeneratorPuller(publisher.url, transports=["jax_transfer"])
+        gp.puller(engine.params).register()
+        assert gp.pull_latest(engine) is None
+        params = random_params(specs["trainer"], 1)
+        publisher.publish(params, 1)
+        update = gp.pull_latest(engine)
+        assert engine.version == 0  # pulling changes nothing by itself
+        engine.update_weights(update.params, update.version)
+        assert engine.wait_for_version(1, 30)
+        gp.start(engine, wait_s=5.0)
+        publisher.publish(random_params(specs["trainer"], 2), 2)
+        newest = random_params(specs["trainer"], 3)
+        publisher.publish(newest, 3)
+        assert engine.wait_for_version(3, 30)
+        gp.stop()
+        got, want = host(engine.params), host(newest)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        assert gp.stats()["updates"] >= 2 and gp.stats()["failures"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_stale_staging_of_dead_publishers_is_removed(tmp_path):
+    dead = tmp_path / "rl_jax-transfer-999999999-abcd"
+    alive = tmp_path / f"rl_jax-transfer-{os.getpid()}-abcd"
+    other = tmp_path / "something-else"
+    for d in (dead, alive, other):
+        d.mkdir()
+    _clean_stale_staging(tmp_path)
+    assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_host_buffers_in_use_by_live_arrays_are_never_reused():
+    from rl_jax.transfer.puller import HostBufferPool
+    pool = HostBufferPool(max_buffers=2)
+    first = pool.get(1 << 16)
+    live = jax.device_put(first[:4096].view(np.float32), jax.devices()[0])
+    assert np.asarray(live).ctypes.data == first.ctypes.data  # aliased, not copied
+    del first
+    second = pool.get(1 << 16)
+    assert np.asarray(live).ctypes.data != second.ctypes.data
+    del second
+    third = pool.get(1 << 16)  # the second buffer is free again: reused
+    assert np.asarray(live).ctypes.data != third.ctypes.data
+    del live, third
+    assert len(pool._bases) == 2
+
+
+def test_crc32_fallback_when_xxhash_is_missing(monkeypatch, tmp_path, specs):
+    monkeypatch.setattr(checksum, "DEFAULT_ALGORITHM", "crc32")
+    with Publisher(PublisherConfig(transports=("shm", "socket"),
+                                   staging_dir=str(tmp_path))) as pub:
+        puller = Puller(pub.url, target_of(specs["tp2"]), transports=["shm", "socket"])
+        puller.register()
+        params = random_params(specs["trainer"], 1)
+        pub.publish(params, 1)
+        for transport in ("shm", "socket"):
+            update = puller.pull(0, transport=transport)
+            assert update.manifest.algorithm == "crc32"
+            got, want = host(update.params), host(params)
+            assert all(np.array_equal(got[n], want[n]) for n in want)
