@@ -33,6 +33,8 @@ _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile before reporting ready.")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models.")
 _PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
+_PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight publisher "
+                                 "(rl_jax.transfer), for /update_weights_from_transfer.")
 flags.mark_flags_as_required(["model"])
 
 
@@ -51,7 +53,8 @@ def main(argv):
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
-        served_model_name=_NAME.value, parent_pid=_PARENT.value)
+        served_model_name=_NAME.value, parent_pid=_PARENT.value,
+        publisher_url=_PUBLISHER.value)
     try:
         server.run(config)
     except USER_ERRORS as e:

@@ -81,6 +81,7 @@ class ServerConfig:
     warmup: bool = True  # compile prefill/decode before reporting ready
     served_model_name: str | None = None
     parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
+    publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
 
 
 class EngineStopped(RuntimeError):
@@ -162,6 +163,7 @@ class GeneratorServer:
         self.http_requests: collections.Counter = collections.Counter()  # path -> count
         self._groups: dict[str, list[str]] = {}  # HTTP-level rid -> engine rids
         self._update_lock: asyncio.Lock | None = None
+        self._pullers: dict[str, Any] = {}  # publisher URL -> rl_jax.transfer.GeneratorPuller
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
@@ -455,6 +457,52 @@ class GeneratorServer:
             "message": f"Succeeded to update model weights from {path}; weight version "
                        f"{version} (swapped in {1000 * (time.perf_counter() - start):.0f} ms)."})
 
+    async def update_weights_from_transfer(self, request):
+        """Pulls the newest weights from the trainer's publisher (rl_jax.transfer) straight into
+        the engine's shardings, verifies their checksums, and swaps them in between two decode
+        steps. Body: ``publisher_url`` (default: the server's), ``weight_version`` (pull at least
+        this version), ``wait_s`` (wait this long for a newer version), ``transport``."""
+        from rl_jax.transfer import GeneratorPuller, TransferError
+
+        body = await _json_body(request, optional=True)
+        url = body.get("publisher_url") or self.config.publisher_url
+        if not isinstance(url, str) or not url:
+            raise ProtocolError("publisher_url is required (no --publisher_url was given)")
+        wait_s = body.get("wait_s", 0.0)
+        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or wait_s < 0:
+            raise ProtocolError(f"wait_s must be a non-negative number, got {wait_s!r}")
+        transport = body.get("transport")
+        if transport is not None and not isinstance(transport, str):
+            raise ProtocolError(f"transport must be a string, got {transport!r}")
+        min_version = body.get("weight_version")
+        if min_version is not None:
+            min_version = parse_version(min_version, self.engine.version)
+        self._require_alive()
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            puller = self._pullers.setdefault(url, GeneratorPuller(url))
+            try:
+                update = await asyncio.to_thread(puller.pull_latest, self.engine,
+                                                 wait_s=float(wait_s), min_version=min_version,
+                                                 transport=transport)
+            except TransferError as e:
+                return _json_response({"success": False, "message": str(e),
+                                       "weight_version": self.engine.version,
+                                       **error_json(str(e), "transfer_error", 400)}, status=400)
+            if update is None:
+                return _json_response({"success": True, "weight_version": self.engine.version,
+                                       "message": "no newer version was published"})
+            start = time.perf_counter()
+            self.engine.update_weights(update.params, update.version)
+            if not await asyncio.to_thread(wait_for_swap, self.engine, update.params):
+                return _error(f"the engine did not apply the new weights within "
+                              f"{SWAP_TIMEOUT_S:.0f} s", "internal_error", 500)
+            swap_ms = 1000 * (time.perf_counter() - start)
+        return _json_response({"success": True, "weight_version": update.version,
+                               "swap_ms": swap_ms, "transfer": update.metrics.to_json(),
+                               "message": f"pulled weight version {update.version}"})
+
     # ---- app ------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -481,7 +529,9 @@ class GeneratorServer:
         for path, handler in (("/abort_request", self.abort_request),
                               ("/pause_generation", self.pause_generation),
                               ("/continue_generation", self.continue_generation),
-                              ("/update_weights_from_disk", self.update_weights_from_disk)):
+                              ("/update_weights_from_disk", self.update_weights_from_disk),
+                              ("/update_weights_from_transfer",
+                               self.update_weights_from_transfer)):
             add("POST", path, handler)
         return app
 
