@@ -184,3 +184,48 @@ def test_prompts_always_solved_are_skipped(setup):
     # 8th time it is revisited).
     assert metrics.get("rollout/skipped_solved_or_unsolved", 0) > 0, (metrics, positions)
     assert state["solve_rates"]["total_skipped"] > 0
+
+
+class TwoTurnEnv(ArithmeticEnv):
+    """After the first answer the environment writes "+1=" and asks again; reward 1 at the end."""
+
+    max_turns = 3
+
+    async def step(self, state, completion):
+        from rl_jax.envs.base import StepResult
+        state.check_running()
+        if state.turn == 0:  # record() below counts the turn
+            result = StepResult(0.0, False, "+1=", {"correct": False, "reason": "again"})
+        else:
+            result = StepResult(1.0, True, None, {"correct": True, "reason": "done"})
+        state.record(completion, result)
+        return result
+
+
+def test_multi_turn_episodes_mask_environment_tokens(setup):
+    _, _, engine = setup
+    config = RolloutConfig(group_size=2, groups_per_batch=1, max_lag=4, max_tokens_per_turn=3,
+                           sampling=SamplingParams(max_new_tokens=12, ignore_eos=True))
+    env = TwoTurnEnv(num_digits=2)
+    rollout = make_rollout(engine, config, env, size=8)
+    rollout._encode_observation = lambda text: TOKENIZER.encode(text).ids
+    it = iter(rollout)
+    try:
+        groups = next(it)
+    finally:
+        it.close()
+    observation = TOKENIZER.encode("+1=").ids
+    for s in groups[0].samples:
+        mask = np.asarray(s.loss_mask)
+        assert s.reward == 1.0 and s.info["turns"] == 2
+        assert len(s.completion_ids) == 3 + len(observation) + 3
+        # The observation sits after the first turn and is masked out, with log-prob 0 and the
+        # version of the policy token before it.
+        start = int(np.argmin(mask))
+        assert s.completion_ids[start:start + len(observation)] == observation
+        assert start == 3 and mask[start:start + len(observation)].sum() == 0
+        assert mask.sum() == 6
+        assert all(lp == 0 for lp in s.behaviour_logprobs[start:start + 3])
+        assert s.versions[start] == s.versions[start - 1]
+    batch = GroupsToBatch(seq_len=32, rows=2)(groups)
+    assert batch["loss_mask"].sum() == sum(np.sum(s.loss_mask) for s in groups[0].samples)

@@ -31,7 +31,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from rl_jax.envs.base import Environment, Prompt, score_many
+from rl_jax.envs.base import Environment, Prompt, Segment, build_loss_mask, score_many
 from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
 from rl_jax.generator.types import GenerateRequest, SamplingParams
@@ -59,6 +59,9 @@ class RolloutConfig:
     # source length when the stream repeats epochs), so that epochs share a history.
     solve_rate_window: int | None = None
     solve_rate_period: int | None = None
+    # Multi-turn episodes: completion tokens one policy turn may use (the episode as a whole,
+    # observations included, stays within sampling.max_new_tokens). None: no per-turn limit.
+    max_tokens_per_turn: int | None = None
 
 
 class RolloutIterator(grain.DatasetIterator):
@@ -66,9 +69,11 @@ class RolloutIterator(grain.DatasetIterator):
 
     def __init__(self, prompts: grain.MapDataset, env: Environment, generator: Generator,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 config: RolloutConfig, state: dict[str, Any] | None = None):
+                 config: RolloutConfig, state: dict[str, Any] | None = None,
+                 encode_observation: Callable[[str], list[int]] | None = None):
         super().__init__()
         self._prompts = prompts
+        self._encode_observation = encode_observation or encode
         self._env = env
         self._generator = generator
         self._encode = encode
@@ -244,22 +249,12 @@ class RolloutIterator(grain.DatasetIterator):
             prompt: Prompt = (element if isinstance(element, Prompt) else element[1]
                               if isinstance(element, tuple) else element.prompt)
             ids = self._encode(prompt.text)
-            sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size)
-            outputs = await self._generator.generate(
-                GenerateRequest(ids, sampling, rid=f"prompt-{position}-{self._failures[position]}"))
-            texts = [self._decode(o.output_ids) for o in outputs]
-            scores = await score_many(self._env, [prompt] * len(outputs), texts)
-            if cfg.shaping is not None:
-                scores = [(cfg.shaping.apply(r, len(o.output_ids),
-                                             truncated=o.finish_reason.get("type") == "length"),
-                           info) for (r, info), o in zip(scores, outputs)]
-            samples = [Sample(group_id=position, prompt_ids=list(ids),
-                              completion_ids=list(o.output_ids),
-                              behaviour_logprobs=list(o.output_logprobs),
-                              versions=list(o.output_versions),
-                              finish_reason=o.finish_reason.get("type", "unknown"),
-                              reward=float(r), info=info)
-                       for o, (r, info) in zip(outputs, scores)]
+            if getattr(self._env, "max_turns", 1) > 1:
+                samples = list(await asyncio.gather(*(
+                    self._episode(prompt, ids, position, i) for i in range(cfg.group_size))))
+                scores = [(s.reward, s.info) for s in samples]
+            else:
+                samples, scores = await self._single_turn(prompt, ids, position)
             if any(not s.completion_ids for s in samples):
                 raise RuntimeError(f"a completion of prompt {position} is empty "
                                    f"({[s.finish_reason for s in samples]})")
@@ -297,6 +292,73 @@ class RolloutIterator(grain.DatasetIterator):
         self._wake.set()
 
 
+    async def _single_turn(self, prompt: Prompt, ids: list[int], position: int):
+        cfg = self.config
+        sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size)
+        outputs = await self._generator.generate(
+            GenerateRequest(ids, sampling, rid=f"prompt-{position}-{self._failures[position]}"))
+        texts = [self._decode(o.output_ids) for o in outputs]
+        scores = await score_many(self._env, [prompt] * len(outputs), texts)
+        if cfg.shaping is not None:
+            scores = [(cfg.shaping.apply(r, len(o.output_ids),
+                                         truncated=o.finish_reason.get("type") == "length"),
+                       info) for (r, info), o in zip(scores, outputs)]
+        samples = [Sample(group_id=position, prompt_ids=list(ids),
+                          completion_ids=list(o.output_ids),
+                          behaviour_logprobs=list(o.output_logprobs),
+                          versions=list(o.output_versions),
+                          finish_reason=o.finish_reason.get("type", "unknown"),
+                          reward=float(r), info=info)
+                   for o, (r, info) in zip(outputs, scores)]
+        return samples, scores
+
+    async def _episode(self, prompt: Prompt, ids: list[int], position: int, index: int
+                       ) -> Sample:
+        """One multi-turn episode: policy turns alternate with environment observations, all
+        within ``sampling.max_new_tokens`` completion tokens; observation tokens get loss mask
+        0 and behaviour log-prob 0."""
+        cfg = self.config
+        budget = cfg.sampling.max_new_tokens
+        state = await self._env.reset(prompt)
+        segments = [Segment(list(ids), "prompt")]
+        context = list(ids)
+        finish, info = "length", {}
+        while not state.done and state.turn < self._env.max_turns:
+            remaining = budget - (len(context) - len(ids))
+            if remaining <= 0:
+                break
+            if cfg.max_tokens_per_turn is not None:
+                remaining = min(remaining, cfg.max_tokens_per_turn)
+            seed = None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * index
+            sampling = dataclasses.replace(cfg.sampling, n=1, max_new_tokens=remaining,
+                                           seed=seed)
+            out = (await self._generator.generate(GenerateRequest(
+                context, sampling, rid=f"prompt-{position}-{self._failures[position]}-{index}-"
+                                       f"{state.turn}")))[0]
+            segments.append(Segment(out.output_ids, "policy", out.output_logprobs,
+                                    out.output_versions))
+            context += out.output_ids
+            finish = out.finish_reason.get("type", "unknown")
+            result = await self._env.step(state, self._decode(out.output_ids))
+            info = result.info
+            if result.observation is not None:
+                observation = self._encode_observation(result.observation)
+                segments.append(Segment(observation, "environment"))
+                context += observation
+        tokens = build_loss_mask(segments)
+        p = tokens.prompt_length
+        reward = state.total_reward
+        if cfg.shaping is not None:
+            reward = cfg.shaping.apply(reward, len(tokens.token_ids) - p,
+                                       truncated=finish == "length" and not state.done)
+        return Sample(group_id=position, prompt_ids=list(ids),
+                      completion_ids=tokens.token_ids[p:].tolist(),
+                      behaviour_logprobs=tokens.logprobs[p:].tolist(),
+                      versions=tokens.versions[p:].tolist(), finish_reason=finish,
+                      reward=float(reward), info={**info, "turns": state.turn},
+                      loss_mask=tokens.loss_mask[p:].astype(float).tolist())
+
+
 class RolloutDataset(grain.IterDataset):
     """grain stage over a prompt ``MapDataset``; iterate it to start rolling out.
 
@@ -307,18 +369,23 @@ class RolloutDataset(grain.IterDataset):
       env: scores completions.
       generator: any :class:`~rl_jax.generator.base.Generator` (in-process engine or servers).
       encode / decode: prompt text → token ids; completion token ids → text.
+      encode_observation: environment text → token ids in multi-turn episodes (default:
+        ``encode``).
       state: a ``get_state()`` of an earlier iterator, to resume.
     """
 
     def __init__(self, prompts: grain.MapDataset, env: Environment, generator: Generator, *,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 config: RolloutConfig, state: dict[str, Any] | None = None):
+                 config: RolloutConfig, state: dict[str, Any] | None = None,
+                 encode_observation: Callable[[str], list[int]] | None = None):
         super().__init__()
         self._args = (prompts, env, generator, encode, decode, config)
         self._state = state
+        self._encode_observation = encode_observation
 
     def __iter__(self) -> RolloutIterator:
-        return RolloutIterator(*self._args, state=self._state)
+        return RolloutIterator(*self._args, state=self._state,
+                               encode_observation=self._encode_observation)
 
 
 @dataclasses.dataclass(frozen=True)
