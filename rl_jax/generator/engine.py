@@ -336,7 +336,7 @@ class Engine:
         self.stats["prefill_tokens"] += int(sum(map(len, prompts)))
         self.stats["prefills"] += 1
         if fresh:
-            self._sample_and_append(logits[np.asarray(fresh_rows)], fresh)
+            self._sample_and_append(logits, fresh, rows=fresh_rows)
 
     def _decode_step(self):
         seqs = list(self._running.values())
@@ -348,16 +348,19 @@ class Engine:
             positions[seq.slot] = len(seq.tokens) - 1
         logits = self.runner.decode(self.params, tokens, positions)
         slots = np.asarray([seq.slot for seq in seqs], np.int32)
-        self._sample_and_append(logits[slots], seqs)
+        self._sample_and_append(logits, seqs, rows=slots)
         self.stats["decode_steps"] += 1
 
-    def _sample_and_append(self, logits, seqs: list[_Sequence]):
+    def _sample_and_append(self, logits, seqs: list[_Sequence], rows=None):
+        """Samples the next token of ``seqs`` from ``logits`` (row ``rows[i]`` for ``seqs[i]``;
+        row ``i`` when ``rows`` is None) and appends it."""
         n = len(seqs)
-        rows = _bucket(n, 1, max(self.engine_config.max_slots, n))
-        arrays = {"temperature": np.ones(rows, np.float32), "top_k": np.full(rows, -1, np.int32),
-                  "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
-                  "seed": np.zeros(rows, np.uint32), "sample_index": np.zeros(rows, np.int32),
-                  "token_index": np.zeros(rows, np.int32)}
+        bucket = _bucket(n, 1, max(self.engine_config.max_slots, n))
+        arrays = {"temperature": np.ones(bucket, np.float32),
+                  "top_k": np.full(bucket, -1, np.int32), "top_p": np.ones(bucket, np.float32),
+                  "min_p": np.zeros(bucket, np.float32), "seed": np.zeros(bucket, np.uint32),
+                  "sample_index": np.zeros(bucket, np.int32),
+                  "token_index": np.zeros(bucket, np.int32)}
         filtered = False
         for i, seq in enumerate(seqs):
             sp = seq.request.sampling
@@ -369,9 +372,14 @@ class Engine:
             arrays["sample_index"][i] = seq.index
             arrays["token_index"][i] = len(seq.output_ids)
             filtered |= sp.needs_filter
-        if rows != n:
-            logits = jax.numpy.pad(logits, ((0, rows - n), (0, 0)))
-        tokens, logprobs = self.runner.sample(logits, arrays, filtered)
+        if rows is not None:  # gathered inside the sampling jit: no eager gather or pad
+            picked = np.zeros(bucket, np.int32)
+            picked[:n] = rows
+            tokens, logprobs = self.runner.sample(logits, arrays, filtered, rows=picked)
+        else:
+            if bucket != n:
+                logits = jax.numpy.pad(logits, ((0, bucket - n), (0, 0)))
+            tokens, logprobs = self.runner.sample(logits, arrays, filtered)
         tokens, logprobs = np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
         version = self.version
         finished = []

@@ -1,0 +1,450 @@
+"""Generator decode throughput against HF transformers and the machine's roofline.
+
+Everything is measured side by side in one run, so ratios are meaningful even on a shared, noisy
+machine:
+
+1. ceilings: dense matmul FLOP/s (a large jitted matmul) and memory read bandwidth (a jitted
+   reduction over a large array) of this backend;
+2. per model and batch size ``B``, the decode step latency and tokens/s of
+   - ``raw``: the engine's jitted decode step plus sampling (``ModelRunner.decode`` then
+     ``ModelRunner.sample``), tokens fed back on device, no host sync inside the loop: the engine's
+     ceiling;
+   - ``engine``: ``Engine.generate`` end to end with ``B`` concurrent requests (scheduler, host
+     transfers and per-token bookkeeping included);
+   - ``hf``: transformers' ``generate`` on the same weights (written with ``save_pretrained``,
+     loaded with ``AutoModelForCausalLM``), sampled at temperature 1 without top-k/top-p, EOS
+     ignored, the same number of new tokens; with 2 and with 1 torch threads, the faster kept;
+   - ``roofline``: ``max(bytes / bandwidth, FLOPs / peak)`` per step, where bytes are the weights
+     a step reads plus the KV cache of the actual context (not the cache's capacity) and FLOPs
+     are ``2·params·B`` plus attention.
+
+For ``engine`` and ``hf`` the per-step latency is ``(t(N) - t(1)) / (N - 1)``: the time of a
+generation of ``N`` new tokens minus that of a 1-token generation (prefill and first token), over
+the remaining decode steps. ``wall tok/s`` is ``B·N / t(N)`` (prefill included).
+
+The runs of one batch size are interleaved and repeated, and each time is the minimum over the
+repeats: other processes on a shared machine only ever add time, and torch's OpenMP threads suffer
+far more from them than XLA's thread pool (several times slower decode steps under load, which is
+also why HF gets its better thread count), so a median would mostly measure the neighbours. The
+load average is recorded with the results.
+
+Usage: python benchmarks/generator_throughput.py [--quick]
+Writes benchmarks/results/generator_throughput.json and generator_throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.generator.engine import Engine, EngineConfig
+from rl_jax.generator.runner import ModelRunner
+from rl_jax.generator.types import GenerateRequest, SamplingParams
+from rl_jax.models import ModelConfig, save_pretrained
+from rl_jax.trainer.state import ModelSpec
+
+RESULTS = Path(__file__).parent / "results"
+# torch thread counts tried for HF; the faster is reported. Two threads win on a quiet machine,
+# but torch's OpenMP slows down several-fold when other processes take a core, one thread much less.
+HF_THREADS = (2, 1)
+
+MODELS = {
+    "small": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4,
+                         num_heads=8, num_kv_heads=4, head_dim=32),
+    "tiny": ModelConfig(vocab_size=1024, hidden_size=96, intermediate_size=256, num_layers=3,
+                        num_heads=4, num_kv_heads=2, head_dim=24),
+}
+
+
+def log(message: str):
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def best_time(fn, *, warmup: int = 2, repeats: int = 5) -> float:
+    """Minimum seconds per call of ``fn`` (which blocks on its result) after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.min(times))
+
+
+# ---- ceilings -----------------------------------------------------------------------------------
+
+def matmul_peak_flops(sizes=(1024, 2048)) -> dict:
+    """Best FLOP/s of a square float32 matmul over ``sizes``."""
+    per_size = {}
+    for n in sizes:
+        a = jnp.ones((n, n), jnp.float32)
+        f = jax.jit(lambda x, y: x @ y)
+        seconds = best_time(lambda: jax.block_until_ready(f(a, a)), repeats=10)
+        per_size[n] = 2 * n ** 3 / seconds
+    return {"flops_per_s": max(per_size.values()), "per_size": per_size}
+
+
+def memory_bandwidth(mib: int = 512) -> dict:
+    """Bytes/s of a jitted reduction (reads ``mib`` MiB) and of an elementwise copy (reads and
+    writes it); the read bandwidth is the roofline's (a decode step mostly reads)."""
+    x = jnp.ones((mib * 2 ** 20 // 4 // 1024, 1024), jnp.float32)
+    nbytes = x.size * 4
+    read = jax.jit(lambda x: jnp.sum(x, axis=0))
+    copy = jax.jit(lambda x: x * 1.0001)
+    read_s = best_time(lambda: jax.block_until_ready(read(x)), repeats=7)
+    copy_s = best_time(lambda: jax.block_until_ready(copy(x)), repeats=7)
+    return {"read_bytes_per_s": nbytes / read_s, "copy_bytes_per_s": 2 * nbytes / copy_s,
+            "array_bytes": nbytes}
+
+
+def roofline_step(cfg: ModelConfig, batch: int, context: float, peak_flops: float,
+                  bandwidth: float, itemsize: int = 4) -> dict:
+    """Roofline of one decode step of ``batch`` sequences with mean ``context`` tokens cached.
+
+    Bytes: every weight a step reads (all but the embedding table, of which ``batch`` rows; the
+    whole table when tied, as it is the unembedding) plus the KV cache of the context, read, and
+    the new keys/values, written. FLOPs: 2 per weight per sequence plus attention scores and
+    values over the context.
+    """
+    d, layers = cfg.hidden_size, cfg.num_layers
+    dense = cfg.num_params(include_embeddings=False)
+    unembed = cfg.vocab_size * d
+    weight_bytes = (dense + unembed) * itemsize + batch * d * itemsize
+    kv_per_token = 2 * layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_bytes = kv_per_token * batch * (context + 1)
+    flops = 2 * (dense + unembed) * batch + 4 * layers * cfg.num_heads * cfg.head_dim * (
+        context + 1) * batch
+    memory_s, compute_s = (weight_bytes + kv_bytes) / bandwidth, flops / peak_flops
+    return {"step_s": max(memory_s, compute_s), "memory_s": memory_s, "compute_s": compute_s,
+            "bound": "memory" if memory_s >= compute_s else "compute",
+            "bytes": weight_bytes + kv_bytes, "flops": flops}
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+def prompts_for(cfg: ModelConfig, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, cfg.vocab_size, (batch, prompt_len)).astype(
+        np.int32)
+
+
+def raw_decode_steps(runner: ModelRunner, params, prompts: np.ndarray, new_tokens: int) -> float:
+    """Prefills ``prompts`` into slots ``0..B-1`` and runs ``new_tokens - 1`` decode+sample
+    steps with tokens kept on device; returns seconds per step (decode loop only)."""
+    b, p = prompts.shape
+    k, v, logits = runner.prefill(params, prompts, np.full((b,), p, np.int32))
+    runner.insert(k, v, np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32))
+    arrays = {"temperature": np.ones(b, np.float32), "top_k": np.full(b, -1, np.int32),
+              "top_p": np.ones(b, np.float32), "min_p": np.zeros(b, np.float32),
+              "seed": np.arange(b, dtype=np.uint32), "sample_index": np.zeros(b, np.int32)}
+    arrays = {name: jnp.asarray(a) for name, a in arrays.items()}
+    tokens, _ = runner.sample(logits, dict(arrays, token_index=np.zeros(b, np.int32)), False)
+    jax.block_until_ready(tokens)
+    start = time.perf_counter()
+    for i in range(1, new_tokens):
+        logits = runner.decode(params, tokens, np.full((b,), p + i - 1, np.int32))
+        tokens, logprobs = runner.sample(
+            logits, dict(arrays, token_index=np.full(b, i, np.int32)), False)
+    jax.block_until_ready((tokens, logprobs))
+    return (time.perf_counter() - start) / max(new_tokens - 1, 1)
+
+
+def step_components(runner: ModelRunner, params, batch: int, position: int) -> dict:
+    """Seconds of the two halves of a raw step, each run alone: ``decode`` (the model, ``batch``
+    slots at ``position``) and ``sample`` from its logits, plus ``sample_filtered``, the sampling
+    path that top-k/top-p/min-p requests switch on (not used by the benchmark's requests)."""
+    arrays = {"temperature": np.ones(batch, np.float32), "top_k": np.full(batch, -1, np.int32),
+              "top_p": np.ones(batch, np.float32), "min_p": np.zeros(batch, np.float32),
+              "seed": np.arange(batch, dtype=np.uint32), "sample_index": np.zeros(batch, np.int32),
+              "token_index": np.zeros(batch, np.int32)}
+    arrays = {name: jnp.asarray(a) for name, a in arrays.items()}
+    tokens = jnp.zeros((batch,), jnp.int32)
+    positions = np.full((batch,), position, np.int32)
+    logits = runner.decode(params, tokens, positions)
+    return {
+        "decode": best_time(lambda: jax.block_until_ready(runner.decode(params, tokens, positions)),
+                            repeats=10),
+        "sample": best_time(lambda: jax.block_until_ready(runner.sample(logits, arrays, False)),
+                            repeats=10),
+        "sample_filtered": best_time(
+            lambda: jax.block_until_ready(runner.sample(logits, arrays, True)), warmup=1,
+            repeats=3)}
+
+
+def engine_generate(engine: Engine, prompts: np.ndarray, new_tokens: int) -> float:
+    """Seconds for ``B`` concurrent requests of ``new_tokens`` sampled tokens each.
+
+    The requests are queued while the engine is paused, so they are admitted together (one
+    prefill batch, the same shapes every run) rather than as the scheduler happens to see them.
+    """
+    sampling = [SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True,
+                               seed=i) for i in range(len(prompts))]
+    engine.pause("in_place")
+    futures = [engine.submit(GenerateRequest(prompt.tolist(), sp))
+               for prompt, sp in zip(prompts, sampling)]
+    start = time.perf_counter()
+    engine.resume()
+    outputs = [f.result() for f in futures]
+    seconds = time.perf_counter() - start
+    assert all(len(o[0].output_ids) == new_tokens for o in outputs)
+    return seconds
+
+
+# ---- HF transformers ----------------------------------------------------------------------------
+
+def load_hf(cfg: ModelConfig, params, directory: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    spec = ModelSpec(cfg, mesh=None)
+    save_pretrained(spec.merge(params), directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = prompts_for(cfg, 2, 16, seed=1)
+    with torch.inference_mode():
+        hf_logits = model(torch.from_numpy(ids).long()).logits.numpy()
+    ours = spec.merge(params)
+    hidden = ours(jnp.asarray(ids))
+    our_logits = np.asarray(ours.logits(hidden))
+    return model, float(np.abs(hf_logits - our_logits).max())
+
+
+def hf_generate(model, prompts: np.ndarray, new_tokens: int, threads: int) -> float:
+    import torch
+    from transformers import GenerationConfig
+    torch.set_num_threads(threads)
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None,
+                              pad_token_id=0)
+    ids = torch.from_numpy(prompts).long()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        seconds = time.perf_counter() - start
+    assert out.shape[1] == prompts.shape[1] + new_tokens
+    return seconds
+
+
+# ---- one model ----------------------------------------------------------------------------------
+
+def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path) -> dict:
+    spec = ModelSpec(cfg, mesh=None)
+    params = spec.init_params(seed=0)
+    hf_model, parity = (None, None) if args.no_hf else load_hf(cfg, params, workdir / name)
+    log(f"{name}: {cfg.num_params() / 1e6:.2f}M params"
+        + ("" if parity is None else f", HF logits parity {parity:.1e}"))
+    n, p = args.new_tokens, args.prompt_len
+    rows = []
+    for b in args.batches:
+        prompts = prompts_for(cfg, b, p, seed=b)
+        runner = ModelRunner(cfg, max_slots=b, max_seq_len=args.max_seq_len)
+        engine = Engine(cfg, params, engine_config=EngineConfig(
+            max_slots=b, max_seq_len=args.max_seq_len, max_prefill_tokens=max(2048, b * p)))
+        # Warm-up: compiles every shape the timed runs meet (prefill, decode, sampling buckets).
+        raw_decode_steps(runner, params, prompts, n)
+        engine_generate(engine, prompts, n)
+        engine_generate(engine, prompts, 1)
+        threads = [] if hf_model is None else HF_THREADS
+        for t in threads:
+            hf_generate(hf_model, prompts, min(n, 8), threads=t)
+        raw, eng_n, eng_1 = [], [], []
+        hf_n, hf_1 = {t: [] for t in threads}, {t: [] for t in threads}
+        for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
+            raw.append(raw_decode_steps(runner, params, prompts, n))
+            eng_n.append(engine_generate(engine, prompts, n))
+            eng_1.append(engine_generate(engine, prompts, 1))
+            for t in threads:
+                hf_n[t].append(hf_generate(hf_model, prompts, n, threads=t))
+                hf_1[t].append(hf_generate(hf_model, prompts, 1, threads=t))
+        parts = step_components(runner, params, b, p + n // 2)
+        engine.shutdown()
+        del runner, engine
+        gc.collect()
+        best = lambda xs: float(np.min(xs))  # noqa: E731
+        roof = roofline_step(cfg, b, context=p + (n - 1) / 2, peak_flops=ceilings["peak_flops"],
+                             bandwidth=ceilings["bandwidth"])
+        row = {"batch": b, "raw_step_s": best(raw),
+               "engine_step_s": (best(eng_n) - best(eng_1)) / (n - 1),
+               "engine_wall_s": best(eng_n), "roofline_step_s": roof["step_s"], "roofline": roof,
+               "components_s": parts,
+               "times_s": {"raw_step": raw, "engine_n": eng_n, "engine_1": eng_1, "hf_n": hf_n,
+                           "hf_1": hf_1}}
+        if threads:  # HF's best torch thread count at this batch size
+            hf_step = {t: (best(hf_n[t]) - best(hf_1[t])) / (n - 1) for t in threads}
+            t = min(threads, key=hf_step.get)
+            row.update(hf_step_s=hf_step[t], hf_wall_s=best(hf_n[t]), hf_threads=t,
+                       hf_step_s_by_threads=hf_step)
+        for kind in ("raw", "engine", "hf", "roofline"):
+            if f"{kind}_step_s" in row:
+                row[f"{kind}_tok_s"] = b / row[f"{kind}_step_s"]
+        row["engine_wall_tok_s"] = b * n / row["engine_wall_s"]
+        row["raw_over_roofline"] = row["roofline_step_s"] / row["raw_step_s"]
+        row["engine_over_roofline"] = row["roofline_step_s"] / row["engine_step_s"]
+        if threads:
+            row["hf_wall_tok_s"] = b * n / row["hf_wall_s"]
+            row["raw_over_hf"] = row["hf_step_s"] / row["raw_step_s"]
+            row["engine_over_hf"] = row["hf_step_s"] / row["engine_step_s"]
+            row["engine_over_hf_wall"] = row["hf_wall_s"] / row["engine_wall_s"]
+        rows.append(row)
+        log(f"{name} B={b:<3} step ms: raw {row['raw_step_s'] * 1e3:7.2f}  engine "
+            f"{row['engine_step_s'] * 1e3:7.2f}  "
+            + (f"hf {row['hf_step_s'] * 1e3:7.2f} ({row['hf_threads']} thr)  " if threads else "")
+            + f"roofline {row['roofline_step_s'] * 1e3:6.2f} ({roof['bound']}) | alone: decode "
+            f"{parts['decode'] * 1e3:.2f}, sample {parts['sample'] * 1e3:.2f}, filtered sample "
+            f"{parts['sample_filtered'] * 1e3:.2f}")
+    del hf_model
+    gc.collect()
+    return {"model": name, "params": cfg.num_params(), "config": cfg.to_hf(),
+            "hf_logits_parity": parity, "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    best_engine = max(rows, key=lambda r: r["engine_tok_s"])
+    best_raw = max(rows, key=lambda r: r["raw_tok_s"])
+    out = {
+        "engine_best_batch": best_engine["batch"],
+        "engine_over_roofline_at_best_batch": best_engine["engine_over_roofline"],
+        "raw_best_batch": best_raw["batch"],
+        "raw_over_roofline_at_best_batch": best_raw["raw_over_roofline"],
+        "engine_over_roofline_max": max(r["engine_over_roofline"] for r in rows),
+        "raw_over_roofline_max": max(r["raw_over_roofline"] for r in rows),
+    }
+    big = [r for r in rows if r["batch"] >= 16 and "engine_over_hf" in r]
+    if big:
+        out["engine_over_hf_min_at_batch_ge_16"] = min(r["engine_over_hf"] for r in big)
+        out["aim_2x_hf_at_batch_ge_16"] = out["engine_over_hf_min_at_batch_ge_16"] >= 2
+    out["aim_half_roofline_at_best_batch"] = out["engine_over_roofline_at_best_batch"] >= 0.5
+    return out
+
+
+def print_table(result: dict):
+    rows = result["rows"]
+    has_hf = "hf_step_s" in rows[0]
+    print(f"\n{result['model']} ({result['params'] / 1e6:.2f}M params): decode step latency (ms) "
+          "and tokens/s")
+    head = (f"{'B':>4} | {'raw ms':>7} {'engine ms':>9} " + (f"{'hf ms':>7} " if has_hf else "")
+            + f"{'roof ms':>7} {'bound':>7} | {'raw tok/s':>9} {'engine':>8} "
+            + (f"{'hf':>8} " if has_hf else "") + f"{'roofline':>8} | "
+            + (f"{'eng/hf':>6} {'raw/hf':>6} " if has_hf else "") + f"{'eng/roof':>8} "
+            f"{'raw/roof':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['batch']:>4} | {r['raw_step_s'] * 1e3:7.2f} {r['engine_step_s'] * 1e3:9.2f} "
+              + (f"{r['hf_step_s'] * 1e3:7.2f} " if has_hf else "")
+              + f"{r['roofline_step_s'] * 1e3:7.2f} {r['roofline']['bound']:>7} | "
+              f"{r['raw_tok_s']:9.0f} {r['engine_tok_s']:8.0f} "
+              + (f"{r['hf_tok_s']:8.0f} " if has_hf else "") + f"{r['roofline_tok_s']:8.0f} | "
+              + (f"{r['engine_over_hf']:6.2f} {r['raw_over_hf']:6.2f} " if has_hf else "")
+              + f"{r['engine_over_roofline']:8.2f} {r['raw_over_roofline']:8.2f}")
+    s = result["summary"]
+    print(f"best engine batch {s['engine_best_batch']}: "
+          f"{s['engine_over_roofline_at_best_batch']:.2f} of roofline (max over batches "
+          f"{s['engine_over_roofline_max']:.2f}); raw step at its best batch "
+          f"{s['raw_best_batch']}: {s['raw_over_roofline_at_best_batch']:.2f}")
+    if "engine_over_hf_min_at_batch_ge_16" in s:
+        print(f"engine/HF at batch >= 16: min {s['engine_over_hf_min_at_batch_ge_16']:.2f}x "
+              f"(aim >= 2x: {'met' if s['aim_2x_hf_at_batch_ge_16'] else 'NOT met'}); "
+              f"aim >= 50% of roofline at best batch: "
+              f"{'met' if s['aim_half_roofline_at_best_batch'] else 'NOT met'}")
+
+
+def plot(results: list[dict], path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4.2 * len(results)), squeeze=False)
+    styles = {"raw": ("engine: jitted step", "C0", "o-"), "engine": ("engine: end to end", "C1",
+              "s-"), "hf": ("HF generate", "C2", "^-"), "roofline": ("roofline", "k", "--")}
+    for (ax_lat, ax_tps), result in zip(axes, results):
+        rows = result["rows"]
+        batches = [r["batch"] for r in rows]
+        for kind, (label, color, style) in styles.items():
+            if f"{kind}_step_s" not in rows[0]:
+                continue
+            ax_lat.plot(batches, [r[f"{kind}_step_s"] * 1e3 for r in rows], style, color=color,
+                        label=label)
+            ax_tps.plot(batches, [r[f"{kind}_tok_s"] for r in rows], style, color=color,
+                        label=label)
+        title = f"{result['model']} ({result['params'] / 1e6:.1f}M params)"
+        ax_lat.set(xscale="log", yscale="log", xlabel="batch size",
+                   ylabel="decode step latency (ms)", title=f"{title}: step latency")
+        ax_tps.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s",
+                   title=f"{title}: throughput")
+        for ax in (ax_lat, ax_tps):
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.grid(True, which="both", alpha=0.3)
+        ax_lat.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="one model, three batch sizes, 32 new tokens, two repeats")
+    parser.add_argument("--models", default=None, help=f"comma-separated of {sorted(MODELS)}")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-seq-len", type=int, default=512,
+                        help="engine KV-cache length per slot (EngineConfig default: 512)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    args = parser.parse_args()
+    args.models = (args.models or ("small" if args.quick else "small,tiny")).split(",")
+    args.batches = [int(b) for b in (args.batches or ("1,16,64" if args.quick
+                                                      else "1,4,16,32,64")).split(",")]
+    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+
+    load_before = os.getloadavg()
+    log(f"backend: {jax.default_backend()} x{jax.device_count()} ({platform.processor()}), "
+        f"models {args.models}, batches {args.batches}, prompt {args.prompt_len} + "
+        f"{args.new_tokens} new tokens, max_seq_len {args.max_seq_len}")
+    if not args.no_hf:
+        import torch
+        log(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    flops = matmul_peak_flops((512, 1024) if args.quick else (1024, 2048))
+    bw = memory_bandwidth(256 if args.quick else 512)
+    ceilings = {"peak_flops": flops["flops_per_s"], "bandwidth": bw["read_bytes_per_s"],
+                "matmul": flops, "memory": bw}
+    log(f"ceilings: matmul {flops['flops_per_s'] / 1e9:.1f} GFLOP/s, read bandwidth "
+        f"{bw['read_bytes_per_s'] / 2 ** 30:.1f} GiB/s (copy {bw['copy_bytes_per_s'] / 2 ** 30:.1f}"
+        " GiB/s)")
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            results.append(bench_model(name, MODELS[name], args, ceilings, Path(tmp)))
+    for result in results:
+        print_table(result)
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on "
+          f"{os.cpu_count()} cores")
+
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "generator_throughput.json"
+    out.write_text(json.dumps({
+        "backend": jax.default_backend(), "devices": jax.device_count(),
+        "settings": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "max_seq_len": args.max_seq_len, "repeats": args.repeats,
+                     "sampling": "temperature 1, no top-k/top-p, EOS ignored", "quick": args.quick},
+        "load_average": load, "cpus": os.cpu_count(), "ceilings": ceilings,
+        "models": results}, indent=2, default=str))
+    png = RESULTS / "generator_throughput.png"
+    plot(results, png)
+    log(f"wrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
