@@ -13,7 +13,7 @@ bandwidth, measured in the same run (NumPy copy
 of a 256 MiB buffer into a warm and into a fresh destination, best of several). The in-flight
 pause is measured on a live engine decoding a full batch while versions arrive: the longest gap
 between two decode steps around an update, minus the median step, against the model's pure copy
-time. Aim (issue 5): fastest transport >= 50% of memcpy for >= 100 MB; pause <= 2x copy time.
+time. Aim: fastest transport >= 50% of memcpy for >= 100 MB; pause <= 2x copy time.
 
 Usage: python benchmarks/transfer_throughput.py [--quick] [--repeats N]
 Writes benchmarks/results/transfer_throughput.json and transfer_throughput.png.
