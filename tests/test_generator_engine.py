@@ -305,3 +305,17 @@ def test_overload_and_duplicate_ids(weights):
         assert zero.output_ids == [] and zero.finish_reason["type"] == "length"
     finally:
         eng.shutdown()
+
+
+def test_a_stopped_engine_refuses_control_instead_of_hanging(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=2, max_seq_len=64,
+                                                            max_waiting=4))
+    with pytest.raises(GeneratorError, match="can never be queued"):
+        eng.submit(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2, n=5)))
+    assert eng.alive
+    eng.shutdown()
+    assert not eng.alive
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="not running"):
+        eng.pause("in_place")
+    assert time.monotonic() - start < 5

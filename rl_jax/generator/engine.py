@@ -150,6 +150,9 @@ class Engine:
         with self._lock:
             if rid in self._requests:
                 raise GeneratorError(f"request id {rid!r} is already running")
+            if sampling.n > self.engine_config.max_waiting:
+                raise GeneratorError(f"n={sampling.n} samples can never be queued (the engine "
+                                     f"holds at most {self.engine_config.max_waiting} waiting)")
             if len(self._waiting) + sampling.n > self.engine_config.max_waiting:
                 self.stats["refused_overloaded"] += 1
                 raise Overloaded(f"{len(self._waiting)} sequences are waiting (limit "
@@ -229,7 +232,15 @@ class Engine:
             with self._lock:
                 self._control.append(("signal", done))
                 self._lock.notify_all()
-            done.wait()
+            while not done.wait(timeout=0.5):
+                if not self.alive:
+                    raise RuntimeError("the engine's scheduler is not running (shut down or "
+                                       "crashed); the operation was not applied")
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread is running (False after shutdown or a crash)."""
+        return self._thread.is_alive()
 
     # ---- scheduler ----------------------------------------------------------------------------
 

@@ -216,7 +216,7 @@ class GeneratorServer:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def alive(self) -> bool:
-        return self.engine._thread.is_alive()  # the scheduler thread; dead after shutdown/crash
+        return self.engine.alive  # the scheduler thread; dead after shutdown/crash
 
     def _require_alive(self):
         """Engine calls block until the scheduler thread applies them: refuse them once it is
@@ -594,7 +594,7 @@ async def _exit_with_parent(parent_pid: int, stop: asyncio.Event, interval: floa
 def wait_for_swap(engine: Engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout
     while engine.params is not params:
-        if time.monotonic() > deadline or not engine._thread.is_alive():
+        if time.monotonic() > deadline or not engine.alive:
             return False
         time.sleep(0.002)
     return True
