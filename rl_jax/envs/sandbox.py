@@ -54,6 +54,7 @@ import subprocess
 import sys
 import time
 
+_HIDDEN_IN_SANDBOX = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/lock/")
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
 _UNSHARE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child",
                   "--mount-proc")
@@ -163,7 +164,11 @@ def _namespaces_problem() -> str | None:
     if unshare is None:
         return "the `unshare` program (util-linux) is not on PATH"
     # The runner itself, as root inside the namespaces: checks the namespaces and the tmpfs mount.
-    probe = _run_job("namespaces", None, [sys.executable, "-I", "-S", "-c", "pass"], "", "",
+    try:
+        interpreter = default_interpreter()
+    except SandboxError as e:
+        return str(e)
+    probe = _run_job("namespaces", None, [interpreter, "-I", "-S", "-c", "pass"], "", "",
                      SandboxLimits(wall_time=10.0))
     if not probe.ok:
         return f"a trial run failed ({probe.reason}): {probe.detail[-300:]}"
@@ -192,7 +197,8 @@ def default_interpreter(unprivileged: bool = True) -> str:
     """The Python that runs sandboxed programs by default.
 
     This process's interpreter when an unprivileged uid can run it (or ``unprivileged`` is
-    False), else the first ``python3`` on PATH that it can run. Programs see that interpreter's
+    False) and it does not live under a directory the sandbox replaces (``/tmp`` ...), else the
+    first ``python3`` on PATH that qualifies. Programs see that interpreter's
     standard library and installed packages.
 
     Raises:
@@ -203,7 +209,10 @@ def default_interpreter(unprivileged: bool = True) -> str:
         candidates += [shutil.which(name) for name in ("python3", "python")]
         candidates += ["/usr/bin/python3", "/usr/local/bin/python3"]
     for path in candidates:
-        if path and (not unprivileged or _usable_by_others(path)):
+        # The namespaces mode mounts a fresh tmpfs over these: an interpreter there would vanish.
+        hidden = path and any(p.startswith(_HIDDEN_IN_SANDBOX)
+                              for p in (os.path.abspath(path), os.path.realpath(path)))
+        if path and not hidden and (not unprivileged or _usable_by_others(path)):
             return path
     raise SandboxError(f"no Python interpreter is executable by an unprivileged uid (tried "
                        f"{sys.executable!r} and python3 on PATH); pass interpreter= to Sandbox")
