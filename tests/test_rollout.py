@@ -143,7 +143,7 @@ class CoinEnv(ArithmeticEnv):
     """Reward 1 when the completion's first token is even: mixed groups without training."""
 
     async def score(self, prompt, completion):
-        solved = TOKENIZER.token_to_id(completion[0]) % 2 == 0 if completion else False
+        solved = bool(completion) and ord(completion[0]) % 2 == 0
         return float(solved), {"correct": solved, "reason": "coin"}
 
 
@@ -158,13 +158,18 @@ def test_dynamic_filtering_replaces_zero_signal_groups(setup):
                            sampling=SamplingParams(max_new_tokens=3))
     it = iter(make_rollout(engine, config, CoinEnv(num_digits=2), size=400))
     try:
-        for _ in range(3):
+        # Half of the groups of 2 have equal rewards; keep going until one was filtered
+        # (missing one in 12 batches has probability 2**-24).
+        for _ in range(12):
             for g in next(it):
                 assert np.ptp(g.rewards) > 0
-        metrics = it.metrics()
+            metrics = it.metrics()
+            if metrics.get("rollout/filtered_zero_signal", 0) > 0:
+                break
     finally:
         it.close()
-    assert metrics["rollout/filtered_zero_signal"] > 0
+    assert metrics.get("rollout/filtered_zero_signal", 0) > 0
+    assert metrics.get("rollout/failures", 0) == 0
 
 
 def test_prompts_always_solved_are_skipped(setup):
