@@ -35,12 +35,21 @@ _NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models."
 _PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
 _PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight publisher "
                                  "(rl_jax.transfer), for /update_weights_from_transfer.")
+_CPU_CORES = flags.DEFINE_string("cpu_cores", "", "CPU cores to run on, e.g. '1' or '2-3' "
+                                 "(taskset syntax; empty: any).")
 flags.mark_flags_as_required(["model"])
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CPU_CORES.value:  # before jax starts its thread pools
+        try:
+            from rl_jax.cpus import pin
+            pin(_CPU_CORES.value)
+        except (ValueError, OSError) as e:
+            print(f"error: --cpu_cores={_CPU_CORES.value}: {e}", file=sys.stderr)
+            sys.exit(2)
     if _TP.value > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
             "XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -1,7 +1,11 @@
-r"""Single-machine entry point: runs the recipe a config file names.
+r"""Single-machine entry point: runs the recipe a config file names, every role included.
 
-    python -m launch.train --config=configs/tiny_lm.py --workdir=runs/tiny_lm \
-        [--config.trainer.steps=200 ...]
+    python -m launch.train --config=configs/tiny_rl.py --workdir=runs/tiny_rl \
+        [--config.mode=sync --config.rollout.max_lag=4 ...]
+    python -m launch.train --config=configs/tiny_lm.py --workdir=runs/tiny_lm
+
+Recipe "rl" starts the generator servers (own processes), the weight publisher and the rollout
+pipeline, and trains in this process; recipe "lm" is supervised training.
 
 A config that cannot run stops before any work with one line naming the problem.
 """
@@ -34,6 +38,9 @@ def main(argv):
         if config.recipe == "lm":
             from rl_jax.trainer import lm
             lm.run(config, _WORKDIR.value)
+        elif config.recipe == "rl":
+            from rl_jax.orchestrator import rl
+            rl.run(config, _WORKDIR.value)
         else:
             raise app.UsageError(f"unknown recipe {config.recipe!r}")
     except USER_ERRORS as e:

@@ -92,7 +92,8 @@ class GeneratorClient(Generator):
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._rotation = itertools.count()
-        self._replay: dict[str, dict[str, Any]] = {}  # "weights"/"pause" -> last broadcast body
+        # "weights" -> (path, body) of the last weight update; "pause" -> last pause body
+        self._replay: dict[str, Any] = {}
         self._probe_locks: dict[str, asyncio.Lock] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -179,11 +180,14 @@ class GeneratorClient(Generator):
         try:
             weights = self._replay.get("weights")
             if weights is not None:
+                path, weights = weights
                 status, data, _ = await self._request(server, "GET", "/get_weight_version")
                 current = data.get("weight_version") if isinstance(data, dict) else None
-                if status != 200 or str(current) != str(weights["weight_version"]):
-                    status, data, _ = await self._request(server, "POST",
-                                                          "/update_weights_from_disk", weights)
+                behind = path == "/update_weights_from_transfer" and isinstance(current, int) \
+                    and current >= int(weights["weight_version"])
+                if status != 200 or (str(current) != str(weights["weight_version"])
+                                     and not behind):
+                    status, data, _ = await self._request(server, "POST", path, weights)
                     if status != 200:
                         log.error("cannot restore weights on %s: %s", server.url, data)
                         return False
@@ -335,11 +339,32 @@ class GeneratorClient(Generator):
         body = {"model_path": str(model_path), "weight_version": str(int(version)),
                 "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
         await self.broadcast("POST", "/update_weights_from_disk", body)
-        self._replay["weights"] = body
+        self._replay["weights"] = ("/update_weights_from_disk", body)
         for s in self.servers:
             if s.healthy:
                 s.weight_version = int(version)
         return int(version)
+
+    async def update_weights_from_transfer(self, version: int, *, publisher_url: str | None = None,
+                                           wait_s: float = 30.0, transport: str | None = None
+                                           ) -> dict[str, int]:
+        """Every server up pulls version ``version`` (or newer) from the weight publisher
+        (``rl_jax.transfer``) and swaps it in between two decode steps; url → version now
+        served. A server that was down pulls it when it comes back."""
+        body: dict[str, Any] = {"weight_version": int(version), "wait_s": float(wait_s)}
+        if publisher_url:
+            body["publisher_url"] = publisher_url
+        if transport:
+            body["transport"] = transport
+        results = await self.broadcast("POST", "/update_weights_from_transfer", body)
+        self._replay["weights"] = ("/update_weights_from_transfer", body)
+        versions = {}
+        for server in self.servers:
+            status, data = results.get(server.url, (None, None))
+            if status == 200 and isinstance(data, dict) and "weight_version" in data:
+                server.weight_version = int(data["weight_version"])
+                versions[server.url] = server.weight_version
+        return versions
 
     async def weight_versions(self) -> dict[str, int]:
         """url → weight version of every server up (-1 where it is not an integer)."""

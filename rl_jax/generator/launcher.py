@@ -55,6 +55,13 @@ class PoolConfig:
     env: tuple[tuple[str, str], ...] = ()  # extra environment variables
     startup_timeout: float = 900.0  # s until /health answers 200
     log_dir: str | None = None  # server logs (default: a temporary directory)
+    # CPU cores each server may run on ("" = any), e.g. "1" or "2-3" (``taskset`` syntax);
+    # this project's servers pin themselves, SGLang servers are started under ``taskset``.
+    cpu_cores: str = ""
+    # The trainer's weight publisher (rl_jax.transfer): servers pull the newest published
+    # version before they report ready (so a restarted server never serves old weights) and on
+    # /update_weights_from_transfer.
+    publisher_url: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -90,6 +97,10 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
                f"--max_seq_len={c.max_seq_len}", f"--max_waiting={c.max_waiting}",
                f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",
                f"--weight_version={c.weight_version}", f"--parent_pid={os.getpid()}"]
+        if c.cpu_cores:
+            cmd.append(f"--cpu_cores={c.cpu_cores}")
+        if c.publisher_url:
+            cmd.append(f"--publisher_url={c.publisher_url}")
     else:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model,
                "--host", c.host, "--port", str(port), "--tp-size", str(c.tensor_parallel),
@@ -97,6 +108,8 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
                "--max-running-requests", str(c.max_slots),
                "--context-length", str(c.max_seq_len),
                "--weight-version", str(c.weight_version)]
+        if c.cpu_cores:
+            cmd = ["taskset", "-c", c.cpu_cores] + cmd
     return cmd + list(c.extra_args)
 
 

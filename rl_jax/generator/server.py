@@ -82,6 +82,9 @@ class ServerConfig:
     served_model_name: str | None = None
     parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
     publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
+    # With a publisher_url: pull the newest published version (if any) before serving, so a
+    # server (re)started during a run never answers with weights older than the run's.
+    pull_on_start: bool = True
 
 
 class EngineStopped(RuntimeError):
@@ -188,9 +191,29 @@ class GeneratorServer:
                             max_waiting=config.max_waiting,
                             max_prefill_tokens=config.max_prefill_tokens))
         server = cls(engine, config, tokenizer=tokenizer, mesh=mesh, rules=rules, dtype=dtype)
+        if config.publisher_url and config.pull_on_start:
+            server.pull_initial_weights()
         if config.warmup:
             server.warmup()
         return server
+
+    def pull_initial_weights(self):
+        """Pulls the newest version published at ``config.publisher_url``, if newer than the
+        loaded one; a publisher that cannot be reached is logged and the loaded weights kept."""
+        from rl_jax.transfer import GeneratorPuller, TransferError
+        url = self.config.publisher_url
+        puller = self._pullers.setdefault(url, GeneratorPuller(url))
+        try:
+            update = puller.pull_latest(self.engine, wait_s=0.0)
+        except (TransferError, OSError) as e:
+            log.warning("no initial weights from %s (serving version %d): %s", url,
+                        self.engine.version, e)
+            return
+        if update is not None:
+            self.engine.update_weights(update.params, update.version)
+            if not wait_for_swap(self.engine, update.params):
+                raise EngineStopped("the engine did not apply the initial weights")
+            log.info("pulled initial weight version %d from %s", update.version, url)
 
     def warmup(self):
         """Compiles prefill, decode and sampling with one short greedy request."""
@@ -481,6 +504,9 @@ class GeneratorServer:
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         async with self._update_lock:
+            if min_version is not None and self.engine.version >= min_version:
+                return _json_response({"success": True, "weight_version": self.engine.version,
+                                       "message": f"already at version {self.engine.version}"})
             puller = self._pullers.setdefault(url, GeneratorPuller(url))
             try:
                 update = await asyncio.to_thread(puller.pull_latest, self.engine,

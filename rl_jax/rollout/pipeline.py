@@ -34,6 +34,7 @@ import numpy as np
 from rl_jax.envs.base import Environment, Prompt, Segment, build_loss_mask, score_many
 from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
+from rl_jax.generator.client import GeneratorUnavailable
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 from rl_jax.rollout.records import Group, Sample, pack_groups
 from rl_jax.rollout.staleness import GateConfig, StalenessGate
@@ -62,6 +63,15 @@ class RolloutConfig:
     # Multi-turn episodes: completion tokens one policy turn may use (the episode as a whole,
     # observations included, stays within sampling.max_new_tokens). None: no per-turn limit.
     max_tokens_per_turn: int | None = None
+    # Wait this long before re-sending a prompt no generator server could take (all down or
+    # restarting); such waits do not count against max_retries.
+    unavailable_backoff_s: float = 1.0
+
+
+def prompt_seed(seed: int | None, position: int) -> int | None:
+    """The sampling seed of the prompt at ``position`` (None: unseeded): distinct per prompt,
+    the same for the same prompt, so a resumed or repeated run samples the same tokens."""
+    return None if seed is None else (int(seed) * 1_000_003 + 65_537 * int(position)) % 2**31
 
 
 class RolloutIterator(grain.DatasetIterator):
@@ -70,8 +80,10 @@ class RolloutIterator(grain.DatasetIterator):
     def __init__(self, prompts: grain.MapDataset, env: Environment, generator: Generator,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                  config: RolloutConfig, state: dict[str, Any] | None = None,
-                 encode_observation: Callable[[str], list[int]] | None = None):
+                 encode_observation: Callable[[str], list[int]] | None = None,
+                 close_generator: bool = False):
         super().__init__()
+        self._close_generator = close_generator
         self._prompts = prompts
         self._encode_observation = encode_observation or encode
         self._env = env
@@ -82,6 +94,7 @@ class RolloutIterator(grain.DatasetIterator):
         self._lock = threading.Condition()
         self._groups: dict[int, Group] = {}
         self._failures: collections.Counter = collections.Counter()
+        self._attempts: collections.Counter = collections.Counter()  # request ids stay unique
         self.solve_rates = None if config.solve_rate_window is None else SolveRateTracker(
             window=config.solve_rate_window)
         self._exhausted = False
@@ -124,6 +137,18 @@ class RolloutIterator(grain.DatasetIterator):
         with self._lock:
             self.gate.set_generator_version(version)
         self._poke()
+
+    def in_flight(self) -> int:
+        """Admitted groups still generating."""
+        with self._lock:
+            return self.gate.in_flight
+
+    def staleness(self, groups: list[Group]) -> list[int]:
+        """Per-sample staleness of ``groups`` if consumed now (trainer version − the sample's
+        oldest token version)."""
+        with self._lock:
+            version = self.gate.trainer_version
+        return [version - s.min_version for g in groups for s in g.samples]
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -213,9 +238,11 @@ class RolloutIterator(grain.DatasetIterator):
         # Requests already sent keep running in the generators; stop them.
         for position in self.gate.pending_keys():
             try:
-                await self._generator.abort(f"prompt-{position}-{self._failures[position]}")
+                await self._generator.abort(self._rid(position))
             except Exception as e:  # a dead server: nothing left to stop
                 log.warning("could not abort prompt %s: %s", position, e)
+        if self._close_generator:  # its connections belong to this loop
+            await self._generator.close()
 
     def _take_position(self) -> int | None:
         """The next prompt position to admit, if the gate has room (call under the lock)."""
@@ -237,6 +264,9 @@ class RolloutIterator(grain.DatasetIterator):
                 return self._take_position()
         self.gate.admit(position)
         return position
+
+    def _rid(self, position: int) -> str:
+        return f"prompt-{position}-{self._attempts[position]}"
 
     def _prompt_key(self, position: int) -> int:
         period = self.config.solve_rate_period
@@ -277,8 +307,23 @@ class RolloutIterator(grain.DatasetIterator):
                 self._lock.notify_all()
         except asyncio.CancelledError:
             raise
+        except GeneratorUnavailable as e:
+            # No server could take the request (all down or restarting): not the prompt's
+            # fault, so it does not use up its retries; it waits and goes first again.
+            log.warning("generator pool unavailable for prompt %d, retrying in %.1f s: %s",
+                        position, cfg.unavailable_backoff_s, e)
+            with self._lock:
+                self.counts["generator_unavailable"] += 1
+            self._attempts[position] += 1
+            await asyncio.sleep(cfg.unavailable_backoff_s)
+            with self._lock:
+                self.gate.cancel(position)
+                self.counts["cancelled_unavailable"] += 1
+                self._reissue.appendleft(position)
+                self._lock.notify_all()
         except Exception as e:
             self._failures[position] += 1
+            self._attempts[position] += 1
             log.warning("rollout of prompt %d failed (%d/%d): %s", position,
                         self._failures[position], cfg.max_retries, e)
             with self._lock:
@@ -294,9 +339,10 @@ class RolloutIterator(grain.DatasetIterator):
 
     async def _single_turn(self, prompt: Prompt, ids: list[int], position: int):
         cfg = self.config
-        sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size)
+        sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size,
+                                       seed=prompt_seed(cfg.sampling.seed, position))
         outputs = await self._generator.generate(
-            GenerateRequest(ids, sampling, rid=f"prompt-{position}-{self._failures[position]}"))
+            GenerateRequest(ids, sampling, rid=self._rid(position)))
         texts = [self._decode(o.output_ids) for o in outputs]
         scores = await score_many(self._env, [prompt] * len(outputs), texts)
         if cfg.shaping is not None:
@@ -329,11 +375,12 @@ class RolloutIterator(grain.DatasetIterator):
                 break
             if cfg.max_tokens_per_turn is not None:
                 remaining = min(remaining, cfg.max_tokens_per_turn)
-            seed = None if cfg.sampling.seed is None else cfg.sampling.seed + 7919 * index
+            seed = prompt_seed(cfg.sampling.seed, position)
+            seed = None if seed is None else (seed + 7919 * index + 104729 * state.turn) % 2**31
             sampling = dataclasses.replace(cfg.sampling, n=1, max_new_tokens=remaining,
                                            seed=seed)
             out = (await self._generator.generate(GenerateRequest(
-                context, sampling, rid=f"prompt-{position}-{self._failures[position]}-{index}-"
+                context, sampling, rid=f"{self._rid(position)}-{index}-"
                                        f"{state.turn}")))[0]
             segments.append(Segment(out.output_ids, "policy", out.output_logprobs,
                                     out.output_versions))
@@ -372,20 +419,25 @@ class RolloutDataset(grain.IterDataset):
       encode_observation: environment text → token ids in multi-turn episodes (default:
         ``encode``).
       state: a ``get_state()`` of an earlier iterator, to resume.
+      close_generator: close ``generator`` when the iterator closes (from the rollout's own
+        event loop, where a ``GeneratorClient`` made its connections).
     """
 
     def __init__(self, prompts: grain.MapDataset, env: Environment, generator: Generator, *,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                  config: RolloutConfig, state: dict[str, Any] | None = None,
-                 encode_observation: Callable[[str], list[int]] | None = None):
+                 encode_observation: Callable[[str], list[int]] | None = None,
+                 close_generator: bool = False):
         super().__init__()
         self._args = (prompts, env, generator, encode, decode, config)
         self._state = state
         self._encode_observation = encode_observation
+        self._close_generator = close_generator
 
     def __iter__(self) -> RolloutIterator:
         return RolloutIterator(*self._args, state=self._state,
-                               encode_observation=self._encode_observation)
+                               encode_observation=self._encode_observation,
+                               close_generator=self._close_generator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +450,8 @@ class GroupsToBatch:
     pad_id: int = 0
 
     def __call__(self, groups: list[Group]) -> dict[str, Any]:
+        # Prompt-stream order, not completion order: the same groups always pack the same way.
+        groups = sorted(groups, key=lambda g: g.position)
         batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
                             advantage=self.advantage, pad_id=self.pad_id)
         rewards = batch["rewards"]

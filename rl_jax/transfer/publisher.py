@@ -343,8 +343,13 @@ class Publisher:
             prep.device_arrays[k] = jax.device_put(bad, prep.device_arrays[k].sharding)
         log.warning("fault injection: corrupted %s of version %d", name, version)
 
-    def _disk_path(self, version: int) -> str:
+    def disk_path(self, version: int) -> str:
+        """Where the ``disk`` transport writes ``version`` (an HF checkpoint directory)."""
+        if self.config.disk_dir is None:
+            raise ValueError("this publisher has no disk transport (PublisherConfig.disk_dir)")
         return str(Path(self.config.disk_dir) / f"v{version}")
+
+    _disk_path = disk_path
 
     def _write_disk(self, params, flat, version: int) -> tuple[str, dict[str, np.ndarray]]:
         """Writes an HF checkpoint directory (atomically) and returns the gathered host arrays

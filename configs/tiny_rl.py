@@ -1,0 +1,82 @@
+"""Tiny asynchronous RL recipe (CPU default): the tiny addition model of ``configs/tiny_lm.py``
+improves its held-out greedy accuracy with GRPO-style RL, trainer and generator server in
+separate processes on separate cores, weights streamed to the server in flight after every step.
+
+    python -m launch.train --config=configs/tiny_rl.py --workdir=runs/tiny_rl
+
+The base policy is ``base.checkpoint``; when that is empty the run first trains one with
+``base.lm_config`` (about a minute) into ``<workdir>/base`` and starts from its HF export.
+``--config.mode=sync`` or ``one_step_off`` runs the same recipe in the other modes.
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config() -> ConfigDict:
+    c = ConfigDict()
+    c.recipe = "rl"
+    c.mode = "async"  # async | one_step_off | sync
+    c.seed = 0
+
+    # The policy to start from: an HF checkpoint directory, or "" to train one first with the
+    # supervised recipe `lm_config` (its `trainer.steps` replaced by `lm_steps` when > 0).
+    c.base = ConfigDict(dict(checkpoint="", lm_config="configs/tiny_lm.py", lm_steps=0))
+    c.model = ConfigDict(dict(dtype="float32", param_dtype="float32", remat="none"))
+    c.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+    # The reward environment (rl_jax.envs.get(name, **kwargs)); train prompts come from its
+    # train split, held-out prompts from its eval split (operand pairs never trained on).
+    c.env = ConfigDict(dict(name="arithmetic",
+                            kwargs=ConfigDict(dict(num_digits=3, reverse_answer=False,
+                                               partial_credit=False))))
+    # Train prompts: the environment's own generator (path "") or a JSONL / Parquet /
+    # ArrayRecord file of records with `text_key` (and `answer_key`); `template` wraps each
+    # prompt's text before tokenisation (e.g. a chat template), "{prompt}" marks the text.
+    c.data = ConfigDict(dict(path="", text_key="prompt", answer_key="answer",
+                             template="{prompt}", shuffle=True, epochs=0))
+
+    c.rollout = ConfigDict(dict(
+        group_size=8,  # samples per prompt
+        groups_per_batch=64,  # prompts per optimizer step
+        max_lag=2,  # async mode: most optimizer steps a sample may lag behind the trainer
+        staleness_policy="prevent",
+        temperature=1.0, top_p=1.0, top_k=-1,
+        max_new_tokens=8,
+        ignore_eos=False,
+        advantage="grpo",
+        filter_zero_signal=False,
+        seq_len=64,  # tokens per packed training row
+        rows_per_batch=0,  # 0: enough rows for the longest possible samples
+        max_retries=3,
+    ))
+    c.loss = ConfigDict(dict(name="grpo", options=ConfigDict(dict())))
+    c.trainer = ConfigDict(dict(
+        steps=120,
+        time_limit_s=0.0,  # > 0: stop (and export) after this many seconds of RL
+        num_microbatches=1,
+        logits_block_size=4096,
+    ))
+    c.optimizer = ConfigDict(dict(learning_rate=2e-4, warmup_steps=5, final_lr_ratio=1.0,
+                                  b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.0,
+                                  max_grad_norm=1.0))
+
+    # Generator pool: `urls` of running servers (this project's or SGLang's), or servers started
+    # here (`num_servers`, kind "rl_jax" or "sglang").
+    c.generator = ConfigDict(dict(
+        kind="rl_jax", urls=(), num_servers=1, max_slots=64, max_seq_len=64,
+        dtype="float32", tensor_parallel=1, startup_timeout_s=600.0,
+        restart_dead=True, request_timeout_s=600.0,
+    ))
+    # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1".
+    c.cpus = ConfigDict(dict(trainer="0", generators="1"))
+    c.transfer = ConfigDict(dict(transports=("shm",), transport="auto", host="127.0.0.1",
+                                 port=0, timeout_s=120.0))
+
+    # Held-out greedy evaluation: the first `examples` prompts of the environment's eval split,
+    # or of the file `path` (same format as data.path).
+    c.eval = ConfigDict(dict(examples=256, every=10, max_new_tokens=8, path=""))
+    c.checkpoint = ConfigDict(dict(every=10, keep=2, use_async=True))
+    c.logging = ConfigDict(dict(every=1, tensorboard=True))
+    c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))
+    c.export = ConfigDict(dict(dtype="float32"))
+    return c

@@ -1,0 +1,50 @@
+"""Pinning a process to CPU cores, so that trainer and generator pools on one machine do not
+compete for the same cores. No JAX import: call :func:`pin` before JAX starts its thread pools."""
+
+from __future__ import annotations
+
+import os
+
+
+def parse_cores(text: str) -> set[int]:
+    """``"0,2-3"`` → ``{0, 2, 3}`` (``taskset -c`` syntax)."""
+    cores: set[int] = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"not a CPU core list: {text!r} (use e.g. '1' or '0,2-3')") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU core range {part!r} in {text!r}")
+        cores.update(range(first, last + 1))
+    if not cores:
+        raise ValueError(f"no CPU cores in {text!r}")
+    return cores
+
+
+def pin(text: str) -> set[int]:
+    """Restricts this process to the cores ``text`` names; returns them. Raises ``ValueError``
+    for a bad list or cores this machine does not have."""
+    cores = parse_cores(text)
+    available = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
+    missing = sorted(cores - available)
+    if missing:
+        raise ValueError(f"CPU cores {missing} do not exist here (this machine has "
+                         f"{os.cpu_count()})")
+    # Every thread of the process (a thread pool may already exist), and threads started later
+    # inherit it from the calling thread.
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = []
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # a thread that just ended
+            pass
+    os.sched_setaffinity(0, cores)
+    return cores

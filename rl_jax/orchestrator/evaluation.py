@@ -1,0 +1,61 @@
+"""Held-out evaluation through the generator pool: greedy decoding of a fixed set of prompts from
+the environment's eval split, scored by the environment.
+
+Run on the servers, so it measures exactly what the policy generates; every result carries the
+weight versions that produced it (in ``async`` mode a periodic eval runs on whatever version the
+servers hold, at most ``max_lag`` behind the trainer; the final one waits for the last version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from rl_jax.envs.base import Environment, Prompt, score_many
+from rl_jax.generator.base import Generator
+from rl_jax.generator.types import GenerateRequest, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    accuracy: float  # fraction of prompts whose greedy completion the environment marks correct
+    reward: float  # mean reward
+    examples: int
+    min_version: int  # oldest weight version among the generated tokens
+    max_version: int
+    seconds: float
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/reward": self.reward,
+                f"{prefix}/version": float(self.min_version), f"{prefix}/seconds": self.seconds}
+
+
+def held_out_prompts(env: Environment, count: int) -> list[Prompt]:
+    """The first ``count`` prompts of the environment's eval split (fixed across runs)."""
+    return [env.prompt(i, "eval") for i in range(count)]
+
+
+async def evaluate(generator: Generator, env: Environment, prompts: Sequence[Prompt], *,
+                   encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                   max_new_tokens: int, tag: str = "eval",
+                   concurrency: int = 64) -> EvalResult:
+    """Greedy completions of ``prompts`` (``concurrency`` requests at a time), scored."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, prompt: Prompt):
+        async with limit:
+            return (await generator.generate(GenerateRequest(
+                encode(prompt.text), sampling, rid=f"{tag}-{i}")))[0]
+
+    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    scores = await score_many(env, list(prompts), [decode(o.output_ids) for o in outputs])
+    versions = [v for o in outputs for v in o.output_versions] or [-1]
+    n = max(len(prompts), 1)
+    return EvalResult(accuracy=sum(bool(info.get("correct")) for _, info in scores) / n,
+                      reward=sum(r for r, _ in scores) / n, examples=len(prompts),
+                      min_version=min(versions), max_version=max(versions),
+                      seconds=loop.time() - start)

@@ -1,0 +1,119 @@
+"""The generator pool of a run: servers started here (this project's or SGLang's) or servers
+already running at given URLs, with a watchdog that restarts servers that die.
+
+A restarted server of this project pulls the newest published weights before it reports ready
+(``--publisher_url``), and the client re-applies the last weight update to any server it sees
+come back, so a restart never serves old weights for long; requests in flight on the dead server
+are retried on the others (or once it is back) by the client and the rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundLoop:
+    """An asyncio event loop in a daemon thread, for calling coroutines from synchronous code."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float | None = None) -> Any:
+        """Runs ``coro`` on the loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro):
+        """Schedules ``coro``; returns a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self):
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class GeneratorPool:
+    """Servers for one run.
+
+    Args:
+      block: the recipe's ``generator`` config block.
+      model_dir: the HF checkpoint the servers start from.
+      publisher_url: the weight publisher servers pull from.
+      cpu_cores: cores the servers run on ("" = any).
+      log_dir: where server logs go.
+    """
+
+    def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
+                 cpu_cores: str = "", log_dir: str | Path):
+        self.block = block
+        self.external = tuple(block.urls)
+        self.restarts: collections.Counter = collections.Counter()
+        self._servers: ServerPool | None = None
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        if not self.external:
+            self._servers = ServerPool(PoolConfig(
+                model=str(model_dir), kind=block.kind, ports=(0,) * int(block.num_servers),
+                max_slots=int(block.max_slots), max_seq_len=int(block.max_seq_len),
+                dtype=block.dtype, tensor_parallel=int(block.tensor_parallel),
+                startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
+                cpu_cores=cpu_cores,
+                publisher_url=publisher_url if block.kind == "rl_jax" else ""))
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.external) if self.external else self._servers.urls
+
+    @property
+    def log_dir(self) -> Path | None:
+        return None if self._servers is None else self._servers.log_dir
+
+    def start(self) -> "GeneratorPool":
+        """Starts the servers (waits until every one answers /health) and the watchdog."""
+        if self._servers is not None:
+            self._servers.start(wait=True)
+            if self.block.restart_dead:
+                self._watchdog = threading.Thread(target=self._watch, name="generator-watchdog",
+                                                  daemon=True)
+                self._watchdog.start()
+        return self
+
+    def _watch(self, interval: float = 1.0):
+        servers = self._servers
+        while not self._stop.wait(interval):
+            for i, process in enumerate(servers.processes):
+                if process is None or process.poll() is None or self._stop.is_set():
+                    continue
+                log.warning("generator server %s exited with code %s; restarting it:\n%s",
+                            servers.urls[i], process.returncode, servers.log_tail(i, 5))
+                self.restarts[servers.urls[i]] += 1
+                try:
+                    servers.start_server(i, wait=False)
+                except (OSError, LaunchError) as e:
+                    log.error("cannot restart generator server %s: %s", servers.urls[i], e)
+
+    def kill(self, index: int):
+        """Kills server ``index`` (the watchdog restarts it)."""
+        if self._servers is None:
+            raise LaunchError("servers given by URL are not managed here")
+        self._servers.kill(index)
+
+    def stop(self):
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+        if self._servers is not None:
+            self._servers.stop()

@@ -1,0 +1,523 @@
+"""One RL run from start (or resume) to export: see :mod:`rl_jax.orchestrator.rl`."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from rl_jax import distributed, envs
+from rl_jax.data import sources
+from rl_jax.data.sources import env_source, prompt_dataset
+from rl_jax.generator.client import ClientConfig, GeneratorClient
+from rl_jax.generator.types import SamplingParams
+from rl_jax.losses import finalize_metrics
+from rl_jax.metrics import MetricsWriter, plot_curves, write_json
+from rl_jax.models.config import DTYPES
+from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config, save_pretrained
+from rl_jax.orchestrator.config import ModeSettings, RLConfigError, rows_per_batch
+from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompts
+from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
+from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
+from rl_jax.orchestrator.weights import WeightSync
+from rl_jax.rollout.pipeline import GroupsToBatch, RolloutConfig, RolloutDataset
+from rl_jax.sharding import make_mesh
+from rl_jax.trainer.checkpoint import Checkpointer
+from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
+                                  learning_rate_schedule, make_optimizer)
+from rl_jax.trainer.step import default_batch_sharding, global_batch, make_train_step
+from rl_jax.transfer import Publisher, PublisherConfig
+
+log = logging.getLogger(__name__)
+
+# Loss metrics worth a line in the log (after finalize_metrics), when the loss reports them.
+LOSS_METRICS = ("loss", "grad_norm", "clipped_fraction", "ratio_mean", "ratio_max", "ratio_ess",
+                "entropy_mean", "policy_kl_mean", "kl_mean", "tokens", "sequences", "skipped")
+
+
+@dataclasses.dataclass
+class _Clock:
+    """Wall-time accounting of the trainer: where its seconds went."""
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    waiting_s: float = 0.0  # for a batch from the rollout
+    training_s: float = 0.0
+    publishing_s: float = 0.0
+    syncing_s: float = 0.0  # waiting for generators to take new weights (sync mode)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+class Codec:
+    """Text ↔ token ids for prompts and completions: the prompt is put into ``template``
+    (``"{prompt}"`` marks it), and ``<bos>`` goes first when the model has one."""
+
+    def __init__(self, tokenizer, bos_id: int | None, template: str = "{prompt}"):
+        if "{prompt}" not in template:
+            raise RLConfigError(f"data.template must contain '{{prompt}}', got {template!r}")
+        self.tokenizer, self.bos_id, self.template = tokenizer, bos_id, template
+
+    def encode(self, text: str) -> list[int]:
+        text = self.template.replace("{prompt}", text)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def prompt_source(c: ml_collections.ConfigDict, env, path: str | None = None) -> Any:
+    """Prompts of ``path`` (default ``data.path``; JSONL, Parquet or ArrayRecord), or the
+    environment's train split when there is no path."""
+    d = c.data
+    name = d.path if path is None else path
+    if not name:
+        return env_source(env, "train")
+    path = Path(name)
+    if not path.exists():
+        raise RLConfigError(f"{name} does not exist (data.path / eval.path)")
+    kwargs = dict(text_key=d.text_key, answer_key=d.answer_key or None)
+    try:
+        if path.suffix == ".jsonl":
+            return sources.jsonl_source(path, **kwargs)
+        if path.suffix == ".parquet":
+            return sources.parquet_source(path, **kwargs)
+        if path.suffix in (".array_record", ".arrayrecord"):
+            return sources.array_record_source(path, **kwargs)
+    except sources.SourceError as e:
+        raise RLConfigError(f"{name}: {e}") from None
+    raise RLConfigError(f"{name}: use a .jsonl, .parquet or .array_record file")
+
+
+class PoolSampler:
+    """Samples, every ``interval`` seconds, whether each generator server has requests in flight
+    (from the clients' outstanding counts): the pool's idle fraction over a window."""
+
+    def __init__(self, clients: list[GeneratorClient], interval: float = 0.05):
+        self.clients, self.interval = clients, interval
+        self._busy: collections.Counter = collections.Counter()
+        self._samples = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pool-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            outstanding = collections.Counter()
+            for client in self.clients:
+                for server in client.servers:
+                    outstanding[server.url] += server.outstanding
+            with self._lock:
+                self._samples += 1
+                for url, n in outstanding.items():
+                    self._busy[url] += n > 0
+
+    def take(self) -> float:
+        """Mean idle fraction of the servers since the last call (NaN before any sample)."""
+        with self._lock:
+            samples, busy = self._samples, dict(self._busy)
+            self._samples = 0
+            self._busy.clear()
+        urls = {s.url for c in self.clients for s in c.servers}
+        if not samples or not urls:
+            return math.nan
+        return float(np.mean([1.0 - busy.get(u, 0) / samples for u in urls]))
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Session:
+    """Builds every role of a run, drives the loop, and shuts everything down."""
+
+    def __init__(self, c: ml_collections.ConfigDict, settings: ModeSettings, workdir: Path,
+                 base_dir: Path):
+        self.c, self.settings, self.workdir, self.base_dir = c, settings, workdir, base_dir
+        self._closers: list[Any] = []
+        self.rollout = None
+        self.summary: dict[str, Any] = {}
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception as e:  # shutting down: report, keep closing the rest
+                log.warning("shutdown step failed: %s", e)
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def _setup_model(self):
+        c = self.c
+        distributed.initialize(c.distributed.coordinator, c.distributed.num_processes,
+                               c.distributed.process_id)
+        self.model_config = read_config(self.base_dir)
+        self.tokenizer = load_tokenizer(self.base_dir)
+        self.codec = Codec(self.tokenizer, self.model_config.bos_token_id, c.data.template)
+        for name in (c.model.dtype, c.model.param_dtype):
+            if name not in DTYPES:
+                raise RLConfigError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+        self.mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        self.spec = ModelSpec(self.model_config, mesh=self.mesh, dtype=DTYPES[c.model.dtype],
+                              param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat)
+        self.env = envs.get(c.env.name, **c.env.kwargs.to_dict())
+        self.prompt_source = prompt_source(c, self.env)
+        if c.eval.path:
+            held_out = prompt_source(c, self.env, path=c.eval.path)
+            self.eval_prompts = [held_out[i] for i in range(min(c.eval.examples,
+                                                                 len(held_out)))]
+        else:
+            self.eval_prompts = held_out_prompts(self.env, c.eval.examples)
+        sample_prompts = [self.prompt_source[i] for i in
+                          range(min(256, len(self.prompt_source)))] + self.eval_prompts
+        self.max_prompt_tokens = max(len(self.codec.encode(p.text)) for p in sample_prompts)
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.rows = rows_per_batch(c, self.max_prompt_tokens,
+                                   shards * c.trainer.num_microbatches)
+        if self.max_prompt_tokens + c.rollout.max_new_tokens > c.generator.max_seq_len:
+            raise RLConfigError(
+                f"generator.max_seq_len={c.generator.max_seq_len} is shorter than a prompt "
+                f"({self.max_prompt_tokens} tokens) plus rollout.max_new_tokens="
+                f"{c.rollout.max_new_tokens}")
+        opt = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
+        self.schedule = learning_rate_schedule(opt)
+        self.tx = make_optimizer(opt)
+        self.batch_sharding = default_batch_sharding(self.spec)
+        self.train_step = make_train_step(
+            self.spec, self.tx, make_policy_loss(c.loss.name, c.loss.options.to_dict(),
+                                                 block_size=c.trainer.logits_block_size),
+            num_microbatches=c.trainer.num_microbatches, batch_sharding=self.batch_sharding)
+        self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
+                                         every=c.checkpoint.every,
+                                         use_async=c.checkpoint.use_async)
+        self._closers.append(self.checkpointer.close)
+        self.meta: dict[str, Any] = {}
+        if self.checkpointer.latest_step() is not None:
+            self.state, self.meta, _ = self.checkpointer.restore(
+                abstract_state(self.tx, self.spec))
+            log.info("resumed from %s at policy version %d", self.checkpointer.directory,
+                     int(self.state.step))
+        else:
+            params = self.spec.split(load_pretrained(
+                self.base_dir, self.mesh, self.spec.dtype, param_dtype=self.spec.param_dtype,
+                rules=self.spec.rules))
+            self.state = init_state(self.tx, self.spec, params)
+        self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+
+    def _setup_generators(self):
+        c = self.c
+        method = "disk" if (c.generator.kind == "sglang" or tuple(c.transfer.transports) ==
+                            ("disk",)) else "transfer"
+        transports = ("disk",) if method == "disk" else tuple(c.transfer.transports)
+        self.publisher = Publisher(PublisherConfig(
+            host=c.transfer.host, port=c.transfer.port, transports=transports,
+            disk_dir=str(self.workdir / "weights") if method == "disk" else None),
+            spec=self.spec)
+        self._closers.append(self.publisher.close)
+        self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
+                                  publisher_url=self.publisher.url,
+                                  cpu_cores=c.cpus.generators, log_dir=self.workdir / "generators")
+        self._closers.append(self.pool.stop)
+        started = time.perf_counter()
+        self.pool.start()
+        log.info("generator pool up in %.1f s: %s", time.perf_counter() - started, self.pool.urls)
+        client_config = ClientConfig(request_timeout=c.generator.request_timeout_s,
+                                     control_timeout=max(c.transfer.timeout_s, 60.0))
+        self.control_loop = BackgroundLoop("generator-control")
+        self._closers.append(self.control_loop.close)
+        self.control = GeneratorClient(self.pool.urls, client_config)
+        self._closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
+        if c.generator.urls:
+            health = self.control_loop.run(self.control.check_health(), timeout=60)
+            down = sorted(url for url, ok in health.items() if not ok)
+            if down:
+                raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
+                                    "answer at /health)")
+        self.rollout_client = GeneratorClient(self.pool.urls, client_config)
+        self.sampler = PoolSampler([self.rollout_client, self.control])
+        self._closers.append(self.sampler.close)
+        self.weights = WeightSync(
+            self.publisher, self.control, self.control_loop, method=method,
+            update_when_idle=self.settings.update_when_idle,
+            generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
+            on_applied=self._on_applied, timeout_s=c.transfer.timeout_s)
+        self._closers.append(self.weights.close)
+        if method == "transfer" and not c.generator.urls:
+            if not self.publisher.wait_for_layouts(1, timeout=60):
+                raise RLConfigError("no generator server registered with the weight publisher")
+        # Bring every server to the trainer's version before any rollout.
+        version = int(self.state.step)
+        versions = self.control_loop.run(self.control.weight_versions(), timeout=60)
+        if version == 0 and versions and all(v == 0 for v in versions.values()):
+            self.weights.published = self.weights.applied = 0
+        else:
+            self.weights.publish(self.state.params, version)
+            self.weights.wait_applied(version)
+
+    def _on_applied(self, version: int):
+        if self.rollout is not None:
+            self.rollout.set_generator_version(version)
+
+    def _setup_rollout(self):
+        c, r = self.c, self.c.rollout
+        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                  top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos,
+                                  seed=c.seed)
+        config = RolloutConfig(group_size=r.group_size, groups_per_batch=r.groups_per_batch,
+                               max_lag=self.settings.max_lag, staleness_policy=r.staleness_policy,
+                               sampling=sampling, max_retries=r.max_retries,
+                               filter_zero_signal=r.filter_zero_signal)
+        version = int(self.state.step)
+        state = dict(self.meta.get("rollout") or {})
+        state.update(trainer_version=version, generator_version=self.weights.applied)
+        prompts = prompt_dataset(self.prompt_source, seed=c.seed,
+                                 shuffle=bool(c.data.path) and c.data.shuffle,
+                                 num_epochs=None if not c.data.epochs or not c.data.path
+                                 else int(c.data.epochs))
+        dataset = RolloutDataset(prompts, self.env, self.rollout_client,
+                                 encode=self.codec.encode, decode=self.codec.decode,
+                                 config=config, state=state, close_generator=True)
+        self.rollout = iter(dataset)
+        self._closers.append(self.rollout.close)
+        self.to_batch = GroupsToBatch(seq_len=r.seq_len, rows=self.rows, advantage=r.advantage,
+                                      pad_id=self.model_config.pad_token_id or 0)
+
+
+    # ---- evaluation -----------------------------------------------------------------------------
+
+    def _evaluate(self, tag: str):
+        return evaluate(self.control, self.env, self.eval_prompts, encode=self.codec.encode,
+                        decode=self.codec.decode, max_new_tokens=self.c.eval.max_new_tokens,
+                        tag=tag)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        c = self.c
+        self._setup_model()
+        self._setup_generators()
+        self._setup_rollout()
+        writer = MetricsWriter(self.workdir)
+        tb = _tensorboard(self.workdir / "tb") if c.logging.tensorboard else None
+        if tb is not None:
+            self._closers.append(tb.close)
+
+        if "eval_before" in self.meta:
+            before = float(self.meta["eval_before"])
+        elif self.eval_prompts:
+            result = self.control_loop.run(self._evaluate("eval-before"))
+            before = result.accuracy
+            writer.write(int(self.state.step), wall_s=0.0, **result.metrics())
+        else:
+            before = math.nan
+        print(f"policy {self.n_params / 1e6:.2f}M parameters, mode {self.settings.mode}, "
+              f"max_lag {self.settings.max_lag}, {len(self.pool.urls)} generator server(s); "
+              f"held-out accuracy before RL: {before:.3f}", flush=True)
+
+        wall_offset = float(self.meta.get("wall_s", 0.0))
+        totals = collections.Counter({k: float(v) for k, v in
+                                      self.meta.get("totals", {}).items()})
+        clock = _Clock()
+        pending_eval: tuple[int, Any] | None = None
+        last_eval: EvalResult | None = None
+        start_iter = int(self.state.step) + int(self.state.skipped)
+        bar = tqdm(total=c.trainer.steps, initial=start_iter, desc=f"rl {self.settings.mode}",
+                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
+        window = _Window(self.rollout.metrics())
+        for i in range(start_iter, c.trainer.steps):
+            if c.trainer.time_limit_s and clock.elapsed > c.trainer.time_limit_s:
+                log.warning("time limit of %.0f s reached after %d steps", c.trainer.time_limit_s,
+                            i)
+                break
+            t0 = time.perf_counter()
+            groups = next(self.rollout)
+            staleness = self.rollout.staleness(groups)
+            t1 = time.perf_counter()
+            host = self.to_batch(groups)
+            batch = global_batch(PolicyBatch.from_numpy(host), self.batch_sharding)
+            self.state, metrics = self.train_step(self.state, batch)
+            metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
+            version = int(self.state.step)
+            t2 = time.perf_counter()
+            self.rollout.set_trainer_version(version)
+            if version != self.weights.published:
+                self.weights.publish(self.state.params, version)
+            t3 = time.perf_counter()
+            if self.settings.wait_for_update:
+                self.weights.wait_applied(version)
+            t4 = time.perf_counter()
+            clock.waiting_s += t1 - t0
+            clock.training_s += t2 - t1
+            clock.publishing_s += t3 - t2
+            clock.syncing_s += t4 - t3
+            trained = float(np.sum(host["segment_ids"] > 0))
+            totals["trained_tokens"] += trained
+            totals["completion_tokens"] += host["metrics"]["tokens/completion"]
+            totals["samples"] += len(host["rewards"])
+            done = i + 1
+
+            if pending_eval is not None and pending_eval[1].done():
+                last_eval = pending_eval[1].result()
+                pending_eval = None
+                writer.write(done, wall_s=wall_offset + clock.elapsed, **last_eval.metrics())
+                if tb is not None:
+                    for k, v in last_eval.metrics().items():
+                        tb.add_scalar(k, v, done)
+            if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
+                    pending_eval is None and self.eval_prompts:
+                pending_eval = (done, self.control_loop.submit(self._evaluate(f"eval-{done}")))
+
+            correct = np.mean([bool(s.info.get("correct")) for g in groups for s in g.samples])
+            record = {
+                "wall_s": wall_offset + clock.elapsed, "version": version,
+                "reward/mean": host["metrics"]["reward/mean"],
+                "reward/std": host["metrics"]["reward/std"], "rollout/accuracy": float(correct),
+                "groups/zero_signal": host["metrics"]["groups/zero_signal"],
+                "staleness/batch_max": float(max(staleness)),
+                "staleness/batch_mean": float(np.mean(staleness)),
+                "learning_rate": float(self.schedule(version)),
+                "trainer/step_s": t2 - t1, "trainer/wait_s": t1 - t0,
+                "trainer/tokens_per_s": trained / max(t2 - t1, 1e-9),
+                "weights/publish_s": t3 - t2,
+                **{f"loss/{k}": v for k, v in metrics.items() if k in LOSS_METRICS},
+            }
+            if done % c.logging.every == 0 or done == c.trainer.steps:
+                record.update(window.take(self.rollout.metrics(), self.sampler.take(), clock))
+                record.update(self.weights.metrics())
+                record["generator/restarts"] = float(sum(self.pool.restarts.values()))
+            writer.write(done, **record)
+            if tb is not None:
+                for k, v in record.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        tb.add_scalar(k, v, done)
+                tb.add_histogram("staleness", np.asarray(staleness), done)
+            bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
+                            acc=f"{record['rollout/accuracy']:.2f}",
+                            **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
+                            stale=int(record["staleness/batch_max"]),
+                            **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
+                               if "generator/tokens_per_s" in record else {}),
+                            refresh=False)
+            bar.update(1)
+            self.checkpointer.save(done, self.state, {
+                "rollout": self.rollout.get_state(), "eval_before": before,
+                "wall_s": wall_offset + clock.elapsed, "totals": dict(totals)},
+                force=done == c.trainer.steps)
+        bar.close()
+        return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval)
+
+    def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval):
+        c = self.c
+        version = int(self.state.step)
+        train_wall = wall_offset + clock.elapsed
+        rollout_metrics = self.rollout.metrics()
+        self.rollout.close()
+        if pending_eval is not None:
+            pending_eval[1].result()
+        self.weights.update_when_idle = False  # nothing is generating any more
+        self.weights.poke()
+        self.weights.wait_applied(version)
+        final = self.control_loop.run(self._evaluate("eval-final"))
+        writer.write(version, wall_s=wall_offset + clock.elapsed, **final.metrics())
+        if tb is not None:
+            for k, v in final.metrics().items():
+                tb.add_scalar(k, v, version)
+        self.checkpointer.wait()
+        export = save_pretrained(self.spec.merge(self.state.params), self.workdir / "hf",
+                                 tokenizer=self.tokenizer, dtype=DTYPES[c.export.dtype])
+        elapsed = max(clock.elapsed, 1e-9)
+        summary = {
+            "mode": self.settings.mode, "max_lag": self.settings.max_lag,
+            "steps": version, "skipped_steps": int(self.state.skipped),
+            "parameters": int(self.n_params), "wall_s": train_wall,
+            "held_out_accuracy_before": before, "held_out_accuracy_after": final.accuracy,
+            "held_out_examples": final.examples, "final_version": final.min_version,
+            "trained_tokens": totals["trained_tokens"],
+            "trained_tokens_per_s": totals["trained_tokens"] / max(train_wall, 1e-9),
+            "completion_tokens": totals["completion_tokens"],
+            "trainer_idle_fraction": (clock.waiting_s + clock.syncing_s) / elapsed,
+            "trainer_seconds": {"waiting": clock.waiting_s, "training": clock.training_s,
+                                "publishing": clock.publishing_s, "syncing": clock.syncing_s},
+            "staleness_histogram": {str(k): v for k, v in sorted(
+                self.rollout.gate.staleness_histogram.items())},
+            **{k: v for k, v in rollout_metrics.items()},
+            "weights": dict(self.weights.totals),
+            "generator_restarts": dict(self.pool.restarts), "export": str(export),
+        }
+        idle = writer.series("generator/idle_fraction")[1]
+        summary["generator_idle_fraction"] = float(np.mean(idle)) if len(idle) else None
+        write_json(self.workdir / "summary.json", summary)
+        self._plot(writer)
+        self.summary = summary
+        if jax.process_index() == 0:
+            print(f"exported {export}; {version} steps in {train_wall:.0f} s, "
+                  f"{summary['trained_tokens_per_s']:.0f} trained tokens/s", flush=True)
+            print(f"held-out accuracy: {before:.2f} -> {final.accuracy:.2f}", flush=True)
+        return summary
+
+    def _plot(self, writer: MetricsWriter):
+        def by_wall(key):
+            rows = [(r["wall_s"], r[key]) for r in writer.records
+                    if isinstance(r.get(key), (int, float)) and "wall_s" in r]
+            if not rows:
+                return np.zeros(0), np.zeros(0)
+            x, y = zip(*rows)
+            return np.asarray(x), np.asarray(y, float)
+
+        plot_curves(self.workdir / "progress.png", [
+            ("reward", [("train reward (mean)", *by_wall("reward/mean")),
+                        ("train accuracy", *by_wall("rollout/accuracy"))]),
+            ("held-out accuracy (greedy)", [("", *by_wall("eval/accuracy"))]),
+            ("staleness (steps)", [("batch max", *by_wall("staleness/batch_max")),
+                                   ("batch mean", *by_wall("staleness/batch_mean"))]),
+        ], title=f"{self.c.env.name}, mode {self.settings.mode}", xlabel="wall time (s)")
+
+
+class _Window:
+    """Rates over the interval between two log lines."""
+
+    def __init__(self, rollout_metrics: dict[str, float]):
+        self.time = time.perf_counter()
+        self.rollout = rollout_metrics
+        self.clock: dict[str, float] = {}
+
+    def take(self, rollout_metrics: dict[str, float], generator_idle: float, clock) -> dict:
+        now = time.perf_counter()
+        dt = max(now - self.time, 1e-9)
+        tokens = rollout_metrics.get("rollout/completion_tokens", 0.0) - \
+            self.rollout.get("rollout/completion_tokens", 0.0)
+        spent = {"waiting": clock.waiting_s + clock.syncing_s, "training": clock.training_s}
+        idle = (spent["waiting"] - self.clock.get("waiting", 0.0)) / dt
+        out = {"generator/tokens_per_s": tokens / dt, "generator/idle_fraction": generator_idle,
+               "trainer/idle_fraction": min(max(idle, 0.0), 1.0),
+               **{k: v for k, v in rollout_metrics.items() if k.startswith(("gate/",
+                                                                             "staleness/"))}}
+        self.time, self.rollout, self.clock = now, rollout_metrics, spent
+        return out
+
+
+def _tensorboard(path: Path):
+    if jax.process_index() != 0:
+        return None
+    from tensorboardX import SummaryWriter
+    return SummaryWriter(str(path), flush_secs=10)

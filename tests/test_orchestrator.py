@@ -1,0 +1,213 @@
+"""The RL run end to end: real generator server processes on loopback, the weight publisher, the
+rollout pipeline and the trainer, started by ``python -m launch.train`` as a user would.
+
+A base policy is trained once per test session with the supervised recipe (shortened), then each
+test runs the RL recipe in a fresh work directory with small batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# A small RL run: 16 prompts × 4 samples per step, one server, held-out set of 64.
+SMALL = [
+    "--config.rollout.groups_per_batch=16", "--config.rollout.group_size=4",
+    "--config.eval.examples=64", "--config.eval.every=0", "--config.generator.max_slots=32",
+    "--config.checkpoint.every=2", "--config.cpus.trainer=", "--config.cpus.generators=",
+]
+
+
+def launch(workdir: Path, *flags: str, base: Path | None = None, wait: bool = True,
+           timeout: float = 600) -> subprocess.CompletedProcess | subprocess.Popen:
+    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+           f"--workdir={workdir}", *SMALL, *flags]
+    if base is not None:
+        cmd.append(f"--config.base.checkpoint={base}")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def records(workdir: Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_records(workdir: Path) -> dict[int, dict]:
+    """The last record of every step that trained (a resumed run rewrites lost steps)."""
+    return {r["step"]: r for r in records(workdir) if "loss/loss" in r}
+
+
+@pytest.fixture(scope="session")
+def base_policy(tmp_path_factory) -> Path:
+    """The supervised tiny model, shortened to 150 steps (held-out exact match ~0.1-0.3)."""
+    workdir = tmp_path_factory.mktemp("base")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py",
+         f"--workdir={workdir}", "--config.trainer.steps=150", "--config.logging.eval_every=150",
+         "--config.data.eval_examples=64"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return workdir / "hf"
+
+
+def test_async_run_end_to_end(base_policy, tmp_path):
+    """Async mode: every output is written, staleness stays within max_lag, the generators
+    ran every version the trainer published, and the last line is the accuracy line."""
+    workdir = tmp_path / "async"
+    result = launch(workdir, "--config.trainer.steps=6", "--config.rollout.max_lag=2",
+                    "--config.eval.every=3", base=base_policy)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("held-out accuracy: "), lines[-3:]
+    before, after = (float(x) for x in lines[-1].split(": ")[1].split(" -> "))
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["mode"] == "async" and summary["steps"] == 6
+    assert summary["held_out_accuracy_before"] == pytest.approx(before, abs=0.005)
+    assert summary["held_out_accuracy_after"] == pytest.approx(after, abs=0.005)
+    assert summary["final_version"] == 6  # the final eval ran on the final weights
+    assert summary["staleness/max"] <= 2
+    assert sum(summary["staleness_histogram"].values()) == 6 * 16
+    assert summary.get("gate/late", 0) == 0
+    steps = train_records(workdir)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    for r in steps.values():
+        assert np.isfinite(r["loss/loss"]) and r["staleness/batch_max"] <= 2
+        assert r["version"] == r["step"]
+        for key in ("reward/mean", "reward/std", "loss/clipped_fraction", "loss/entropy_mean",
+                    "loss/ratio_ess", "generator/tokens_per_s", "trainer/tokens_per_s",
+                    "generator/idle_fraction", "trainer/idle_fraction", "weights/total_s"):
+            assert key in r, key
+    assert [r for r in records(workdir) if "eval/accuracy" in r]
+    for name in ("progress.png", "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json"):
+        assert (workdir / name).is_file(), name
+    assert list((workdir / "tb").glob("events.out.tfevents.*"))
+    # The exported policy differs from the base (it was trained).
+    from safetensors.numpy import load_file
+    new, old = load_file(workdir / "hf/model.safetensors"), \
+        load_file(base_policy / "model.safetensors")
+    assert any(not np.array_equal(new[k], old[k]) for k in old)
+
+
+def test_sync_resume_after_kill_repeats_the_losses(base_policy, tmp_path):
+    """Sync mode is deterministic (seeded sampling, batches in prompt order): a run killed with
+    SIGKILL after its step-2 checkpoint and started again with the same command trains steps 3
+    and 4 with exactly the losses of a run that was never interrupted."""
+    flags = ("--config.mode=sync", "--config.trainer.steps=4", "--config.checkpoint.every=2",
+             "--config.checkpoint.use_async=False")
+    reference = tmp_path / "reference"
+    result = launch(reference, *flags, base=base_policy)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    workdir = tmp_path / "killed"
+    process = launch(workdir, *flags, base=base_policy, wait=False)
+    deadline = time.monotonic() + 300
+    try:
+        while 3 not in train_records(workdir):
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 3"
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # trainer and its generator servers
+        process.wait()
+    result = launch(workdir, *flags, base=base_policy)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    want, got = train_records(reference), train_records(workdir)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        for key in ("loss/loss", "loss/grad_norm", "reward/mean"):
+            assert got[step][key] == want[step][key], (step, key)
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 4
+
+
+def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
+    """Killing the only generator server mid-run: it is restarted, pulls the current weights,
+    and the run finishes every step without losing a prompt."""
+    workdir = tmp_path / "fault"
+    process = launch(workdir, "--config.trainer.steps=8", base=base_policy, wait=False)
+    deadline = time.monotonic() + 300
+    try:
+        while 2 not in train_records(workdir):
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        killed = subprocess.run(["pkill", "-KILL", "-f", f"launch.generator_server.*{base_policy}"])
+        assert killed.returncode == 0
+        out, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, out[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 8 and sum(summary["generator_restarts"].values()) == 1
+    assert summary["final_version"] == 8
+    assert summary.get("rollout/skipped_prompts", 0) == 0
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.rollout.max_lag=-1", "rollout.max_lag must be an integer >= 0"),
+    ("--config.mode=fast", "mode must be one of"),
+    ("--config.rollout.group_size=1", "rollout.group_size must be >= 2"),
+    ("--config.rollout.rows_per_batch=3", "not divisible"),
+    ("--config.rollout.seq_len=8", "rollout.seq_len=8 is shorter than the longest sample"),
+    ("--config.generator.urls=('http://127.0.0.1:9',)", "unreachable"),
+    ("--config.loss.name=ppo2", "loss.name must be one of"),
+    ("--config.rollout.nonsense=1", "nonsense"),
+])
+def test_bad_configs_stop_at_start_with_one_line(base_policy, tmp_path, flag, message):
+    extra = ("--config.trainer.num_microbatches=2",) if "rows_per_batch" in flag else ()
+    result = launch(tmp_path / "bad", flag, *extra, base=base_policy, timeout=180)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_realistic_recipes_are_complete():
+    """The GPU/TPU recipes load, validate, and name every block the run reads."""
+    from rl_jax.orchestrator import validate
+    sys.path.insert(0, str(ROOT))
+    reference = _load(ROOT / "configs/tiny_rl.py")
+    recipes = sorted((ROOT / "configs").glob("qwen*.py"))
+    assert recipes
+    for path in recipes:
+        c = _load(path)
+        validate(c)
+        assert c.recipe == "rl" and c.base.checkpoint
+        assert c.generator.kind == "sglang"
+        _same_keys(reference, c, path.name)
+
+
+def _load(path: Path) -> ConfigDict:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _same_keys(reference: ConfigDict, c: ConfigDict, name: str, prefix: str = ""):
+    for key, value in reference.items():
+        assert key in c, f"{name} lacks {prefix}{key}"
+        if isinstance(value, ConfigDict) and key not in ("kwargs", "options", "shape"):
+            _same_keys(value, c[key], name, f"{prefix}{key}.")
