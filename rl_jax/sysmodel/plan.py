@@ -1,0 +1,172 @@
+"""The planner behind ``launch/plan.py``: recipe config + request → sweep → table, JSON, plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from rl_jax.sysmodel import plots
+from rl_jax.sysmodel.accelerators import dtype_bytes, get_accelerator
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.invariants import Workload
+from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
+from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNormalLengths
+from rl_jax.sysmodel.recipe import model_shape, rollout_settings
+from rl_jax.sysmodel.simulator import MODES
+from rl_jax.sysmodel.sweep import SweepOptions, SweepResult, format_table, sweep
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for. ``None`` fields come from the recipe config (then defaults)."""
+
+    accelerator: str
+    num_accelerators: int
+    max_lag: int | None = None
+    modes: tuple[str, ...] = MODES
+    dtype: str | None = None
+    param_dtype: str | None = None
+    mfu: float = 0.4
+    decode_efficiency: float = 0.6
+    prompt_len: int | None = None
+    max_new_tokens: int | None = None
+    median_length: float | None = None  # default: a quarter of max_new_tokens
+    length_sigma: float = 0.8
+    lengths_file: str = ""
+    latency_file: str = ""
+    latency_model: str | None = None
+    trainer_tokens_per_s: float | None = None  # measured, per accelerator
+    transfer_gbps: float | None = None  # GB/s one way per chip
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    steps: int = 12
+    simulate_top: int = 2
+    split_points: int = 8
+    top: int = 10
+    seed: int = 0
+
+    def validate(self):
+        if self.num_accelerators < 2:
+            raise SysModelError(f"--num_accelerators must be >= 2 (one trainer and one "
+                                f"generator at least), got {self.num_accelerators}")
+        if self.max_lag is not None and self.max_lag < 0:
+            raise SysModelError(f"--max_lag must be >= 0, got {self.max_lag}")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise SysModelError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        if self.steps < 2:
+            raise SysModelError(f"--steps must be >= 2, got {self.steps}")
+
+
+@dataclasses.dataclass
+class PlanReport:
+    text: str
+    files: dict[str, str]
+    result: SweepResult
+    summary: dict[str, Any]
+
+
+def _lengths(req: PlanRequest, max_new_tokens: int) -> LengthDistribution:
+    if req.lengths_file:
+        return EmpiricalLengths.from_file(req.lengths_file)
+    median = req.median_length or max(1.0, max_new_tokens / 4)
+    return LogNormalLengths(median=median, sigma=req.length_sigma, max_length=max_new_tokens)
+
+
+def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
+             base_dir: str | Path = ".") -> PlanReport:
+    """Plans layouts for the recipe ``config``; writes ``plan.json``, ``latency.png``,
+    ``split.png`` and ``utilisation.png`` into ``outdir`` and returns the printed text."""
+    req.validate()
+    accelerator = get_accelerator(req.accelerator)
+    shape = model_shape(config, base_dir=base_dir)
+    settings = rollout_settings(config)
+    max_lag = settings["max_lag"] if req.max_lag is None else req.max_lag
+    max_new = int(req.max_new_tokens or settings["max_new_tokens"])
+    prompt_len = int(req.prompt_len if req.prompt_len is not None else settings["prompt_len"])
+    dtype = req.dtype or settings["dtype"] or "bfloat16"
+    param_dtype = req.param_dtype or settings["param_dtype"] or "float32"
+    for name in (dtype, param_dtype):
+        dtype_bytes(name)  # an unknown dtype stops here with the known ones listed
+    accelerator.flops(dtype)
+    workload = Workload(prompt_len, int(settings["group_size"]), int(settings["groups_per_batch"]),
+                        _lengths(req, max_new), int(max_lag))
+    measured = None
+    if req.latency_file:
+        measured = MeasuredLatency.from_benchmark(req.latency_file, req.latency_model)
+    options = SweepOptions(
+        modes=tuple(req.modes), tensor_parallel=tuple(req.tensor_parallel),
+        batches=tuple(req.batches), dtype=dtype, param_dtype=param_dtype, mfu=req.mfu,
+        decode_efficiency=req.decode_efficiency,
+        transfer_bandwidth=req.transfer_gbps * 1e9 if req.transfer_gbps else None,
+        trainer_tokens_per_s_per_chip=req.trainer_tokens_per_s, measured_latency=measured,
+        num_steps=req.steps, simulate_top=req.simulate_top, split_points=req.split_points,
+        seed=req.seed)
+    result = sweep(shape, accelerator, req.num_accelerators, workload, options)
+
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": str(out / "plan.json"), "latency": str(out / "latency.png"),
+             "split": str(out / "split.png"), "utilisation": str(out / "utilisation.png")}
+    best = result.best
+    tp = best.layout.tensor_parallel if best else 1
+    roof = RooflineLatency(shape, accelerator, tp, dtype, req.decode_efficiency,
+                           max_context=workload.max_context)
+    context = prompt_len + workload.lengths.active_context
+    ridge = roof.ridge_batch(context)
+    plots.plot_latency(roof, context, files["latency"], measured=measured,
+                       chosen_batch=best.layout.slots_per_server if best else None)
+    plots.plot_split(result, files["split"])
+    best_per_mode = []
+    for mode in req.modes:
+        mine = [r for r in result.simulated if r.layout.mode == mode]
+        if mine:
+            best_per_mode.append(mine[0])
+    plots.plot_utilisation(best_per_mode, files["utilisation"])
+
+    lines = [
+        f"model: {shape.describe()}",
+        f"accelerator: {accelerator.description} x{req.num_accelerators} ({dtype}; "
+        f"{accelerator.flops(dtype) / 1e12:,.1f} TFLOP/s, "
+        f"{accelerator.memory_bandwidth / 1e9:,.0f} GB/s, "
+        f"{accelerator.memory_capacity / 1e9:,.0f} GB; source: {accelerator.source})",
+        f"batch: {workload.groups_per_batch} prompts x {workload.group_size} samples, prompt "
+        f"{prompt_len} tokens, max_lag {max_lag}"
+        + (f" (defaults used for: {', '.join(settings['defaulted'])})"
+           if settings["defaulted"] else ""),
+        f"responses: {workload.lengths.describe()}",
+        f"decode roofline at tp={tp}: "
+        + (f"memory-bound below batch {ridge:,.0f}, compute-bound above" if ridge < 1e12
+           else "memory-bound at every batch (KV reads outweigh FLOPs)")
+        + f"; KV cache holds {roof.max_batch} sequences of {workload.max_context} tokens"
+        + (f"; measured latency {measured.source}" if measured else ""),
+        "",
+        format_table(result.simulated[:req.top],
+                     f"best layouts (simulated {req.steps} steps; tok/s = trained tokens/s "
+                     "after warm-up):"),
+        "",
+        format_table(best_per_mode, "best layout of each mode:"),
+        "",
+        format_table(result.frontier, "frontier (no layout has both more tok/s and lower mean "
+                                      "staleness):"),
+    ]
+    if result.rejected:
+        lines += ["", "rejected: " + "; ".join(f"{k} ({v})" for k, v in
+                                               sorted(result.rejected.items()))]
+    summary = {
+        "model": dataclasses.asdict(shape), "params": shape.params,
+        "accelerator": accelerator.to_dict(), "num_accelerators": req.num_accelerators,
+        "workload": {"prompt_len": prompt_len, "group_size": workload.group_size,
+                     "groups_per_batch": workload.groups_per_batch, "max_lag": max_lag,
+                     "lengths": workload.lengths.summary()},
+        "request": dataclasses.asdict(req),
+        "best": best.row() if best else None,
+        "frontier": [r.row() for r in result.frontier],
+        "simulated": [r.row() for r in result.simulated],
+        "rejected": result.rejected,
+    }
+    Path(files["json"]).write_text(json.dumps(summary, indent=1, default=str))
+    lines += ["", "wrote " + ", ".join(files.values())]
+    return PlanReport("\n".join(lines), files, result, summary)

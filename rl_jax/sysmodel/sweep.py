@@ -1,0 +1,263 @@
+"""Layout sweep: how to split a budget of accelerators between the trainer and the generators.
+
+A layout is (mode, trainer chips, generator chips, tensor-parallel degree per server, slots per
+server). For every layout in the budget the sweep
+
+1. rejects what cannot run (weights or KV cache not fitting, trainer state not fitting under
+   FSDP, heads not divisible by TP, one-step-off with ``max_lag < 1``), counting the reasons;
+2. estimates steady-state throughput in closed form (:func:`invariants.steady_state`);
+3. simulates the best estimates of each mode, plus the best layout of each of a few train/generate
+   splits (for the split plot), with the discrete-event simulator;
+4. returns the best simulated layout whose staleness stays within the limit, and the Pareto
+   frontier of simulated layouts over (steady tokens/s, mean staleness).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rl_jax.sysmodel.accelerators import Accelerator
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.invariants import Workload, steady_state, weight_transfer_seconds
+from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
+from rl_jax.sysmodel.shape import ModelShape
+from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    mode: str
+    num_train: int
+    num_generate: int  # chips of the generator pool: num_servers × tensor_parallel
+    tensor_parallel: int
+    num_servers: int
+    slots_per_server: int
+
+
+@dataclasses.dataclass
+class LayoutResult:
+    """A layout with its closed-form estimate and, when simulated, the simulation."""
+
+    layout: Layout
+    estimate: dict[str, Any]
+    transfer_s: float
+    sim: SimResult | None = None
+    trainer: TrainerModel | None = dataclasses.field(default=None, repr=False)
+    latency: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Steady-state trained tokens/s: simulated when available, else estimated."""
+        return self.sim.steady_tokens_per_s if self.sim else self.estimate["tokens_per_s"]
+
+    @property
+    def staleness_max(self) -> float:
+        return self.sim.staleness_max if self.sim else self.estimate["staleness_estimate"]
+
+    @property
+    def staleness_mean(self) -> float:
+        return self.sim.staleness_mean if self.sim else self.estimate["staleness_estimate"]
+
+    def row(self) -> dict[str, Any]:
+        """One line of the plan table."""
+        lay, sim = self.layout, self.sim
+        out = {"mode": lay.mode, "train": lay.num_train, "generate": lay.num_generate,
+               "tp": lay.tensor_parallel, "servers": lay.num_servers,
+               "slots": lay.slots_per_server, "tokens_per_s": self.tokens_per_s,
+               "tokens_per_s_per_chip": self.tokens_per_s / (lay.num_train + lay.num_generate),
+               "estimate_tokens_per_s": self.estimate["tokens_per_s"],
+               "staleness_mean": self.staleness_mean, "staleness_max": self.staleness_max,
+               "staleness_ungated": self.estimate["staleness_ungated"],
+               "bottleneck": self.estimate["bottleneck"], "transfer_s": self.transfer_s,
+               "step_s": sim.step_s if sim else self.estimate["step_s"]}
+        if sim:
+            out.update(trainer_idle=sim.trainer_idle_fraction,
+                       generator_idle=sim.generator_idle_fraction,
+                       slot_utilisation=sim.generator_slot_utilisation)
+        return out
+
+
+@dataclasses.dataclass
+class SweepResult:
+    best: LayoutResult | None
+    frontier: list[LayoutResult]
+    simulated: list[LayoutResult]
+    evaluated: list[LayoutResult]  # every feasible layout, estimated
+    by_split: dict[str, list[LayoutResult]]  # per mode: best estimate per trainer size
+    rejected: dict[str, int]
+    staleness_limit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepOptions:
+    """Knobs of the sweep. ``decode_efficiency`` scales the decode roofline, ``mfu`` the
+    trainer's peak; ``transfer_bandwidth`` (bytes/s one way per chip) defaults to the
+    accelerator's interconnect; measured inputs replace the first-principles models."""
+
+    modes: tuple[str, ...] = MODES
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    mfu: float = 0.4
+    decode_efficiency: float = 0.6
+    memory_fraction: float = 0.9
+    transfer_bandwidth: float | None = None
+    trainer_tokens_per_s_per_chip: float | None = None
+    measured_latency: MeasuredLatency | None = None
+    staleness_limit: int | None = None  # default: the workload's max_lag
+    num_steps: int = 12
+    simulate_top: int = 2  # per mode
+    split_points: int = 8  # per mode, for the split plot
+    max_splits: int = 128  # trainer sizes tried (evenly spread when the budget is larger)
+    seed: int = 0
+
+
+def _trainer_sizes(total: int, limit: int) -> list[int]:
+    sizes = list(range(1, total))
+    if len(sizes) <= limit:
+        return sizes
+    return sorted({int(round(x)) for x in np.geomspace(1, total - 1, limit)})
+
+
+def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
+          workload: Workload, options: SweepOptions | None = None) -> SweepResult:
+    """Evaluates every layout of ``num_accelerators`` chips (see the module docstring)."""
+    opt = options or SweepOptions()
+    if num_accelerators < 2:
+        raise SysModelError(f"a layout needs at least 2 accelerators (one per pool), got "
+                            f"{num_accelerators}")
+    unknown = [m for m in opt.modes if m not in MODES]
+    if unknown or not opt.modes:
+        raise SysModelError(f"unknown modes {unknown}; choose from {MODES}")
+    limit = workload.max_lag if opt.staleness_limit is None else opt.staleness_limit
+    rejected: collections.Counter = collections.Counter()
+    link = opt.transfer_bandwidth or accelerator.link_bandwidth
+    tps = (1,) if opt.measured_latency is not None else opt.tensor_parallel
+
+    servers_options = []  # (tp, batch, latency model, prefill s/token, swap s)
+    for tp in tps:
+        if shape.num_heads % tp:
+            rejected[f"{shape.num_heads} heads not divisible by tp={tp}"] += 1
+            continue
+        roof = RooflineLatency(shape, accelerator, tp, opt.dtype, opt.decode_efficiency,
+                               opt.memory_fraction, workload.max_context)
+        cap = roof.max_batch
+        latency = opt.measured_latency or roof
+        prefill = 0.0 if opt.measured_latency else roof.prefill_seconds_per_token(
+            workload.prompt_len)
+        swap = 2 * roof.weight_bytes_per_chip() / accelerator.memory_bandwidth
+        for batch in opt.batches:
+            if batch > cap:
+                rejected["KV cache does not fit at this batch" if cap else
+                         "weights do not fit on a server"] += 1
+                continue
+            servers_options.append((tp, batch, latency, prefill, swap))
+
+    evaluated: list[LayoutResult] = []
+    state_bytes = shape.train_state_bytes(opt.param_dtype)
+    budget_bytes = accelerator.memory_capacity * opt.memory_fraction
+    for num_train in _trainer_sizes(num_accelerators, opt.max_splits):
+        if state_bytes / num_train > budget_bytes:
+            rejected["trainer state does not fit (FSDP)"] += 1
+            continue
+        if opt.trainer_tokens_per_s_per_chip:
+            trainer = TrainerModel.from_measured(opt.trainer_tokens_per_s_per_chip, num_train)
+        else:
+            trainer = TrainerModel.from_flops(shape, accelerator, num_train, mfu=opt.mfu,
+                                              seq_len=workload.tokens_per_sample,
+                                              dtype=opt.dtype, param_dtype=opt.param_dtype)
+        num_generate = num_accelerators - num_train
+        for tp, batch, latency, prefill, swap in servers_options:
+            servers = num_generate // tp
+            if servers < 1 or num_generate % tp:
+                continue
+            transfer = weight_transfer_seconds(
+                shape.weight_bytes(opt.dtype), num_train=num_train, num_servers=servers,
+                tensor_parallel=tp, link_bandwidth=link)
+            for mode in opt.modes:
+                if mode == "one_step_off" and limit < 1:
+                    rejected["one_step_off needs a staleness limit >= 1"] += 1
+                    continue
+                estimate = steady_state(
+                    mode, latency=latency, trainer=trainer, workload=workload,
+                    num_servers=servers, slots_per_server=batch, weight_transfer_s=transfer,
+                    prefill_s_per_token=prefill,
+                    run_samples=opt.num_steps * workload.samples_per_batch)
+                estimate.update(swap_s=swap, prefill_s_per_token=prefill)
+                layout = Layout(mode, num_train, num_generate, tp, servers, batch)
+                evaluated.append(LayoutResult(layout, estimate, transfer, trainer=trainer,
+                                              latency=latency))
+    if not evaluated:
+        raise SysModelError(f"no layout of {num_accelerators} x {accelerator.name} can run this "
+                            f"model: {dict(rejected)}")
+
+    def run(result: LayoutResult) -> LayoutResult:
+        if result.sim is None:
+            lay = result.layout
+            cfg = SimConfig(lay.mode, workload.prompt_len, workload.group_size,
+                            workload.groups_per_batch, min(workload.max_lag, limit),
+                            lay.num_servers, lay.slots_per_server, num_steps=opt.num_steps,
+                            weight_transfer_s=result.transfer_s,
+                            swap_pause_s=result.estimate["swap_s"],
+                            prefill_s_per_token=result.estimate["prefill_s_per_token"],
+                            seed=opt.seed)
+            result.sim = simulate(cfg, result.latency, result.trainer, workload.lengths)
+        return result
+
+    simulated: dict[int, LayoutResult] = {}
+    by_split: dict[str, list[LayoutResult]] = {}
+    for mode in opt.modes:
+        mine = sorted((r for r in evaluated if r.layout.mode == mode),
+                      key=lambda r: -r.estimate["tokens_per_s"])
+        if not mine:
+            continue
+        for r in mine[:opt.simulate_top]:
+            simulated[id(r)] = run(r)
+        best_per_split: dict[int, LayoutResult] = {}
+        for r in mine:
+            best_per_split.setdefault(r.layout.num_train, r)
+        splits = sorted(best_per_split)
+        picks = {splits[int(i)] for i in np.linspace(0, len(splits) - 1,
+                                                     min(opt.split_points, len(splits)))}
+        picks.add(mine[0].layout.num_train)
+        for n in picks:
+            simulated[id(best_per_split[n])] = run(best_per_split[n])
+        by_split[mode] = [best_per_split[n] for n in splits]
+
+    within = [r for r in simulated.values() if r.sim.staleness_max <= limit]
+    ranked = sorted(within, key=lambda r: -r.tokens_per_s)
+    frontier = []
+    for r in sorted(within, key=lambda r: (r.sim.staleness_mean, -r.tokens_per_s)):
+        if not frontier or r.tokens_per_s > frontier[-1].tokens_per_s:
+            frontier.append(r)
+    return SweepResult(best=ranked[0] if ranked else None, frontier=frontier, simulated=ranked,
+                       evaluated=evaluated, by_split=by_split, rejected=dict(rejected),
+                       staleness_limit=limit)
+
+
+def format_table(results: Sequence[LayoutResult], title: str = "") -> str:
+    """A fixed-width table of plan rows."""
+    head = (f"{'mode':<12} {'train':>5} {'gen':>5} {'tp':>3} {'srv':>4} {'slots':>5} | "
+            f"{'tok/s':>11} {'tok/s/chip':>10} {'est tok/s':>11} | {'stale mean':>10} "
+            f"{'max':>4} {'ungated':>7} | {'trainer idle':>12} {'gen idle':>8} {'slots used':>10}"
+            f" | {'step s':>8} {'xfer s':>7} {'bottleneck':>10}")
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    for r in results:
+        row = r.row()
+        idle = (f"{row['trainer_idle']:12.1%} {row['generator_idle']:8.1%} "
+                f"{row['slot_utilisation']:10.1%}" if "trainer_idle" in row else
+                f"{'-':>12} {'-':>8} {'-':>10}")
+        lines.append(
+            f"{row['mode']:<12} {row['train']:>5} {row['generate']:>5} {row['tp']:>3} "
+            f"{row['servers']:>4} {row['slots']:>5} | {row['tokens_per_s']:>11,.0f} "
+            f"{row['tokens_per_s_per_chip']:>10,.0f} {row['estimate_tokens_per_s']:>11,.0f} | "
+            f"{row['staleness_mean']:>10.2f} {row['staleness_max']:>4.0f} "
+            f"{row['staleness_ungated']:>7} | {idle} | {row['step_s']:>8.3g} "
+            f"{row['transfer_s']:>7.2g} {row['bottleneck']:>10}")
+    return "\n".join(lines)
