@@ -13,8 +13,9 @@ Two models with one interface, ``step_seconds(batch, context) -> seconds`` and `
   capacity: weights plus ``B`` sequences of ``max_context`` tokens must fit in HBM.
 - :class:`MeasuredLatency`: points ``batch → seconds`` measured by a benchmark (e.g. the
   ``engine_step_s`` rows of ``benchmarks/results/generator_throughput.json``), interpolated
-  linearly in the batch and extrapolated with the slope of the last two points. Measured curves
-  carry whatever context the benchmark used; ``context`` is ignored.
+  linearly in the batch and extrapolated with the slope of the last two points (a single point
+  is taken as constant). Below the first point the first value holds. Measured curves carry
+  whatever context the benchmark used; ``context`` is ignored.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ class MeasuredLatency:
             return float(s[0])
         if batch <= b[-1]:
             return float(np.interp(batch, b, s))
-        slope = max((s[-1] - s[-2]) / (b[-1] - b[-2]), 0.0) if len(b) > 1 else s[0] / b[0]
+        slope = max((s[-1] - s[-2]) / (b[-1] - b[-2]), 0.0) if len(b) > 1 else 0.0
         return float(s[-1] + slope * (batch - b[-1]))
 
     def affine_fit(self) -> tuple[float, float]:
@@ -257,7 +258,7 @@ class TrainerModel:
         peak = accelerator.flops(dtype) * num_accelerators * mfu
         tokens_per_s = peak / shape.train_flops_per_token(seq_len)
         p = dtype_bytes(param_dtype)
-        update_bytes = shape.params * (2 * p + 8 + p + 8 + p)
+        update_bytes = shape.params * ((2 * p + 8) + (p + 8))
         overhead = update_bytes / (num_accelerators * accelerator.memory_bandwidth)
         return cls(tokens_per_s, overhead,
                    source=f"{num_accelerators}x {accelerator.name} at MFU {mfu:.2f}")
