@@ -57,6 +57,9 @@ AOT_TARGETS = {
     "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4,
                   num_heads=8, num_kv_heads=4, head_dim=32, tie_word_embeddings=False,
                   architecture="LlamaForCausalLM"),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
+                 architecture="LlamaForCausalLM"),
 }
 
 

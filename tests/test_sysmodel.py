@@ -367,3 +367,17 @@ def test_cli_runs_and_plots(tmp_path):
         assert proc.returncode == 2, (message, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_aot_compile_check_of_a_small_target():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pools_bench", REPO / "benchmarks" / "pools.py")
+    pools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pools)
+    r = pools.aot_check("tiny", (1, 4, 2), batch=8, seq=32, microbatches=2, remat="none")
+    assert r["ok"], r.get("error")
+    mem = r["per_device_bytes"]
+    batch_bytes = 5 * 8 * 32 * 4 / 4  # five [B, T] 4-byte arrays, rows split over fsdp=4
+    assert mem["argument"] == pytest.approx(r["expected_state_bytes_per_device"] + batch_bytes,
+                                            rel=0.05)
+    assert mem["peak_estimate"] >= mem["argument"]
