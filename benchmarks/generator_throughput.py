@@ -6,9 +6,8 @@ machine:
 1. ceilings: dense matmul FLOP/s (a large jitted matmul) and memory read bandwidth (a jitted
    reduction over a large array) of this backend;
 2. per model and batch size ``B``, the decode step latency and tokens/s of
-   - ``raw``: the engine's jitted decode step plus sampling (``ModelRunner.decode`` then
-     ``ModelRunner.sample``), tokens fed back on device, no host sync inside the loop: the engine's
-     ceiling;
+   - ``raw``: the engine's jitted decode step with its sampling (``ModelRunner.decode``), tokens
+     fed back on the device, no host sync inside the loop: the engine's ceiling;
    - ``engine``: ``Engine.generate`` end to end with ``B`` concurrent requests (scheduler, host
      transfers and per-token bookkeeping included);
    - ``hf``: transformers' ``generate`` on the same weights (written with ``save_pretrained``,
@@ -48,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.generator.engine import Engine, EngineConfig
-from rl_jax.generator.runner import ModelRunner
+from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, sample
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 from rl_jax.models import ModelConfig, save_pretrained
 from rl_jax.trainer.state import ModelSpec
@@ -138,47 +137,53 @@ def prompts_for(cfg: ModelConfig, batch: int, prompt_len: int, seed: int = 0) ->
         np.int32)
 
 
-def raw_decode_steps(runner: ModelRunner, params, prompts: np.ndarray, new_tokens: int) -> float:
-    """Prefills ``prompts`` into slots ``0..B-1`` and runs ``new_tokens - 1`` decode+sample
-    steps with tokens kept on device; returns seconds per step (decode loop only)."""
+def admit_prompts(runner: ModelRunner, params, prompts: np.ndarray, position: int | None = None):
+    """Prefills ``prompts [B, P]`` into slots ``0..B-1`` and samples their first tokens; the
+    slots continue at ``position`` (default ``P``). Returns the packed first tokens."""
     b, p = prompts.shape
     k, v, logits = runner.prefill(params, prompts, np.full((b,), p, np.int32))
-    runner.insert(k, v, np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32))
-    arrays = {"temperature": np.ones(b, np.float32), "top_k": np.full(b, -1, np.int32),
-              "top_p": np.ones(b, np.float32), "min_p": np.zeros(b, np.float32),
-              "seed": np.arange(b, dtype=np.uint32), "sample_index": np.zeros(b, np.int32)}
-    arrays = {name: jnp.asarray(a) for name, a in arrays.items()}
-    tokens, _ = runner.sample(logits, dict(arrays, token_index=np.zeros(b, np.int32)), False)
-    jax.block_until_ready(tokens)
+    values = {name: np.zeros((b,), dtype) for name, dtype in SLOT_FIELDS.items()}
+    values.update(position=np.full((b,), p if position is None else position),
+                  seed=np.arange(b), temperature=np.ones(b), top_k=np.full(b, -1),
+                  top_p=np.ones(b))
+    slots = np.arange(b, dtype=np.int32)
+    return runner.admit(k, v, logits, slots, slots, values, np.ones((b,), bool), False)
+
+
+def raw_decode_steps(runner: ModelRunner, params, weights, prompts: np.ndarray,
+                     new_tokens: int) -> float:
+    """Prefills ``prompts`` into slots ``0..B-1`` and runs ``new_tokens - 1`` decode+sample
+    steps (``ModelRunner.decode``: tokens stay on the device, no host sync inside the loop);
+    returns seconds per step (decode loop only)."""
+    b, p = prompts.shape
+    jax.block_until_ready(admit_prompts(runner, params, prompts))
     start = time.perf_counter()
     for i in range(1, new_tokens):
-        logits = runner.decode(params, tokens, np.full((b,), p + i - 1, np.int32))
-        tokens, logprobs = runner.sample(
-            logits, dict(arrays, token_index=np.full(b, i, np.int32)), False)
-    jax.block_until_ready((tokens, logprobs))
+        out = runner.decode(weights, b, p + i, False)
+    jax.block_until_ready(out)
     return (time.perf_counter() - start) / max(new_tokens - 1, 1)
 
 
-def step_components(runner: ModelRunner, params, batch: int, position: int) -> dict:
-    """Seconds of the two halves of a raw step, each run alone: ``decode`` (the model, ``batch``
-    slots at ``position``) and ``sample`` from its logits, plus ``sample_filtered``, the sampling
-    path that top-k/top-p/min-p requests switch on (not used by the benchmark's requests)."""
-    arrays = {"temperature": np.ones(batch, np.float32), "top_k": np.full(batch, -1, np.int32),
-              "top_p": np.ones(batch, np.float32), "min_p": np.zeros(batch, np.float32),
-              "seed": np.arange(batch, dtype=np.uint32), "sample_index": np.zeros(batch, np.int32),
-              "token_index": np.zeros(batch, np.int32)}
-    arrays = {name: jnp.asarray(a) for name, a in arrays.items()}
-    tokens = jnp.zeros((batch,), jnp.int32)
-    positions = np.full((batch,), position, np.int32)
-    logits = runner.decode(params, tokens, positions)
+def step_components(runner: ModelRunner, params, weights, batch: int, position: int) -> dict:
+    """Seconds of a raw step (``decode``: the model and sampling, ``batch`` slots at about
+    ``position``) and of its sampling alone (``sample``) from ``[batch, V]`` logits, plus
+    ``sample_filtered``, the sampling path that top-k/top-p requests switch on (top-k 50 and
+    top-p 0.9 here; not used by the benchmark's requests)."""
+    prompts = prompts_for(runner.config, batch, 16, seed=7)
+    jax.block_until_ready(admit_prompts(runner, params, prompts, position=position))
+    logits = jax.random.normal(jax.random.key(0), (batch, runner.config.vocab_size)) * 3
+    ones, zeros = jnp.ones((batch,)), jnp.zeros((batch,), jnp.int32)
+    seeds = jnp.arange(batch, dtype=jnp.uint32)
+    plain = (ones, zeros - 1, ones, ones * 0, seeds, zeros, zeros)
+    filtered = (ones, zeros + 50, ones * 0.9, ones * 0, seeds, zeros, zeros)
+    sample_fn = jax.jit(sample, static_argnames="filtered")
     return {
-        "decode": best_time(lambda: jax.block_until_ready(runner.decode(params, tokens, positions)),
-                            repeats=10),
-        "sample": best_time(lambda: jax.block_until_ready(runner.sample(logits, arrays, False)),
-                            repeats=10),
-        "sample_filtered": best_time(
-            lambda: jax.block_until_ready(runner.sample(logits, arrays, True)), warmup=1,
-            repeats=3)}
+        "decode": best_time(lambda: jax.block_until_ready(
+            runner.decode(weights, batch, position + 16, False)), repeats=10),
+        "sample": best_time(lambda: jax.block_until_ready(
+            sample_fn(logits, *plain, filtered=False)), repeats=10),
+        "sample_filtered": best_time(lambda: jax.block_until_ready(
+            sample_fn(logits, *filtered, filtered=True)), warmup=1, repeats=5)}
 
 
 def engine_generate(engine: Engine, prompts: np.ndarray, new_tokens: int) -> float:
@@ -246,25 +251,27 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
     for b in args.batches:
         prompts = prompts_for(cfg, b, p, seed=b)
         runner = ModelRunner(cfg, max_slots=b, max_seq_len=args.max_seq_len)
+        weights = runner.prepare(params)
         engine = Engine(cfg, params, engine_config=EngineConfig(
             max_slots=b, max_seq_len=args.max_seq_len, max_prefill_tokens=max(2048, b * p)))
         # Warm-up: compiles every shape the timed runs meet (prefill, decode, sampling buckets).
-        raw_decode_steps(runner, params, prompts, n)
-        engine_generate(engine, prompts, n)
-        engine_generate(engine, prompts, 1)
+        raw_decode_steps(runner, params, weights, prompts, n)
+        for _ in range(2):  # the second run meets the cache sizes of a timed one
+            engine_generate(engine, prompts, n)
+            engine_generate(engine, prompts, 1)
         threads = [] if hf_model is None else HF_THREADS
         for t in threads:
             hf_generate(hf_model, prompts, min(n, 8), threads=t)
         raw, eng_n, eng_1 = [], [], []
         hf_n, hf_1 = {t: [] for t in threads}, {t: [] for t in threads}
         for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
-            raw.append(raw_decode_steps(runner, params, prompts, n))
+            raw.append(raw_decode_steps(runner, params, weights, prompts, n))
             eng_n.append(engine_generate(engine, prompts, n))
             eng_1.append(engine_generate(engine, prompts, 1))
             for t in threads:
                 hf_n[t].append(hf_generate(hf_model, prompts, n, threads=t))
                 hf_1[t].append(hf_generate(hf_model, prompts, 1, threads=t))
-        parts = step_components(runner, params, b, p + n // 2)
+        parts = step_components(runner, params, weights, b, p + n // 2)
         engine.shutdown()
         del runner, engine
         gc.collect()

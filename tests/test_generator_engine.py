@@ -319,3 +319,141 @@ def test_a_stopped_engine_refuses_control_instead_of_hanging(weights):
     with pytest.raises(RuntimeError, match="not running"):
         eng.pause("in_place")
     assert time.monotonic() - start < 5
+
+
+# ---- sampling, cache buckets, decode scheduling ----------------------------------------------
+
+def reference_filter(scaled, top_k, top_p, min_p):
+    """Sort-based top-k / top-p / min-p keep mask of one row (NumPy, float64)."""
+    scaled = np.asarray(scaled, np.float64)
+    desc = -np.sort(-scaled)
+    keep = np.ones(scaled.shape, bool)
+    if top_k > 0:
+        keep &= scaled >= desc[min(top_k, len(desc)) - 1]
+    probs_desc = np.exp(desc - desc.max())
+    probs_desc /= probs_desc.sum()
+    if top_p < 1:
+        before = np.cumsum(probs_desc) - probs_desc
+        keep &= scaled >= desc[before < top_p].min()
+    probs = np.exp(scaled - scaled.max())
+    return keep & (probs >= min_p)
+
+
+def test_filter_mask_matches_a_sorting_reference():
+    import jax
+    from rl_jax.generator.runner import filter_mask
+    rng = np.random.default_rng(0)
+    rows, vocab = 24, 300
+    scaled = rng.standard_normal((rows, vocab)).astype(np.float32) * 2
+    scaled[::3] = np.round(scaled[::3] * 2) / 2  # many ties
+    top_k = rng.choice([-1, 1, 3, 17, 299, 300, 1000], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.05, 1e-6], rows).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.1, 0.5], rows).astype(np.float32)
+    top = scaled.max(-1, keepdims=True)
+    unnormalised = np.exp(scaled - top)
+    mask = jax.jit(filter_mask)(scaled, unnormalised, unnormalised.sum(-1), top_k, top_p, min_p)
+    for r in range(rows):
+        want = reference_filter(scaled[r], top_k[r], top_p[r], min_p[r])
+        np.testing.assert_array_equal(np.asarray(mask[r]), want,
+                                      err_msg=f"row {r}: k={top_k[r]} p={top_p[r]} "
+                                              f"min_p={min_p[r]}")
+
+
+def test_inverse_cdf_picks_by_prefix_sums_and_never_a_zero_weight():
+    from rl_jax.generator.runner import inverse_cdf
+    rng = np.random.default_rng(1)
+    for vocab in (5, 48, 1000):
+        weights = rng.random((64, vocab)).astype(np.float32)
+        weights[rng.random((64, vocab)) < 0.6] = 0.0
+        weights[:, vocab // 2] += 0.5  # every row has mass
+        u = rng.random(64).astype(np.float32)
+        u[:4] = 0.0  # the first non-zero entry
+        got = np.asarray(inverse_cdf(weights, u))
+        cum = np.cumsum(weights.astype(np.float64), axis=-1)
+        want = np.array([np.searchsorted(c, x * c[-1], side="right") for c, x in zip(cum, u)])
+        assert np.all(weights[np.arange(64), got] > 0)
+        # Equal except where float32 rounding moved a boundary by a hair.
+        close = np.isclose(cum[np.arange(64), np.minimum(want, got)], u * cum[:, -1], rtol=1e-5)
+        assert np.all((got == want) | close)
+        assert np.all(got[:4] == np.argmax(weights[:4] > 0, axis=-1))
+
+
+def test_sampled_tokens_follow_the_distribution_and_greedy_takes_the_first_maximum():
+    from rl_jax.generator.runner import sample
+    rows, vocab = 4096, 40
+    logits = np.random.default_rng(2).standard_normal(vocab).astype(np.float32)
+    logits[7] = logits[31] = logits.max() + 1.0  # a tie for the maximum
+    tile = np.broadcast_to(logits, (rows, vocab))
+    ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.int32)
+    seeds = np.arange(rows, dtype=np.uint32)
+    tokens, logprobs = sample(tile, ones * 0.7, zeros - 1, ones, ones * 0, seeds, zeros, zeros,
+                              filtered=False)
+    scaled = logits.astype(np.float64) / 0.7
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
+    chi2 = ((counts - rows * probs) ** 2 / (rows * probs)).sum()
+    assert chi2 < 80  # 39 degrees of freedom: p < 1e-4 for a correct sampler
+    np.testing.assert_allclose(np.asarray(logprobs), np.log(probs)[np.asarray(tokens)],
+                               atol=1e-5)
+    greedy, _ = sample(tile[:3], ones[:3] * 0, zeros[:3] - 1, ones[:3], ones[:3] * 0,
+                       seeds[:3], zeros[:3], zeros[:3], filtered=False)
+    assert np.asarray(greedy).tolist() == [7, 7, 7]
+
+
+def test_kv_and_batch_buckets():
+    from rl_jax.generator.runner import batch_bucket, kv_bucket
+    sizes = [kv_bucket(n, 4096) for n in range(1, 4097)]
+    assert sizes[0] == 16 and sizes[-1] == 4096
+    assert all(size >= n for n, size in enumerate(sizes, 1))
+    assert all(3 * (size - n) <= size for n, size in enumerate(sizes, 1) if n > 16)
+    assert len(set(sizes)) == 17  # 16, 24, 32, 48, ..., 3072, 4096
+    assert kv_bucket(90, 96) == 96
+    assert [batch_bucket(n, 48) for n in (1, 8, 9, 17, 33, 48)] == [8, 8, 16, 32, 48, 48]
+
+
+def test_decode_covers_the_lowest_slots_in_use(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=32, max_seq_len=64))
+    batches = []
+    decode = eng.runner.decode
+
+    def recording(*args, **kwargs):
+        batches.append(args[1])
+        return decode(*args, **kwargs)
+
+    eng.runner.decode = recording
+    try:
+        outs = [eng.submit(req([1, 3 + i], max_new_tokens=6, seed=i)) for i in range(3)]
+        assert all(len(f.result(timeout=120)[0].output_ids) == 6 for f in outs)
+        assert batches and max(batches) == 8
+        many = [eng.submit(req([1, 3], max_new_tokens=4, seed=i)) for i in range(20)]
+        for f in many:
+            f.result(timeout=120)
+        assert max(batches) == 32 and eng.load()["free_slots"] == 32
+    finally:
+        eng.shutdown()
+
+
+def test_weights_are_laid_out_off_the_scheduler_thread(weights):
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=96))
+    threads = []
+    prepare = eng.runner.prepare
+
+    def recording(params):
+        threads.append(threading.current_thread().name)
+        return prepare(params)
+
+    eng.runner.prepare = recording
+    try:
+        fut = eng.submit(req([1, 2, 3], max_new_tokens=60, seed=0))
+        while eng.stats["generated_tokens"] < 5:
+            time.sleep(0.002)
+        eng.update_weights(weights[1], version=1)
+        assert eng.wait_for_version(1, timeout=60) and eng.params is weights[1]
+        out = fut.result(timeout=120)[0]
+        assert out.output_versions[0] == 0 and out.output_versions[-1] == 1
+        assert threads == ["engine-weights"]
+        with pytest.raises(GeneratorError, match="do not match"):
+            eng.update_weights({"embed": weights[1]["embed"]}, version=2)
+    finally:
+        eng.shutdown()

@@ -10,6 +10,15 @@ of the weights that sampled it. ``pause(mode)`` follows SGLang's ``/pause_genera
 ``abort`` finishes everything with ``finish_reason.type == "abort"``; ``retract`` returns running
 sequences to the queue (their KV is recomputed, under the then-current weights, when they are
 re-admitted); ``in_place`` just stops stepping, keeping everything.
+
+The scheduler keeps the device busy: a decode step feeds each slot the token the previous step
+sampled without the host in between, so step ``t+1`` is queued before the tokens of step ``t``
+are read back and bookkept (one step in flight). A sequence that stops on a stop token is seen one
+step late and that step's extra token for it is dropped; a sequence that reaches
+``max_new_tokens`` gives up its slot as soon as its last token is queued. Control operations
+first finish the step in flight, so their effect is observed at a step boundary. New weights are
+laid out for decode (:meth:`ModelRunner.prepare`) in a helper thread, off the decode path, and
+the ready layout is swapped in between two steps.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import heapq
 import itertools
 import logging
 import threading
@@ -27,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rl_jax.generator.runner import ModelRunner
+from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, batch_bucket, unpack
 from rl_jax.generator.types import (GenerateOutput, GenerateRequest, GeneratorError, Overloaded,
                                     SamplingParams)
 from rl_jax.models.config import ModelConfig
@@ -63,10 +73,28 @@ class _Sequence:
     slot: int = -1
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
+    # Tokens queued for sampling on the device (sampled or in flight): >= len(output_ids).
+    dispatched: int = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.request.input_ids + self.output_ids
+
+    @property
+    def kv_needed(self) -> int:
+        """Cache positions the next decode step of this sequence uses."""
+        return len(self.request.input_ids) + self.dispatched
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """Device work whose tokens are not yet read: ``out [2, n]`` (tokens, log-prob bits) with
+    sequence ``seqs[i]`` at column ``columns[i]``, sampled by weights of ``version``."""
+
+    out: Any
+    seqs: list[_Sequence]
+    columns: list[int]
+    version: int
 
 
 @dataclasses.dataclass
@@ -106,14 +134,18 @@ class Engine:
                                   max_seq_len=engine_config.max_seq_len, mesh=mesh, rules=rules,
                                   dtype=dtype or jnp.float32)
         self.params = params
+        self._decode_weights = self.runner.prepare(params)
         self.version = version
         self.eos_token_ids = tuple(eos_token_ids)
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: dict[int, _Sequence] = {}
-        self._free_slots = list(range(engine_config.max_slots))[::-1]
+        self._free_slots = list(range(engine_config.max_slots))  # a heap: lowest slot first
         self._requests: dict[str, _Request] = {}
-        self._pending_weights: tuple[dict[str, Any], int] | None = None
+        self._inflight: collections.deque[_InFlight] = collections.deque()
+        self._to_prepare: list[tuple[dict[str, Any], int]] = []
+        self._pending_weights: tuple[dict[str, Any], int, Any] | None = None
+        self._incoming_decode_weights: tuple[dict[str, Any], Any] | None = None
         self._control: collections.deque = collections.deque()
         self._paused = False
         self._stop = False
@@ -121,6 +153,9 @@ class Engine:
         self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+        self._preparer = threading.Thread(target=self._prepare_loop, name="engine-weights",
+                                          daemon=True)
+        self._preparer.start()
 
     # ---- public API (thread-safe) -------------------------------------------------------------
 
@@ -172,9 +207,26 @@ class Engine:
         return self.submit(request).result(timeout)
 
     def update_weights(self, params: dict[str, Any], version: int):
-        """Swaps in ``params`` before the next decode step (running sequences continue)."""
+        """Swaps in ``params`` between two decode steps (running sequences continue).
+
+        Returns at once: a helper thread lays the weights out for decode first (the running
+        batch keeps decoding meanwhile), then the scheduler swaps them in before its next step;
+        :attr:`version` (and :attr:`params`) change then. A newer update given before an older
+        one was swapped in supersedes it. Raises :class:`GeneratorError` when ``params`` do not
+        have the current parameters' structure and shapes.
+        """
+        def signature(tree):
+            return jax.tree.map(lambda a: tuple(a.shape), tree)
+
+        got, want = signature(params), signature(self.params)
+        if got != want:
+            raise GeneratorError("new weights do not match the engine's parameters (tree "
+                                 "structure or shapes differ)")
         with self._lock:
-            self._pending_weights = (params, int(version))
+            if not self.alive:
+                raise RuntimeError("the engine's scheduler is not running (shut down or "
+                                   "crashed); the weights were not applied")
+            self._to_prepare.append((params, int(version)))
             self._lock.notify_all()
 
     def wait_for_version(self, version: int, timeout: float = 60.0) -> bool:
@@ -221,6 +273,7 @@ class Engine:
             self._stop = True
             self._lock.notify_all()
         self._thread.join(timeout=30)
+        self._preparer.join(timeout=30)
 
     def _submit_control(self, op):
         with self._lock:
@@ -242,12 +295,37 @@ class Engine:
         """Whether the scheduler thread is running (False after shutdown or a crash)."""
         return self._thread.is_alive()
 
+    # ---- weight preparation (helper thread) ---------------------------------------------------
+
+    def _prepare_loop(self):
+        while True:
+            with self._lock:
+                while not self._stop and not self._to_prepare:
+                    self._lock.wait()
+                if self._stop:
+                    return
+                params, version = self._to_prepare[-1]  # older queued updates are superseded
+                self._to_prepare.clear()
+            start = time.perf_counter()
+            try:
+                prepared = self.runner.prepare(params)
+                jax.block_until_ready(prepared)
+            except Exception:  # keep serving with the current weights
+                log.exception("laying out weights version %d for decode failed", version)
+                self.stats["weight_update_errors"] += 1
+                continue
+            self.stats["weight_prepare_ms"] += int((time.perf_counter() - start) * 1000)
+            with self._lock:
+                self._pending_weights = (params, version, prepared)
+                self._lock.notify_all()
+
     # ---- scheduler ----------------------------------------------------------------------------
 
     def _loop(self):
         while True:
             with self._lock:
                 while (not self._stop and not self._control and self._pending_weights is None
+                       and not self._inflight
                        and (self._paused or (not self._running and not self._waiting))):
                     self._lock.wait()
                 if self._stop:
@@ -256,18 +334,34 @@ class Engine:
                 self._control.clear()
                 weights, self._pending_weights = self._pending_weights, None
             try:
-                for op in controls:
-                    self._apply_control(op)
+                if controls:
+                    self._drain()
+                    for op in controls:
+                        self._apply_control(op)
                 if weights is not None:
-                    self._swap_weights(*weights)
+                    params, version, prepared = weights
+                    self._incoming_decode_weights = (params, prepared)
+                    self._swap_weights(params, version)
                 if not self._paused:
                     self._admit()
                     if self._running:
                         self._decode_step()
+                # One step stays in flight while decoding goes on: its tokens are read after
+                # the next step is queued.
+                keep = 1 if self._running and not self._paused else 0
+                while len(self._inflight) > keep:
+                    self._process(self._inflight.popleft())
             except Exception as e:  # never leave callers hanging on a scheduler error
                 log.exception("engine step failed")
+                self._inflight.clear()
                 self._fail_all(e)
+        self._inflight.clear()
         self._fail_all(RuntimeError("engine shut down"))
+
+    def _drain(self):
+        """Reads back and bookkeeps every step in flight."""
+        while self._inflight:
+            self._process(self._inflight.popleft())
 
     def _apply_control(self, op):
         kind, arg = op
@@ -293,7 +387,13 @@ class Engine:
     def _swap_weights(self, params, version):
         start = time.perf_counter()
         if self.engine_config.recompute_kv_on_update:
+            self._drain()
             self._retract_all()
+        incoming, self._incoming_decode_weights = self._incoming_decode_weights, None
+        if incoming is not None and incoming[0] is params:
+            self._decode_weights = incoming[1]
+        else:
+            self._decode_weights = self.runner.prepare(params)
         self.params = params
         with self._lock:
             self.version = version
@@ -302,13 +402,14 @@ class Engine:
         self.stats["weight_swap_ms"] += int((time.perf_counter() - start) * 1000)
 
     def _admit(self):
-        """Prefills waiting sequences into free slots (samples of one request share a prefill)."""
+        """Prefills waiting sequences into the lowest free slots (samples of one request share a
+        prefill) and queues the sampling of their first tokens."""
         budget = self.engine_config.max_prefill_tokens
         groups: list[list[_Sequence]] = []
         with self._lock:
             while self._waiting and len(self._free_slots) > sum(map(len, groups)):
                 seq = self._waiting[0]
-                prefill_len = len(seq.tokens) - (1 if seq.output_ids else 0)
+                prefill_len = len(seq.request.input_ids) + max(len(seq.output_ids) - 1, 0)
                 if groups and prefill_len > budget:
                     break
                 self._waiting.popleft()
@@ -331,73 +432,79 @@ class Engine:
             tokens[i, :len(prompt)] = prompt
             lengths[i] = len(prompt)
         k, v, logits = self.runner.prefill(self.params, tokens, lengths)
-        rows, slots, fresh_rows, fresh = [], [], [], []
+
+        seqs = [seq for group in groups for seq in group]
+        m = _bucket(len(seqs), 1, max(cfg.max_slots, 1))
+        values = {name: np.zeros((m,), dtype) for name, dtype in SLOT_FIELDS.items()}
+        rows = np.zeros((m,), np.int32)
+        slots = np.full((m,), cfg.max_slots, np.int32)  # padding: an out-of-range slot, dropped
+        fresh = np.zeros((m,), bool)
+        filtered = False
         with self._lock:
-            for i, group in enumerate(groups):
+            i = 0
+            for row, group in enumerate(groups):
                 for j, seq in enumerate(group):
-                    seq.slot = self._free_slots.pop()
-                    seq.cached_tokens = len(prompts[i]) if j else 0
+                    seq.slot = heapq.heappop(self._free_slots)
+                    seq.cached_tokens = len(prompts[row]) if j else 0
                     self._running[seq.slot] = seq
-                    rows.append(i)
-                    slots.append(seq.slot)
-                    if not seq.output_ids:
-                        fresh_rows.append(i)
-                        fresh.append(seq)
-        self.runner.insert(k, v, np.asarray(rows, np.int32), np.asarray(slots, np.int32))
+                    sp = seq.request.sampling
+                    rows[i], slots[i], fresh[i] = row, seq.slot, not seq.output_ids
+                    values["position"][i] = len(prompts[row])
+                    values["token"][i] = seq.output_ids[-1] if seq.output_ids else 0
+                    values["token_index"][i] = len(seq.output_ids)
+                    values["seed"][i] = seq.seed
+                    values["sample_index"][i] = seq.index
+                    values["temperature"][i] = sp.temperature
+                    values["top_k"][i] = sp.top_k
+                    values["top_p"][i] = sp.top_p
+                    values["min_p"][i] = sp.min_p
+                    filtered |= fresh[i] and sp.needs_filter
+                    seq.dispatched = max(len(seq.output_ids), 1)
+                    i += 1
+        out = self.runner.admit(k, v, logits, rows, slots, values, fresh, filtered)
+        columns = [i for i in range(len(seqs)) if fresh[i]]
+        self._inflight.append(_InFlight(out, [seqs[i] for i in columns], columns, self.version))
         self.stats["prefill_tokens"] += int(sum(map(len, prompts)))
         self.stats["prefills"] += 1
-        if fresh:
-            self._sample_and_append(logits, fresh, rows=fresh_rows)
+        self._release_fully_dispatched(seqs)
 
     def _decode_step(self):
+        """Queues one decode step of every running sequence (slots ``0..batch-1``)."""
         seqs = list(self._running.values())
-        s = self.engine_config.max_slots
-        tokens = np.zeros((s,), np.int32)
-        positions = np.zeros((s,), np.int32)
+        batch = batch_bucket(max(self._running) + 1, self.engine_config.max_slots)
+        kv_needed = max(seq.kv_needed for seq in seqs)
+        filtered = any(seq.request.sampling.needs_filter for seq in seqs)
+        out = self.runner.decode(self._decode_weights, batch, kv_needed, filtered)
         for seq in seqs:
-            tokens[seq.slot] = seq.output_ids[-1]
-            positions[seq.slot] = len(seq.tokens) - 1
-        logits = self.runner.decode(self.params, tokens, positions)
-        slots = np.asarray([seq.slot for seq in seqs], np.int32)
-        self._sample_and_append(logits, seqs, rows=slots)
+            seq.dispatched += 1
+        self._inflight.append(_InFlight(out, seqs, [seq.slot for seq in seqs], self.version))
         self.stats["decode_steps"] += 1
+        self._release_fully_dispatched(seqs)
 
-    def _sample_and_append(self, logits, seqs: list[_Sequence], rows=None):
-        """Samples the next token of ``seqs`` from ``logits`` (row ``rows[i]`` for ``seqs[i]``;
-        row ``i`` when ``rows`` is None) and appends it."""
-        n = len(seqs)
-        bucket = _bucket(n, 1, max(self.engine_config.max_slots, n))
-        arrays = {"temperature": np.ones(bucket, np.float32),
-                  "top_k": np.full(bucket, -1, np.int32), "top_p": np.ones(bucket, np.float32),
-                  "min_p": np.zeros(bucket, np.float32), "seed": np.zeros(bucket, np.uint32),
-                  "sample_index": np.zeros(bucket, np.int32),
-                  "token_index": np.zeros(bucket, np.int32)}
-        filtered = False
-        for i, seq in enumerate(seqs):
-            sp = seq.request.sampling
-            arrays["temperature"][i] = sp.temperature
-            arrays["top_k"][i] = sp.top_k
-            arrays["top_p"][i] = sp.top_p
-            arrays["min_p"][i] = sp.min_p
-            arrays["seed"][i] = seq.seed
-            arrays["sample_index"][i] = seq.index
-            arrays["token_index"][i] = len(seq.output_ids)
-            filtered |= sp.needs_filter
-        if rows is not None:  # gathered inside the sampling jit: no eager gather or pad
-            picked = np.zeros(bucket, np.int32)
-            picked[:n] = rows
-            tokens, logprobs = self.runner.sample(logits, arrays, filtered, rows=picked)
-        else:
-            if bucket != n:
-                logits = jax.numpy.pad(logits, ((0, bucket - n), (0, 0)))
-            tokens, logprobs = self.runner.sample(logits, arrays, filtered)
-        tokens, logprobs = np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
-        version = self.version
+    def _release_fully_dispatched(self, seqs: list[_Sequence]):
+        """Frees the slots of sequences whose last token is queued: a later step would only
+        compute tokens past ``max_new_tokens`` (the queued work still completes first)."""
+        done = [s for s in seqs if s.dispatched >= s.request.sampling.max_new_tokens]
+        if done:
+            with self._lock:
+                for seq in done:
+                    self._release(seq)
+
+    def _process(self, work: _InFlight):
+        """Appends the tokens of one finished step to their sequences, finishing those that
+        stop."""
+        tokens, logprobs = unpack(work.out)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
         finished = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        appended = 0
+        for seq, column in zip(work.seqs, work.columns):
+            if seq.finish_reason is not None:  # stopped in an earlier step, or aborted
+                continue
+            tok = tokens[column]
             seq.output_ids.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(version)
+            seq.logprobs.append(logprobs[column])
+            seq.versions.append(work.version)
+            appended += 1
             sp = seq.request.sampling
             if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
                 seq.finish_reason = {"type": "stop", "matched": tok}
@@ -405,17 +512,18 @@ class Engine:
                 seq.finish_reason = {"type": "length", "length": sp.max_new_tokens}
             if seq.finish_reason is not None:
                 finished.append(seq)
-        self.stats["generated_tokens"] += n
-        with self._lock:
-            for seq in finished:
-                self._release(seq)
-            for seq in finished:
-                self._maybe_complete(seq.request)
+        self.stats["generated_tokens"] += appended
+        if finished:
+            with self._lock:
+                for seq in finished:
+                    self._release(seq)
+                for seq in finished:
+                    self._maybe_complete(seq.request)
 
     def _release(self, seq: _Sequence):
         if seq.slot >= 0:
             self._running.pop(seq.slot, None)
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             seq.slot = -1
 
     def _maybe_complete(self, req: _Request):
@@ -447,11 +555,12 @@ class Engine:
 
     def _retract_all(self):
         """Moves running sequences back to the front of the queue; their KV cache is dropped and
-        recomputed when they are admitted again."""
+        recomputed when they are admitted again. Nothing may be in flight."""
         with self._lock:
             running = sorted(self._running.values(), key=lambda s: s.slot)
             for seq in running:
                 self._release(seq)
+                seq.dispatched = len(seq.output_ids)
             self._waiting.extendleft(reversed(running))
             self.stats["retracted_sequences"] += len(running)
 

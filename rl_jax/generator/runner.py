@@ -1,20 +1,29 @@
-"""Jitted device work of the inference engine: prefill, cache insertion, decode and sampling.
+"""Jitted device work of the inference engine: prefill, admission, decode steps and sampling.
 
 The KV cache is slot-based, one array per layer: ``k_cache[l], v_cache[l]`` of shape
-``[slots, kv_len, K, Dh]``, one slot per running sequence. Its length ``kv_len`` follows the
-longest running sequence (a power of two of at least 16, at most ``max_seq_len``), so a decode
-step reads and attends over the context the batch actually has, not the whole capacity; the memory
-bound is ``2·L·slots·max_seq_len·K·Dh`` elements. A slot holding a sequence of length ``n`` has
+``[slots, K, kv_len, Dh]``, one slot per running sequence (heads before positions, so that the
+attention products read each head's keys and values where they lie). Its length ``kv_len`` follows
+the longest running sequence (see :func:`kv_bucket`), so a decode step reads and attends over the
+context the batch actually has, not the whole capacity; the memory bound is
+``2·L·slots·max_seq_len·K·Dh`` elements. A slot holding a sequence of length ``n`` has
 keys/values for positions ``0 .. n-2``; its last token is processed by the next decode step, which
 writes position ``n-1`` and samples token ``n``.
 
-Decode runs the layers unrolled over per-layer weights and per-layer caches (donated and updated
-in place): a ``lax.scan`` over stacked weights and caches would copy every layer's weights and the
-whole cache on every step. The per-layer weights are split from the stacked parameters once per
-parameter version (one extra copy of the layer weights in memory).
+Everything a decode step needs about a slot lives on the device in a :data:`SlotState` (its last
+token, position, sampling parameters and random-key counters), so steps chain on the device: the
+host dispatches step ``t+1`` before it reads the tokens of step ``t``. A step decodes a prefix of
+the slots (``batch``, the engine allocates the lowest free slots first) and samples one token per
+slot in the same jitted call.
 
-Sampling is reproducible per sequence: the random key of a token is
-``fold_in(fold_in(key(seed), sample_index), token_index)``, independent of the batch.
+Decode runs the layers unrolled over per-layer weights and per-layer caches (donated and updated
+in place); a ``lax.scan`` over stacked weights and caches would copy every layer's weights and the
+whole cache on every step. :func:`prepare_decode_weights` lays the parameters out for decode once
+per parameter version: per-layer arrays, the query/key/value projections fused into one matrix
+grouped by key/value head, the gate and up projections fused into one (one extra copy of the layer
+weights in memory).
+
+Sampling is reproducible per sequence: the random number of a token is a hash of ``(seed,
+sample_index, token_index)``, independent of the batch.
 """
 
 from __future__ import annotations
@@ -25,16 +34,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.transformer import (attention_mask, attention_output, decoder_layer, mlp,
-                                       project_qkv, rms_norm, rotary_tables)
+from rl_jax.models.transformer import (apply_rotary, attention_mask, decoder_layer, rms_norm,
+                                       rotary_tables)
 from rl_jax.sharding import ShardingRules
 
-CACHE_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", "head_dim")
-LAYER_CACHE_AXES = CACHE_AXES[1:]
+LAYER_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
 MIN_KV_LEN = 16
+
+# Per-slot decode state: name -> dtype. All arrays are [slots].
+SLOT_FIELDS = {
+    "token": np.dtype(np.int32),  # last token of the sequence (the next step's input)
+    "position": np.dtype(np.int32),  # its position (where the next step writes keys/values)
+    "token_index": np.dtype(np.int32),  # index of the next sampled token in the completion
+    "seed": np.dtype(np.uint32),
+    "sample_index": np.dtype(np.int32),  # sample within its request (0..n-1)
+    "temperature": np.dtype(np.float32),
+    "top_k": np.dtype(np.int32),
+    "top_p": np.dtype(np.float32),
+    "min_p": np.dtype(np.float32),
+}
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_index")
+SlotState = dict[str, jax.Array]
 
 
 def generator_rules() -> ShardingRules:
@@ -45,23 +68,28 @@ def generator_rules() -> ShardingRules:
 
 
 def kv_bucket(needed: int, max_seq_len: int, minimum: int = MIN_KV_LEN) -> int:
-    """The cache length for ``needed`` positions: the next power of two, within
+    """The cache length for ``needed`` positions: the smallest of ``minimum·2^i`` and
+    ``1.5·minimum·2^i`` that holds them (at most a third of a bucket is padding), within
     ``[minimum, max_seq_len]``."""
     size = minimum
     while size < needed:
+        if size * 3 // 2 >= needed and size % 2 == 0:
+            size = size * 3 // 2
+            break
         size *= 2
     return min(size, max_seq_len)
 
 
-def _unembed(params: dict[str, Any], cfg: ModelConfig) -> jax.Array:
-    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+def batch_bucket(needed: int, max_slots: int, minimum: int = 8) -> int:
+    """Slots a decode step covers when slots ``0..needed-1`` may be in use: a power of two of at
+    least ``minimum``, at most ``max_slots``."""
+    size = minimum
+    while size < needed:
+        size *= 2
+    return min(size, max_slots)
 
 
-def _logits(params, cfg, h):
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("bd,dv->bv", h, _unembed(params, cfg).astype(h.dtype),
-                      preferred_element_type=jnp.float32)
-
+# ---- prefill --------------------------------------------------------------------------------------
 
 def prefill(params: dict[str, Any], tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig,
             dtype: Any, constrain=None):
@@ -83,72 +111,199 @@ def prefill(params: dict[str, Any], tokens: jax.Array, lengths: jax.Array, *, cf
 
     h, (k, v) = jax.lax.scan(layer, x, params["layers"])
     last = h[jnp.arange(b), lengths - 1]
-    return k, v, _logits(params, cfg, last)
+    h = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    unembed = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("bd,dv->bv", h, unembed.astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return k, v, logits
 
 
-def split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """Stacked layer weights ``{name: [L, ...]}`` → one ``{name: [...]}`` per layer."""
-    num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: w[i] for name, w in layers.items()} for i in range(num_layers))
+# ---- decode weights -------------------------------------------------------------------------------
+
+def decode_weight_axes(cfg: ModelConfig) -> dict[str, Any]:
+    """Logical axes of every array of :func:`prepare_decode_weights`' result (same tree)."""
+    layer = {"attn_norm": ("norm",), "wqkv": ("embed", "kv_heads", None, "head_dim"),
+             "wo": ("kv_heads", None, "head_dim", "embed"), "mlp_norm": ("norm",),
+             "w_gate_up": ("embed", None, "mlp"), "w_down": ("mlp", "embed")}
+    if cfg.attention_bias:
+        layer["bqkv"] = ("kv_heads", None, "head_dim")
+    if cfg.output_bias:
+        layer["bo"] = ("embed",)
+    if cfg.qk_norm:
+        layer["q_norm"] = ("head_dim",)
+        layer["k_norm"] = ("head_dim",)
+    return {"embed": ("vocab", "embed"), "final_norm": ("norm",), "unembed": ("embed", "vocab"),
+            "layers": (layer,) * cfg.num_layers}
 
 
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                     positions: jax.Array, dtype: Any) -> jax.Array:
-    """One query per slot over its cache: ``q [S,1,H,Dh]``, caches ``[S,T,K,Dh]``, slot ``s``
-    attending keys ``0..positions[s]``. Returns ``[S,1,H,Dh]``.
+def prepare_decode_weights(params: dict[str, Any], *, cfg: ModelConfig, dtype: Any
+                           ) -> dict[str, Any]:
+    """Lays trainer parameters out for :func:`decode`.
 
-    Written as broadcast products and reductions (float32) rather than batched matmuls: these
-    read the cache where it lies, while a batched matmul first transposes a copy of it.
+    Returns ``{"embed" [V, D], "final_norm" [D], "unembed" [D, V], "layers": (per layer)}`` where
+    each layer holds ``wqkv [D, K, G+2, Dh]`` (for key/value head ``k``: its ``G`` query heads,
+    then its key and its value projection), ``wo [K, G, Dh, D]``, ``w_gate_up [D, 2, F]``,
+    ``w_down [F, D]``, the norms, and the biases fused like their matrices. Matrices are cast to
+    the computation ``dtype``.
     """
-    s, _, h, hd = q.shape
-    kv_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    q = q[:, 0].reshape(s, kv_heads, h // kv_heads, hd).astype(jnp.float32)
-    k = k_cache.astype(dtype).astype(jnp.float32)
-    v = v_cache.astype(dtype).astype(jnp.float32)
-    scores = jnp.sum(q[:, None] * k[:, :, :, None, :], axis=-1) * (hd ** -0.5)  # [S,T,K,G]
-    visible = jnp.arange(kv_len, dtype=jnp.int32)[None, :] <= positions[:, None]
-    scores = jnp.where(visible[:, :, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=1).astype(dtype).astype(jnp.float32)
-    out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [S,K,G,Dh]
-    return out.reshape(s, 1, h, hd).astype(dtype)
+    k, hd = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // k
+    layers = []
+    for i in range(cfg.num_layers):
+        w = {name: value[i] for name, value in params["layers"].items()}
+        d = w["wq"].shape[0]
+        out = {
+            "attn_norm": w["attn_norm"],
+            "wqkv": jnp.concatenate([w["wq"].reshape(d, k, g, hd), w["wk"][:, :, None],
+                                     w["wv"][:, :, None]], axis=2).astype(dtype),
+            "wo": w["wo"].reshape(k, g, hd, -1).astype(dtype),
+            "mlp_norm": w["mlp_norm"],
+            "w_gate_up": jnp.stack([w["w_gate"], w["w_up"]], axis=1).astype(dtype),
+            "w_down": w["w_down"].astype(dtype),
+        }
+        if cfg.attention_bias:
+            out["bqkv"] = jnp.concatenate([w["bq"].reshape(k, g, hd), w["bk"][:, None],
+                                           w["bv"][:, None]], axis=1).astype(dtype)
+        if cfg.output_bias:
+            out["bo"] = w["bo"].astype(dtype)
+        if cfg.qk_norm:
+            out["q_norm"], out["k_norm"] = w["q_norm"], w["k_norm"]
+        layers.append(out)
+    unembed = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return {"embed": params["embed"], "final_norm": params["final_norm"],
+            "unembed": unembed.astype(dtype), "layers": tuple(layers)}
 
 
-def decode(params: dict[str, Any], layer_weights: tuple[dict[str, jax.Array], ...],
-           k_cache: tuple[jax.Array, ...], v_cache: tuple[jax.Array, ...], tokens: jax.Array,
-           positions: jax.Array, *, cfg: ModelConfig, dtype: Any, constrain=None):
-    """One token per slot: ``tokens [S]`` at ``positions [S]`` (each ``< kv_len``).
+# ---- decode ---------------------------------------------------------------------------------------
 
-    ``params`` supplies the embedding, final norm and unembedding; ``layer_weights`` are the
-    per-layer weights (:func:`split_layers`); caches are per layer ``[S, kv_len, K, Dh]``.
-    Returns the updated caches and float32 logits ``[S, V]``.
+def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain):
+    """One decoder layer for one token per slot: ``h [S, D]``; caches ``[slots, K, T, Dh]`` of
+    which rows ``0..S-1`` are this step's. Mirrors ``models.transformer.decoder_layer``."""
+    s = h.shape[0]
+    kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // kv_heads
+    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+    qkv = jnp.einsum("sd,dkcx->skcx", x, w["wqkv"])
+    if cfg.attention_bias:
+        qkv = qkv + w["bqkv"]
+    qkv = constrain(qkv, ("act_batch", "act_kv_heads", None, "head_dim"))
+    q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = apply_rotary(q.reshape(s, 1, kv_heads * g, hd), cos, sin).reshape(s, kv_heads, g, hd)
+    k = apply_rotary(k[:, None], cos, sin)[:, 0]
+    rows = jnp.arange(s)
+    k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+    keys, values = k_cache[:s].astype(dtype), v_cache[:s].astype(dtype)
+    scores = jnp.einsum("skgx,sktx->skgt", q, keys, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    visible = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None]
+    scores = jnp.where(visible[:, None, None, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    attn = jnp.einsum("skgt,sktx->skgx", probs, values)
+    out = jnp.einsum("skgx,kgxd->sd", attn, w["wo"])
+    if cfg.output_bias:
+        out = out + w["bo"]
+    h = constrain(h + out, ("act_batch", "act_embed"))
+    x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+    gate_up = jnp.einsum("sd,dcf->scf", x, w["w_gate_up"])
+    act = constrain(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], ("act_batch", "act_mlp"))
+    h = constrain(h + act @ w["w_down"], ("act_batch", "act_embed"))
+    return h, k_cache, v_cache
+
+
+def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
+           v_cache: tuple[jax.Array, ...], state: SlotState, *, batch: int, filtered: bool,
+           cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None):
+    """One decode step of slots ``0..batch-1``: feeds each slot's last token, writes its keys and
+    values, samples the next token.
+
+    Args:
+      weights: :func:`prepare_decode_weights` output.
+      k_cache, v_cache: per layer ``[slots, K, kv_len, Dh]`` (slot positions ``< kv_len``).
+      state: :data:`SlotState`, ``[slots]`` arrays.
+      batch: slots decoded (a prefix; the others are untouched).
+      filtered: whether any slot uses top-k/top-p/min-p (see :func:`sample`).
+
+    Returns ``(k_cache, v_cache, state, out)`` with the caches and state advanced (tokens, positions
+    and token indices of slots ``< batch``) and ``out [2, batch]`` int32: the sampled tokens and
+    their float32 log-probabilities' bits.
     """
     constrain = constrain or (lambda x, axes: x)
-    s = tokens.shape[0]
+    st = {name: value[:batch] for name, value in state.items()}
+    positions = st["position"]
     cos, sin = rotary_tables(positions[:, None], cfg.head_dim, cfg.rope_theta,
                              cfg.rope_scaling_dict)
-    h = jnp.take(params["embed"], tokens[:, None], axis=0).astype(dtype)
-    slots = jnp.arange(s)
+    h = jnp.take(weights["embed"], st["token"], axis=0).astype(dtype)
     new_k, new_v = [], []
-    for w, kc, vc in zip(layer_weights, k_cache, v_cache):
-        x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = project_qkv(x, w, cfg, cos, sin, dtype)
-        q = constrain(q, ("act_batch", "act_seq", "act_heads", "head_dim"))
-        k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
-        v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
-        kc = kc.at[slots, positions].set(k[:, 0].astype(kc.dtype))
-        vc = vc.at[slots, positions].set(v[:, 0].astype(vc.dtype))
+    for w, kc, vc in zip(weights["layers"], k_cache, v_cache):
+        h, kc, vc = _decode_layer(h, w, kc, vc, positions, cos, sin, cfg=cfg, dtype=dtype,
+                                  constrain=constrain)
         new_k.append(kc)
         new_v.append(vc)
-        attn = decode_attention(q, kc, vc, positions, dtype)
-        h = h + attention_output(attn, w, cfg, dtype)
-        h = constrain(h, ("act_batch", "act_seq", "act_embed"))
-        h = h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w, dtype, constrain)
-        h = constrain(h, ("act_batch", "act_seq", "act_embed"))
-    return tuple(new_k), tuple(new_v), _logits(params, cfg, h[:, 0])
+    h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    logits = jnp.einsum("sd,dv->sv", h, weights["unembed"], preferred_element_type=jnp.float32)
+    tokens, logprobs = sample(logits, *(st[name] for name in SAMPLING_FIELDS),
+                              st["token_index"], filtered=filtered)
+    state = dict(state)
+    state["token"] = state["token"].at[:batch].set(tokens)
+    state["position"] = state["position"].at[:batch].set(
+        jnp.minimum(positions + 1, max_seq_len - 1))
+    state["token_index"] = state["token_index"].at[:batch].add(1)
+    return tuple(new_k), tuple(new_v), state, _pack(tokens, logprobs)
 
+
+def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
+    """``[2, n]`` int32: tokens and the bits of float32 log-probs (one device-to-host copy)."""
+    return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
+
+
+def unpack(out: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Host ``(tokens [n] int32, logprobs [n] float32)`` from a packed step output."""
+    out = np.asarray(out)
+    return out[0], out[1].view(np.float32)
+
+
+def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots, values,
+          fresh, *, filtered: bool):
+    """Installs prefilled sequences in their slots and samples first tokens.
+
+    Args:
+      k_new, v_new: prefill keys/values ``[L, B, P, K, Dh]`` (``P <= kv_len``).
+      logits: prefill logits ``[B, V]``.
+      rows, slots: ``[M]``: sequence ``i`` takes prefill row ``rows[i]`` into slot ``slots[i]``
+        (slots ``>= slots`` count, used for padding, are dropped).
+      values: :data:`SlotState` fields ``[M]`` for the sequences (``token`` is the last token
+        of resumed sequences, ``token_index`` the index of the token sampled here for fresh ones).
+      fresh: ``[M]`` bool, whether the sequence samples its first token here (otherwise it
+        resumes with ``values["token"]``).
+
+    Returns ``(k_cache, v_cache, state, out)`` with ``out [2, M]`` as :func:`decode`'s.
+    """
+    p = k_new.shape[2]
+
+    def put(cache, new):
+        # [M, P, K, Dh] → [M, K, P, Dh] into the first P positions of the slots.
+        return cache.at[slots, :, :p].set(jnp.swapaxes(new[rows], 1, 2).astype(cache.dtype),
+                                          mode="drop")
+
+    k_cache = tuple(put(c, k_new[i]) for i, c in enumerate(k_cache))
+    v_cache = tuple(put(c, v_new[i]) for i, c in enumerate(v_cache))
+    tokens, logprobs = sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
+                              values["token_index"], filtered=filtered)
+    tokens = jnp.where(fresh, tokens, values["token"])
+    updates = dict(values, token=tokens, token_index=values["token_index"] + fresh)
+    state = {name: state[name].at[slots].set(updates[name].astype(state[name].dtype),
+                                             mode="drop") for name in state}
+    return k_cache, v_cache, state, _pack(tokens, logprobs)
+
+
+# ---- sampling -------------------------------------------------------------------------------------
 
 def _threefry2x32(k1, k2, x1, x2):
-    """The Threefry-2x32 hash (20 rounds), unrolled; as ``jax.random``'s, bit for bit."""
+    """The Threefry-2x32 hash (20 rounds), unrolled, on uint32 arrays."""
     def rotate_left(x, d):
         return (x << np.uint32(d)) | (x >> np.uint32(32 - d))
 
@@ -164,85 +319,145 @@ def _threefry2x32(k1, k2, x1, x2):
     return x1, x2
 
 
-def gumbel_noise(seeds: jax.Array, sample_index: jax.Array, token_index: jax.Array,
-                 vocab: int) -> jax.Array:
-    """``[S, vocab]`` float32 Gumbel noise, row ``s`` equal bit for bit to
-    ``jax.random.gumbel(fold_in(fold_in(key(seeds[s]), sample_index[s]), token_index[s]),
-    (vocab,))`` with the default threefry implementation.
-
-    On CPU ``jax.random`` runs its hash as a rolled loop (a dozen small kernels per call, three
-    calls per row); here the hash is unrolled and batched over rows, which makes the noise about
-    twice as cheap. Other PRNG settings fall back to ``jax.random`` itself.
-    """
-    if not (jax.config.jax_threefry_partitionable
-            and jax.config.jax_default_prng_impl == "threefry2x32"):
-        def one(seed, index, step):
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), step)
-            return jax.random.gumbel(key, (vocab,), jnp.float32)
-        return jax.vmap(one)(seeds, sample_index, token_index)
-    u32 = lambda x: x.astype(jnp.uint32)[:, None]  # noqa: E731
+def uniform_per_row(seeds: jax.Array, sample_index: jax.Array, token_index: jax.Array
+                    ) -> jax.Array:
+    """``[S]`` float32 uniform in ``[0, 1)``: a Threefry hash of ``(seed, sample_index,
+    token_index)`` (the chain ``fold_in(fold_in(key(seed), sample_index), token_index)`` of
+    ``jax.random``'s threefry keys, then one more hash for the bits)."""
+    u32 = lambda x: x.astype(jnp.uint32)  # noqa: E731
     zero = jnp.zeros_like(u32(seeds))
-    # key(seed) is (0, seed) for a 32-bit seed; fold_in(key, d) = hash(key, (0, d)).
     k1, k2 = _threefry2x32(zero, u32(seeds), zero, u32(sample_index))
     k1, k2 = _threefry2x32(k1, k2, zero, u32(token_index))
-    # Partitionable random bits: hash(key, (0, i)), its two words xor-ed.
-    b1, b2 = _threefry2x32(k1, k2, jnp.zeros((1, vocab), jnp.uint32),
-                           jax.lax.iota(jnp.uint32, vocab)[None, :])
-    bits = b1 ^ b2
-    # jax.random.uniform(minval=tiny, maxval=1) then -log(-log(u)), as jax.random.gumbel.
-    tiny, one = jnp.float32(jnp.finfo(jnp.float32).tiny), jnp.float32(1.0)
-    mantissa = jax.lax.shift_right_logical(bits, jnp.uint32(32 - 23))
-    floats = jax.lax.bitcast_convert_type(
-        mantissa | jnp.uint32(np.float32(1.0).view(np.uint32)), jnp.float32) - one
-    uniform = jax.lax.max(tiny, floats * (one - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform))
+    b1, b2 = _threefry2x32(k1, k2, zero, zero)
+    mantissa = jax.lax.shift_right_logical(b1 ^ b2, jnp.uint32(32 - 23))
+    one = np.float32(1.0).view(np.uint32)
+    return jax.lax.bitcast_convert_type(mantissa | jnp.uint32(one), jnp.float32) - 1.0
 
 
-def argmax_first(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, axis=-1)`` (first maximum; first NaN if any) as three vectorised
-    reductions; XLA's CPU argmax (a variadic reduce) is several times slower."""
-    vocab = x.shape[-1]
-    nan = jnp.isnan(x)
-    top = jnp.max(x, axis=-1, keepdims=True)
-    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
-    return jnp.min(jnp.where(hit, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+def _cdf_block(vocab: int) -> int:
+    """Block length of the two-level inverse CDF: about ``sqrt(vocab)``, a power of two."""
+    block = 1
+    while block * block < vocab:
+        block *= 2
+    return block
+
+
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row of ``weights [S, V]`` (non-negative, each row with positive mass), the first index
+    ``j`` whose inclusive prefix sum exceeds ``u·sum(row)`` for ``u [S]`` in ``[0, 1)``: a sample
+    of ``weights / sum``. Returns ``[S]`` int32; an index of zero weight is never returned.
+
+    Two levels (block sums, then the chosen block's elements) instead of a prefix sum over the
+    whole vocabulary.
+    """
+    s, vocab = weights.shape
+    block = _cdf_block(vocab)
+    pad = (-vocab) % block
+    if pad:
+        weights = jnp.pad(weights, ((0, 0), (0, pad)))
+    blocks = weights.reshape(s, -1, block)
+    num_blocks = blocks.shape[1]
+    block_sums = jnp.sum(blocks, axis=-1)
+    block_cum = jnp.cumsum(block_sums, axis=-1)
+    target = u * block_cum[:, -1]
+    chosen = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), num_blocks - 1)
+    before = jnp.take_along_axis(block_cum - block_sums, chosen[:, None], axis=-1)[:, 0]
+    within = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
+    rest = jnp.maximum(target - before, 0.0)
+    index = jnp.arange(block, dtype=jnp.int32)
+    j = jnp.sum(jnp.cumsum(within, axis=-1) <= rest[:, None], axis=-1).astype(jnp.int32)
+    # Rounding can leave ``rest`` at or past the block's total: take its last non-zero element.
+    last = jnp.max(jnp.where(within > 0, index, 0), axis=-1)
+    return chosen.astype(jnp.int32) * block + jnp.minimum(j, last)
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """uint32 keys ordered as the float32 values ``x`` (for non-NaN values)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> np.uint32(31)).astype(bool)
+    return jnp.where(negative, ~bits, bits | np.uint32(0x80000000))
+
+
+def _smallest_key_below(keys: jax.Array, weights: tuple[jax.Array, ...],
+                        limits: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """For each pair ``(weights[i] [S, V], limits[i] [S])``, per row the smallest uint32 ``t``
+    with ``sum(weights[i][keys > t]) < limits[i]``, by bisection over the 32 key bits (exact:
+    the result is a key of the row, or 0)."""
+    def body(_, bounds):
+        out = []
+        for (lo, hi), w, limit in zip(bounds, weights, limits):
+            mid = lo + ((hi - lo) >> np.uint32(1))
+            mass = jnp.sum(jnp.where(keys > mid[:, None], w, 0.0), axis=-1)
+            ok = mass < limit
+            out.append((jnp.where(ok, lo, mid + np.uint32(1)), jnp.where(ok, mid, hi)))
+        return tuple(out)
+
+    s = keys.shape[0]
+    start = ((jnp.zeros((s,), jnp.uint32), jnp.full((s,), 0xFFFFFFFF, jnp.uint32)),) * len(limits)
+    return tuple(hi for _, hi in jax.lax.fori_loop(0, 32, body, start))
+
+
+def filter_mask(scaled: jax.Array, unnormalised: jax.Array, total: jax.Array, top_k: jax.Array,
+                top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """``[S, V]`` bool: tokens kept by top-k, top-p and min-p.
+
+    ``scaled [S, V]`` are temperature-scaled logits, ``unnormalised = exp(scaled - max)`` and
+    ``total [S]`` its row sums. Top-k keeps values ``>=`` the k-th largest (``top_k > 0``);
+    top-p keeps a value when the probability of strictly larger values is ``< top_p``
+    (``top_p < 1``); min-p keeps probabilities ``>= min_p`` times the largest. Ties are kept
+    together. Thresholds are found by bisection over the values' bits, without sorting.
+    """
+    keep = unnormalised >= min_p[:, None]
+    use_k, use_p = top_k > 0, top_p < 1.0
+
+    def thresholds():
+        keys = _ordered_bits(scaled)
+        k_limit = jnp.where(use_k, top_k, scaled.shape[-1] + 1).astype(jnp.float32)
+        p_limit = jnp.where(use_p, top_p, 2.0)
+        return _smallest_key_below(keys, (jnp.ones_like(scaled), unnormalised / total[:, None]),
+                                   (k_limit, p_limit)), keys
+
+    def none():
+        zero = jnp.zeros(scaled.shape[:1], jnp.uint32)
+        return (zero, zero), jnp.zeros(scaled.shape, jnp.uint32)
+
+    (k_cut, p_cut), keys = jax.lax.cond(jnp.any(use_k | use_p), thresholds, none)
+    return keep & (keys >= k_cut[:, None]) & (keys >= p_cut[:, None])
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seeds: jax.Array, sample_index: jax.Array, token_index: jax.Array,
            *, filtered: bool) -> tuple[jax.Array, jax.Array]:
-    """Samples one token per row of ``logits [S, V]``.
+    """Samples one token per row of ``logits [S, V]``; the other arguments are ``[S]``.
 
-    Returns ``(tokens [S], logprobs [S])``; the log-probability is under
+    Returns ``(tokens [S] int32, logprobs [S] float32)``; the log-probability is under
     ``softmax(logits / temperature)`` before top-k/top-p/min-p filtering (under the raw logits
-    for greedy rows, ``temperature == 0``), the distribution a trainer recomputes.
+    for greedy rows, ``temperature == 0``, which take the first maximum), the distribution a
+    trainer recomputes. ``filtered=False`` skips the filters (every row must have them off).
     """
     greedy = temperature <= 0
-    t = jnp.where(greedy, 1.0, temperature)[:, None]
-    scaled = logits / t
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    masked = scaled
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    unnormalised = jnp.exp(scaled - top)
+    total = jnp.sum(unnormalised, axis=-1)
+    keep = jnp.where(greedy[:, None], scaled >= top, True)
     if filtered:
-        vocab = logits.shape[-1]
-        desc = -jnp.sort(-scaled, axis=-1)
-        kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
-        keep = jnp.where((top_k > 0)[:, None], scaled >= kth, True)
-        probs_desc = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs_desc, axis=-1) - probs_desc
-        cutoff = jnp.min(jnp.where(before < top_p[:, None], desc, jnp.inf), axis=-1)
-        keep &= scaled >= cutoff[:, None]
-        probs = jnp.exp(logp)
-        keep &= probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-        masked = jnp.where(keep, scaled, -jnp.inf)
+        keep &= filter_mask(scaled, unnormalised, total, top_k, top_p, min_p)
+    u = jnp.where(greedy, 0.0, uniform_per_row(seeds, sample_index, token_index))
+    tokens = inverse_cdf(jnp.where(keep, unnormalised, 0.0), u)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return tokens, picked - top[:, 0] - jnp.log(total)
 
-    noise = gumbel_noise(seeds, sample_index, token_index, logits.shape[-1])
-    sampled = argmax_first(masked + noise)
-    tokens = jnp.where(greedy, argmax_first(logits), sampled).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
+# ---- the runner -----------------------------------------------------------------------------------
 
 class ModelRunner:
-    """Owns the KV cache and the compiled prefill/decode functions for one model shape."""
+    """Owns the KV cache, the per-slot decode state and the compiled functions for one model.
+
+    Calls are asynchronous (JAX dispatch): :meth:`admit` and :meth:`decode` return device arrays
+    and chain through the donated cache and state, so the host can queue a step before reading
+    the previous one's tokens.
+    """
 
     def __init__(self, config: ModelConfig, *, max_slots: int, max_seq_len: int,
                  mesh: Mesh | None = None, rules: ShardingRules | None = None,
@@ -258,76 +473,91 @@ class ModelRunner:
         if mesh is not None:
             constrain = partial(self.rules.constrain, mesh=mesh)
             constrain = (lambda x, axes, _c=constrain: _c(x, logical_axes=axes))
-        self.cache_sharding = self._layer_cache_sharding(max_seq_len)
         self.cache_bytes = (2 * config.num_layers * max_slots * max_seq_len * config.num_kv_heads
                             * config.head_dim * jnp.dtype(self.cache_dtype).itemsize)
         self._zeros: dict[int, Any] = {}
         self._resizers: dict[int, Any] = {}
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, max_seq_len))
+        self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
+        self.state = self._initial_state()
         kw = dict(cfg=config, dtype=dtype, constrain=constrain)
         self._prefill = jax.jit(partial(prefill, **kw))
-        self._decode = jax.jit(partial(decode, **kw), donate_argnums=(2, 3))
-        self._insert = jax.jit(_insert, donate_argnums=(0, 1))
-        self._split = jax.jit(split_layers)
-        self._split_key: tuple[Any, ...] = ()
-        self._layer_weights: tuple[dict[str, jax.Array], ...] = ()
-        self._sample = jax.jit(sample, static_argnames=("filtered",))
-        self._sample_rows = jax.jit(_sample_rows, static_argnames=("filtered",))
+        self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
+                               static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
+        self._admit = jax.jit(admit, static_argnames=("filtered",), donate_argnums=(0, 1, 2))
+        prepare_kw = {} if mesh is None else {"out_shardings": self._weight_shardings()}
+        self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
+                                **prepare_kw)
 
     @property
     def kv_len(self) -> int:
         """Current length of the cache's position axis."""
-        return self.k_cache[0].shape[1]
+        return self.k_cache[0].shape[2]
+
+    def prepare(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Decode weights for ``params`` (:func:`prepare_decode_weights`), dispatched
+        asynchronously; block on the result before swapping it in to keep the copy off the
+        decode path."""
+        return self._prepare(params)
 
     def prefill(self, params, tokens: np.ndarray, lengths: np.ndarray):
+        """``(k, v, logits)`` of prompts ``tokens [B, P]`` with true ``lengths [B]``."""
         return self._prefill(params, jnp.asarray(tokens), jnp.asarray(lengths))
 
-    def insert(self, k_new, v_new, rows: np.ndarray, slots: np.ndarray):
-        """Copies prefill rows ``rows [M]`` into cache slots ``slots [M]`` (prefix sharing: one
-        prefilled prompt can fill several slots)."""
-        if k_new.shape[2] > self.kv_len:
-            self._resize(kv_bucket(k_new.shape[2], self.max_seq_len))
-        self.k_cache, self.v_cache = self._insert(self.k_cache, self.v_cache, k_new, v_new,
-                                                  jnp.asarray(rows), jnp.asarray(slots))
+    def admit(self, k_new, v_new, logits, rows: np.ndarray, slots: np.ndarray,
+              values: dict[str, np.ndarray], fresh: np.ndarray, filtered: bool):
+        """Installs prefilled sequences (see :func:`admit`); returns the packed ``[2, M]`` first
+        tokens and log-probs (meaningful where ``fresh``)."""
+        needed = k_new.shape[2]
+        if needed > self.kv_len:
+            self._resize(kv_bucket(needed, self.max_seq_len))
+        values = {name: jnp.asarray(np.asarray(values[name], SLOT_FIELDS[name]))
+                  for name in SLOT_FIELDS}
+        self.k_cache, self.v_cache, self.state, out = self._admit(
+            self.k_cache, self.v_cache, self.state, k_new, v_new, logits, jnp.asarray(rows),
+            jnp.asarray(slots), values, jnp.asarray(fresh), filtered=filtered)
+        return out
 
-    def decode(self, params, tokens: np.ndarray, positions: np.ndarray):
-        """Logits ``[slots, V]`` for ``tokens [slots]`` at ``positions [slots]``. Host
-        ``positions`` size the cache to the longest sequence; device ones use ``max_seq_len``."""
-        needed = (int(np.max(positions)) + 1 if isinstance(positions, np.ndarray)
-                  else self.max_seq_len)
-        length = kv_bucket(needed, self.max_seq_len)
-        if length != self.kv_len:
+    def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool):
+        """One decode step of slots ``0..batch-1`` whose next positions are ``< kv_needed``;
+        returns the packed ``[2, batch]`` sampled tokens and log-probs (see :func:`unpack`)."""
+        length = kv_bucket(kv_needed, self.max_seq_len)
+        # Grow when needed; shrink only to half or less (each resize copies the cache).
+        if length > self.kv_len or 2 * length <= self.kv_len:
             self._resize(length)
-        top = {name: value for name, value in params.items() if name != "layers"}
-        self.k_cache, self.v_cache, logits = self._decode(
-            top, self._per_layer(params["layers"]), self.k_cache, self.v_cache,
-            jnp.asarray(tokens), jnp.asarray(positions))
-        return logits
-
-    def sample(self, logits, arrays: dict[str, np.ndarray], filtered: bool,
-               rows: np.ndarray | None = None):
-        """Samples one token per row of ``logits`` (or of ``logits[rows]``); ``arrays`` hold
-        the per-row sampling parameters (see :func:`sample`)."""
-        args = [jnp.asarray(arrays[k]) for k in (
-            "temperature", "top_k", "top_p", "min_p", "seed", "sample_index", "token_index")]
-        if rows is None:
-            return self._sample(logits, *args, filtered=filtered)
-        return self._sample_rows(logits, jnp.asarray(rows), *args, filtered=filtered)
+        self.k_cache, self.v_cache, self.state, out = self._decode(
+            weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered)
+        return out
 
     def reset_cache(self):
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, self.max_seq_len))
+        self.state = self._initial_state()
 
-    # ---- cache and weight layout --------------------------------------------------------------
+    # ---- layouts ------------------------------------------------------------------------------
 
-    def _layer_cache_sharding(self, length: int):
-        shape = (self.max_slots, length, self.config.num_kv_heads, self.config.head_dim)
+    def _sharding(self, axes, shape, name):
         if self.mesh is None:
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return self.rules.sharding(self.mesh, LAYER_CACHE_AXES, shape, name="kv cache")
+        return self.rules.sharding(self.mesh, axes, shape, name=name)
+
+    def _weight_shardings(self):
+        return jax.tree.map(lambda axes: self.rules.sharding(self.mesh, axes),
+                            decode_weight_axes(self.config),
+                            is_leaf=lambda x: isinstance(x, tuple) and all(
+                                a is None or isinstance(a, str) for a in x))
+
+    def _initial_state(self) -> SlotState:
+        s = self.max_slots
+        return {name: jax.device_put(np.zeros((s,), dtype), self._state_sharding)
+                for name, dtype in SLOT_FIELDS.items()}
+
+    def _layer_cache_sharding(self, length: int):
+        shape = (self.max_slots, self.config.num_kv_heads, length, self.config.head_dim)
+        return self._sharding(LAYER_CACHE_AXES, shape, "kv cache")
 
     def _zero_cache(self, length: int):
         if length not in self._zeros:
-            shape = (self.max_slots, length, self.config.num_kv_heads, self.config.head_dim)
+            shape = (self.max_slots, self.config.num_kv_heads, length, self.config.head_dim)
             layers = self.config.num_layers
             sharding = self._layer_cache_sharding(length)
             self._zeros[length] = jax.jit(
@@ -345,36 +575,10 @@ class ModelRunner:
                 partial(_resize_cache, length=length), out_shardings=((sharding,) * layers,) * 2)
         self.k_cache, self.v_cache = self._resizers[length](self.k_cache, self.v_cache)
 
-    def _per_layer(self, layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-        """Per-layer weights, split once per parameter version (keyed on the arrays' identity;
-        the key keeps them alive, so an id is never reused while cached)."""
-        leaves = tuple(jax.tree.leaves(layers))
-        if len(leaves) != len(self._split_key) or any(
-                a is not b for a, b in zip(leaves, self._split_key)):
-            self._layer_weights = ()  # free the old split before making the new one
-            self._layer_weights = self._split(layers)
-            self._split_key = leaves
-        return self._layer_weights
-
-
-def _sample_rows(logits, rows, *args, filtered: bool):
-    return sample(logits[rows], *args, filtered=filtered)
-
-
-def _insert(k_cache, v_cache, k_new, v_new, rows, slots):
-    """Writes prefill keys/values ``[L, B, P, K, Dh]`` rows ``rows`` into slots ``slots`` of the
-    per-layer caches (``P <= kv_len``)."""
-    p = k_new.shape[2]
-    k_cache = tuple(c.at[slots, :p].set(k_new[i, rows].astype(c.dtype))
-                    for i, c in enumerate(k_cache))
-    v_cache = tuple(c.at[slots, :p].set(v_new[i, rows].astype(c.dtype))
-                    for i, c in enumerate(v_cache))
-    return k_cache, v_cache
-
 
 def _resize_cache(k_cache, v_cache, *, length: int):
     def one(c):
-        if c.shape[1] >= length:
-            return c[:, :length]
-        return jnp.pad(c, ((0, 0), (0, length - c.shape[1]), (0, 0), (0, 0)))
+        if c.shape[2] >= length:
+            return c[:, :, :length]
+        return jnp.pad(c, ((0, 0), (0, 0), (0, length - c.shape[2]), (0, 0)))
     return tuple(map(one, k_cache)), tuple(map(one, v_cache))
