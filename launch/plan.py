@@ -64,10 +64,11 @@ def main(argv):
 
     try:
         config = _CONFIG.value
+        if config is None:
+            fail("--config is required")
+        config.get("mode")  # a config file that failed to load raises here
     except OSError as e:
         fail(f"cannot load --config: {e}")
-    if config is None:
-        fail("--config is required")
     if not _ACCELERATOR.value:
         fail("--accelerator is required")
     if _NUM.value is None:

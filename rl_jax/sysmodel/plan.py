@@ -90,7 +90,10 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
     param_dtype = req.param_dtype or settings["param_dtype"] or "float32"
     for name in (dtype, param_dtype):
         dtype_bytes(name)  # an unknown dtype stops here with the known ones listed
-    accelerator.flops(dtype)
+    if dtype not in accelerator.peak_flops:
+        raise SysModelError(f"{accelerator.name} lists no {dtype} peak (dtype "
+                            f"{'requested' if req.dtype else 'of the config'}); choose --dtype "
+                            f"from {sorted(accelerator.peak_flops)}")
     workload = Workload(prompt_len, int(settings["group_size"]), int(settings["groups_per_batch"]),
                         _lengths(req, max_new), int(max_lag))
     measured = None
