@@ -37,7 +37,9 @@ def get_config() -> ConfigDict:
     c.task = ConfigDict(dict(num_digits=3, reverse_answer=False, loss_on="answer"))
     c.data = ConfigDict(dict(rows_per_batch=16, seq_len=128, eval_examples=512))
 
-    c.trainer = ConfigDict(dict(steps=450, num_microbatches=1, logits_block_size=4096))
+    # stop_after > 0 stops (and exports) after that many steps of the `steps`-step schedule.
+    c.trainer = ConfigDict(dict(steps=450, stop_after=0, num_microbatches=1,
+                                logits_block_size=4096))
     c.optimizer = ConfigDict(dict(learning_rate=3e-3, warmup_steps=50, final_lr_ratio=0.05,
                                   b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0))

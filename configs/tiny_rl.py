@@ -45,9 +45,12 @@ def get_config() -> ConfigDict:
         ignore_eos=False,
         advantage="grpo",
         filter_zero_signal=False,
-        seq_len=64,  # tokens per packed training row
-        rows_per_batch=0,  # 0: enough rows for the longest possible samples
+        seq_len=128,  # tokens per packed training row
+        rows_per_batch=0,  # 0: as many rows as each batch needs (a few bucketed sizes)
         max_retries=3,
+        # Benchmarks: per-prompt lognormal completion lengths, generated with ignore_eos
+        # (median tokens, sigma of the log, cap); sigma 0 = off.
+        lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64)),
     ))
     c.loss = ConfigDict(dict(name="grpo", options=ConfigDict(dict())))
     c.trainer = ConfigDict(dict(

@@ -48,6 +48,11 @@ def simulate(seed: int, policy: str, steps: int = 12):
                     staleness = gate.trainer_version - min_version_of[key]
                     assert 0 <= staleness <= max_lag, (seed, staleness, max_lag)
                     consumed.add(key)
+                # The rollout keeps admitting while this batch trains.
+                for _ in range(int(rng.integers(0, 3))):
+                    if gate.admit(next_key):
+                        in_flight[next_key] = generator_version
+                        next_key += 1
                 gate.advance()
     c = gate.counts
     # Nothing admitted disappears: consumed, still pending, or counted as dropped.
@@ -80,6 +85,20 @@ def test_prevent_admits_exactly_up_to_the_bound():
     assert not gate.admit(100)
     gate.set_generator_version(1)
     assert gate.capacity() == 4
+
+
+def test_a_training_batch_holds_its_version():
+    """While the batch of version v trains, new groups can only be consumed from v + 1 on."""
+    gate = StalenessGate(GateConfig(max_lag=0, groups_per_batch=1))
+    assert gate.admit("a")
+    gate.complete("a", 0)
+    assert gate.next_batch() == ["a"]
+    assert gate.capacity() == 0 and not gate.admit("b")  # it would be stale at version 1
+    gate.advance()
+    gate.set_generator_version(1)
+    assert gate.admit("b")
+    gate.complete("b", 1)
+    assert gate.next_batch() == ["b"] and gate.counts["late"] == 0
 
 
 def test_prevent_waits_for_an_expiring_group_and_prefers_completed_ones():

@@ -7,7 +7,6 @@ start with one :class:`RLConfigError` naming the problem.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import ml_collections
@@ -59,26 +58,28 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
+def max_new_tokens(c: ml_collections.ConfigDict) -> int:
+    """Most completion tokens of one sample."""
+    r = c.rollout
+    return int(r.lengths.max) if r.lengths.sigma else int(r.max_new_tokens)
+
+
 def max_sample_tokens(prompt_tokens: int, c: ml_collections.ConfigDict) -> int:
-    """Most tokens one sample can have: prompt plus ``rollout.max_new_tokens``."""
-    return prompt_tokens + int(c.rollout.max_new_tokens)
+    """Most tokens one sample can have: prompt plus the completion limit."""
+    return prompt_tokens + max_new_tokens(c)
 
 
 def rows_per_batch(c: ml_collections.ConfigDict, max_prompt_tokens: int, row_multiple: int) -> int:
-    """Rows of a packed training batch: ``rollout.rows_per_batch``, or (when 0) enough rows for
-    ``groups_per_batch · group_size`` samples of the longest possible length, rounded up to a
-    multiple of ``row_multiple`` (batch shards × micro-batches)."""
+    """Rows of a packed training batch: ``rollout.rows_per_batch`` (checked to be a multiple of
+    ``row_multiple``, batch shards × micro-batches), or 0: sized to each batch's samples
+    (``rl_jax.rollout.records.bucket_rows``)."""
     r = c.rollout
     rows = int(r.rows_per_batch)
     longest = max_sample_tokens(max_prompt_tokens, c)
     if longest > r.seq_len:
         raise RLConfigError(
             f"rollout.seq_len={r.seq_len} is shorter than the longest sample (prompt "
-            f"{max_prompt_tokens} + rollout.max_new_tokens {r.max_new_tokens} tokens)")
-    if rows == 0:
-        per_row = r.seq_len // longest
-        rows = math.ceil(r.groups_per_batch * r.group_size / per_row)
-        rows = math.ceil(rows / row_multiple) * row_multiple
+            f"{max_prompt_tokens} + completion {max_new_tokens(c)} tokens)")
     if rows % row_multiple:
         raise RLConfigError(f"rollout.rows_per_batch={rows} is not divisible by {row_multiple} "
                             "(the mesh's batch shards × trainer.num_microbatches)")
@@ -97,6 +98,10 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     _int("rollout.seq_len", r.seq_len, 2)
     _int("rollout.rows_per_batch", r.rows_per_batch, 0)
     _int("rollout.max_retries", r.max_retries, 1)
+    if r.lengths.sigma < 0 or (r.lengths.sigma and (r.lengths.median <= 0 or
+                                                   r.lengths.max < 1)):
+        raise RLConfigError("rollout.lengths needs sigma >= 0 and, when sigma > 0, median > 0 "
+                            f"and max >= 1; got {r.lengths.to_dict()}")
     if r.advantage in ("grpo", "rloo", "dr_grpo") and r.group_size < 2:
         raise RLConfigError(f"rollout.advantage={r.advantage!r} compares samples of one prompt: "
                             f"rollout.group_size must be >= 2, got {r.group_size}")

@@ -70,7 +70,8 @@ class GeneratorPool:
                 max_slots=int(block.max_slots), max_seq_len=int(block.max_seq_len),
                 dtype=block.dtype, tensor_parallel=int(block.tensor_parallel),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
-                cpu_cores=cpu_cores,
+                cpu_cores=cpu_cores, env=tuple(tuple(kv) for kv in block.get("env", ())),
+                extra_args=tuple(block.get("extra_args", ())),
                 publisher_url=publisher_url if block.kind == "rl_jax" else ""))
 
     @property

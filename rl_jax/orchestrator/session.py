@@ -25,12 +25,14 @@ from rl_jax.losses import finalize_metrics
 from rl_jax.metrics import MetricsWriter, plot_curves, write_json
 from rl_jax.models.config import DTYPES
 from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config, save_pretrained
-from rl_jax.orchestrator.config import ModeSettings, RLConfigError, rows_per_batch
+from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
+                                        max_sample_tokens, rows_per_batch)
 from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompts
 from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
 from rl_jax.orchestrator.weights import WeightSync
-from rl_jax.rollout.pipeline import GroupsToBatch, RolloutConfig, RolloutDataset
+from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
+                                     RolloutDataset)
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
@@ -192,13 +194,13 @@ class Session:
                           range(min(256, len(self.prompt_source)))] + self.eval_prompts
         self.max_prompt_tokens = max(len(self.codec.encode(p.text)) for p in sample_prompts)
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        self.rows = rows_per_batch(c, self.max_prompt_tokens,
-                                   shards * c.trainer.num_microbatches)
-        if self.max_prompt_tokens + c.rollout.max_new_tokens > c.generator.max_seq_len:
+        self.row_multiple = shards * c.trainer.num_microbatches
+        self.rows = rows_per_batch(c, self.max_prompt_tokens, self.row_multiple)
+        if max_sample_tokens(self.max_prompt_tokens, c) > c.generator.max_seq_len:
             raise RLConfigError(
                 f"generator.max_seq_len={c.generator.max_seq_len} is shorter than a prompt "
-                f"({self.max_prompt_tokens} tokens) plus rollout.max_new_tokens="
-                f"{c.rollout.max_new_tokens}")
+                f"({self.max_prompt_tokens} tokens) plus the completion limit "
+                f"({max_new_tokens(c)} tokens)")
         opt = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
         self.schedule = learning_rate_schedule(opt)
         self.tx = make_optimizer(opt)
@@ -286,7 +288,9 @@ class Session:
         config = RolloutConfig(group_size=r.group_size, groups_per_batch=r.groups_per_batch,
                                max_lag=self.settings.max_lag, staleness_policy=r.staleness_policy,
                                sampling=sampling, max_retries=r.max_retries,
-                               filter_zero_signal=r.filter_zero_signal)
+                               filter_zero_signal=r.filter_zero_signal,
+                               length_of=None if not r.lengths.sigma else LognormalLengths(
+                                   r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed))
         version = int(self.state.step)
         state = dict(self.meta.get("rollout") or {})
         state.update(trainer_version=version, generator_version=self.weights.applied)
@@ -300,7 +304,8 @@ class Session:
         self.rollout = iter(dataset)
         self._closers.append(self.rollout.close)
         self.to_batch = GroupsToBatch(seq_len=r.seq_len, rows=self.rows, advantage=r.advantage,
-                                      pad_id=self.model_config.pad_token_id or 0)
+                                      pad_id=self.model_config.pad_token_id or 0,
+                                      row_multiple=self.row_multiple)
 
 
     # ---- evaluation -----------------------------------------------------------------------------

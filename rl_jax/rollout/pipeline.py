@@ -24,6 +24,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -66,12 +67,31 @@ class RolloutConfig:
     # Wait this long before re-sending a prompt no generator server could take (all down or
     # restarting); such waits do not count against max_retries.
     unavailable_backoff_s: float = 1.0
+    # Per-prompt completion length (benchmarks): position -> max_new_tokens, generated with
+    # ignore_eos so every sample of the prompt has exactly that length. None: sampling's own.
+    length_of: Callable[[int], int] | None = None
 
 
 def prompt_seed(seed: int | None, position: int) -> int | None:
     """The sampling seed of the prompt at ``position`` (None: unseeded): distinct per prompt,
     the same for the same prompt, so a resumed or repeated run samples the same tokens."""
     return None if seed is None else (int(seed) * 1_000_003 + 65_537 * int(position)) % 2**31
+
+
+@dataclasses.dataclass(frozen=True)
+class LognormalLengths:
+    """Long-tailed completion lengths: ``min(max, max(1, round(median · exp(sigma · z))))``
+    with ``z ~ N(0, 1)`` drawn from ``(seed, position)``, so a prompt always gets the same
+    length. ``p99 / p50 = exp(2.326 · sigma)`` before the cap (8.4 at sigma 0.915)."""
+
+    median: float
+    sigma: float
+    max: int
+    seed: int = 0
+
+    def __call__(self, position: int) -> int:
+        z = np.random.default_rng([self.seed, int(position)]).standard_normal()
+        return int(min(self.max, max(1, round(self.median * math.exp(self.sigma * z)))))
 
 
 class RolloutIterator(grain.DatasetIterator):
@@ -341,6 +361,9 @@ class RolloutIterator(grain.DatasetIterator):
         cfg = self.config
         sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size,
                                        seed=prompt_seed(cfg.sampling.seed, position))
+        if cfg.length_of is not None:
+            sampling = dataclasses.replace(sampling, max_new_tokens=int(cfg.length_of(position)),
+                                           ignore_eos=True)
         outputs = await self._generator.generate(
             GenerateRequest(ids, sampling, rid=self._rid(position)))
         texts = [self._decode(o.output_ids) for o in outputs]
@@ -445,15 +468,17 @@ class GroupsToBatch:
     """grain map: groups → advantages → packed ``[rows, seq_len]`` numpy batch + metrics."""
 
     seq_len: int
-    rows: int
+    rows: int  # 0: as many as the samples need, rounded up by records.bucket_rows
     advantage: str = "grpo"
     pad_id: int = 0
+    row_multiple: int = 1  # rows=0: a multiple of this (batch shards × micro-batches)
 
     def __call__(self, groups: list[Group]) -> dict[str, Any]:
         # Prompt-stream order, not completion order: the same groups always pack the same way.
         groups = sorted(groups, key=lambda g: g.position)
         batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
-                            advantage=self.advantage, pad_id=self.pad_id)
+                            advantage=self.advantage, pad_id=self.pad_id,
+                            row_multiple=self.row_multiple)
         rewards = batch["rewards"]
         solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
         batch["metrics"] = {

@@ -81,6 +81,8 @@ class StalenessGate:
         self.generator_version = trainer_version if generator_version is None \
             else generator_version
         self._groups: dict[Any, _Group] = {}
+        # A batch for trainer_version was handed out and is training: its version is taken.
+        self._training = False
         self._order = itertools.count()
         self._completed_order = itertools.count()
         self.counts = collections.Counter()
@@ -109,7 +111,10 @@ class StalenessGate:
             cfg.max_in_flight_groups - self.unconsumed
         if cfg.policy == "prevent":
             deadline = self.generator_version + cfg.max_lag
-            batches = deadline - self.trainer_version + 1
+            # Versions still free to consume a new group: the current one, unless its batch
+            # is already training, up to the deadline.
+            next_free = self.trainer_version + (1 if self._training else 0)
+            batches = deadline - next_free + 1
             prevent_room = batches * cfg.groups_per_batch - self.unconsumed
             room = prevent_room if room is None else min(room, prevent_room)
         return max(room, 0) if room is not None else 1 << 30
@@ -169,6 +174,7 @@ class StalenessGate:
             del self._groups[g.key]
             self.staleness_histogram[v - g.min_version] += 1
         self.counts["consumed"] += len(chosen)
+        self._training = True
         return [g.key for g in chosen]
 
     def _prevent_choice(self) -> list[_Group] | None:
@@ -188,6 +194,7 @@ class StalenessGate:
     def advance(self, version: int | None = None):
         """The trainer applied its update: it is now at ``version`` (default: +1)."""
         self.trainer_version = self.trainer_version + 1 if version is None else int(version)
+        self._training = False
 
     # ---- checkpointing ------------------------------------------------------------------------
 

@@ -143,10 +143,11 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {"eval_loss": float(loss_sum / denom), "eval_exact_match": float(correct.mean())}
 
     writer = MetricsWriter(workdir)
-    total = c.trainer.steps
+    # `stop_after` ends training early on the schedule of `steps` (a partly trained base policy).
+    total = min(c.trainer.steps, c.trainer.get("stop_after", 0) or c.trainer.steps)
     tokens_per_batch = c.data.rows_per_batch * c.data.seq_len
     start_step = int(state.step) + int(state.skipped)
-    bar = tqdm(total=total, initial=start_step, desc="train", unit="step",
+    bar = tqdm(total=total, initial=min(start_step, total), desc="train", unit="step",
                disable=jax.process_index() != 0, dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     acc: dict[str, float] = {}

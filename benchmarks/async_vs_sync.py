@@ -1,0 +1,193 @@
+r"""Async vs one-step-off vs sync RL on the same cores, with long-tailed completion lengths.
+
+Runs the RL recipe (``configs/tiny_rl.py`` by default) once per mode, each a real run (trainer
+process pinned to one core, generator server pinned to the other), with per-prompt lognormal
+completion lengths generated with ``ignore_eos`` (p99/p50 >= 8), and reports side by side:
+trained tokens/s (and the ratio to sync), wall time to a target held-out accuracy, each pool's
+idle fraction, and the staleness distribution. Writes ``results/async_vs_sync.json`` and
+``results/async_vs_sync.png``.
+
+    python benchmarks/async_vs_sync.py [--steps=40] [--modes=sync,one_step_off,async]
+        [--base=DIR] [--target_accuracy=0.6] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+_STEPS = flags.DEFINE_integer("steps", 40, "Optimizer steps per mode.")
+_MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async"], "Modes to run.")
+_BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: train one with "
+                            "configs/tiny_lm.py into the work directory.")
+_WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sync"),
+                               "Where the runs write.")
+_TARGET = flags.DEFINE_float("target_accuracy", 0.0, "Held-out accuracy whose first crossing "
+                             "is timed (0: the base accuracy + 0.02).")
+_MAX_LAG = flags.DEFINE_integer("max_lag", 4, "Staleness bound of the async run.")
+_MEDIAN = flags.DEFINE_float("median", 6.0, "Median completion tokens.")
+_SIGMA = flags.DEFINE_float("sigma", 1.0, "Sigma of log completion length (p99/p50 = "
+                            "exp(2.326 sigma)).")
+_MAX_LEN = flags.DEFINE_integer("max_len", 96, "Longest completion (tokens).")
+_QUICK = flags.DEFINE_bool("quick", False, "Few steps, small batches (a smoke run).")
+_EXTRA = flags.DEFINE_multi_string("override", [], "More --config.x=y overrides for every run.")
+
+
+def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
+    """One RL run in ``mode``; returns its summary and per-step records."""
+    out = workdir / mode
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    groups, group_size = (8, 4) if _QUICK.value else (32, 4)
+    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+           f"--workdir={out}", f"--config.base.checkpoint={base}", f"--config.mode={mode}",
+           f"--config.trainer.steps={steps}", f"--config.rollout.max_lag={_MAX_LAG.value}",
+           f"--config.rollout.groups_per_batch={groups}",
+           f"--config.rollout.group_size={group_size}",
+           f"--config.rollout.lengths.median={_MEDIAN.value}",
+           f"--config.rollout.lengths.sigma={_SIGMA.value}",
+           f"--config.rollout.lengths.max={_MAX_LEN.value}",
+           "--config.rollout.seq_len=128", "--config.generator.max_seq_len=128",
+           "--config.generator.max_slots=64", "--config.eval.examples=128",
+           f"--config.eval.every={max(steps // 8, 1)}", "--config.checkpoint.every=1000000",
+           *[f"--config.{o}" for o in _EXTRA.value]]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    print(f"[{mode}] {' '.join(cmd[2:])}", flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    print(f"[{mode}] done in {time.perf_counter() - start:.0f} s: "
+          f"{summary['trained_tokens_per_s']:.0f} trained tokens/s", flush=True)
+    return {"summary": summary, "records": records}
+
+
+def time_to(records: list[dict], target: float) -> float | None:
+    """Wall seconds of the first held-out eval at or above ``target``."""
+    for r in records:
+        if r.get("eval/accuracy", -1.0) >= target and r.get("step", 0) > 0:
+            return float(r["wall_s"])
+    return None
+
+
+def measured_lengths(median: float, sigma: float, cap: int, n: int = 20000) -> dict:
+    from rl_jax.rollout.pipeline import LognormalLengths
+    lengths = np.array([LognormalLengths(median, sigma, cap)(i) for i in range(n)])
+    p50, p99 = np.percentile(lengths, [50, 99])
+    return {"p50": float(p50), "p99": float(p99), "p99_over_p50": float(p99 / p50),
+            "mean": float(lengths.mean())}
+
+
+def main(argv):
+    del argv
+    workdir = Path(_WORKDIR.value)
+    workdir.mkdir(parents=True, exist_ok=True)
+    steps = 8 if _QUICK.value else _STEPS.value
+    base = Path(_BASE.value) if _BASE.value else workdir / "base" / "hf"
+    if not (base / "config.json").is_file():
+        print(f"training the base policy into {base.parent}", flush=True)
+        subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py",
+                        f"--workdir={base.parent}"], cwd=ROOT, check=True,
+                       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    lengths = measured_lengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
+    print(f"completion lengths: p50 {lengths['p50']:.0f}, p99 {lengths['p99']:.0f} "
+          f"(p99/p50 {lengths['p99_over_p50']:.1f}), mean {lengths['mean']:.1f} tokens")
+    runs = {mode: run_mode(mode, base, workdir, steps) for mode in _MODES.value}
+    first = next(iter(runs.values()))["records"]
+    base_acc = next((r["eval/accuracy"] for r in first if "eval/accuracy" in r), 0.0)
+    target = _TARGET.value or base_acc + 0.02
+    sync_rate = runs["sync"]["summary"]["trained_tokens_per_s"] if "sync" in runs else None
+    rows = []
+    for mode, run in runs.items():
+        s = run["summary"]
+        rows.append({
+            "mode": mode, "max_lag": s["max_lag"], "steps": s["steps"], "wall_s": s["wall_s"],
+            "trained_tokens_per_s": s["trained_tokens_per_s"],
+            "vs_sync": s["trained_tokens_per_s"] / sync_rate if sync_rate else None,
+            "time_to_target_s": time_to(run["records"], target),
+            "trainer_idle_fraction": s["trainer_idle_fraction"],
+            "generator_idle_fraction": s["generator_idle_fraction"],
+            "staleness_max": s["staleness/max"], "staleness_mean": s["staleness/mean"],
+            "staleness_histogram": s["staleness_histogram"],
+            "accuracy_before": s["held_out_accuracy_before"],
+            "accuracy_after": s["held_out_accuracy_after"],
+        })
+    print(f"\ntarget held-out accuracy {target:.3f}; lengths p99/p50 "
+          f"{lengths['p99_over_p50']:.1f}")
+    print(f"{'mode':<13}{'tok/s':>8}{'vs sync':>9}{'t->target':>11}{'trainer idle':>14}"
+          f"{'gen idle':>10}{'stale max':>11}{'stale mean':>12}{'acc':>14}")
+    for r in rows:
+        ttt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
+        print(f"{r['mode']:<13}{r['trained_tokens_per_s']:>8.0f}"
+              f"{(r['vs_sync'] or math.nan):>9.2f}{ttt:>11}{r['trainer_idle_fraction']:>14.2f}"
+              f"{(r['generator_idle_fraction'] or math.nan):>10.2f}{r['staleness_max']:>11.0f}"
+              f"{r['staleness_mean']:>12.2f}"
+              f"{r['accuracy_before']:>7.2f}->{r['accuracy_after']:.2f}")
+    if "async" in runs and sync_rate:
+        ratio = runs["async"]["summary"]["trained_tokens_per_s"] / sync_rate
+        print(f"async / sync trained tokens/s: {ratio:.2f} (aim >= 1.8); async max staleness "
+              f"{runs['async']['summary']['staleness/max']:.0f} <= max_lag {_MAX_LAG.value}")
+    result = {"benchmark": "async_vs_sync", "steps": steps, "quick": _QUICK.value,
+              "lengths": {"median": _MEDIAN.value, "sigma": _SIGMA.value,
+                          "max": _MAX_LEN.value, **lengths},
+              "target_accuracy": target, "rows": rows, "machine": {
+                  "cpus": os.cpu_count(), "python": platform.python_version(),
+                  "load_average": os.getloadavg()}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = "async_vs_sync_quick" if _QUICK.value else "async_vs_sync"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(runs, rows, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / name}.json and .png")
+
+
+def plot(runs: dict, rows: list[dict], path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    ax.bar([r["mode"] for r in rows], [r["trained_tokens_per_s"] for r in rows],
+           color=["tab:gray", "tab:blue", "tab:green"][:len(rows)])
+    ax.set_ylabel("trained tokens/s")
+    ax.set_title("throughput (same cores)")
+    ax = axes[1]
+    for mode, run in runs.items():
+        pts = [(r["wall_s"], r["eval/accuracy"]) for r in run["records"] if "eval/accuracy" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", label=mode)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("held-out accuracy")
+    ax.legend()
+    ax = axes[2]
+    width = 0.8 / max(len(rows), 1)
+    for i, r in enumerate(rows):
+        hist = {int(k): v for k, v in r["staleness_histogram"].items()}
+        total = sum(hist.values()) or 1
+        ks = sorted(hist)
+        ax.bar([k + i * width for k in ks], [hist[k] / total for k in ks], width=width,
+               label=r["mode"])
+    ax.set_xlabel("staleness (optimizer steps)")
+    ax.set_ylabel("fraction of groups")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,69 @@
+"""Qwen2.5-1.5B on competition math, asynchronous RL on one 8-GPU node (GPU recipe).
+
+Four GPUs train (FSDP), four serve SGLang (one server each, started here); weights go to the
+servers through SGLang's ``/update_weights_from_disk`` after every step, staleness bounded by
+``max_lag``. It does not run on CPU; ``tests/test_orchestrator.py`` checks it is complete.
+
+    huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir checkpoints/qwen2.5-1.5b
+    # data/math_train.jsonl and data/math500.jsonl: {"problem": ..., "answer": ...} per line
+    CUDA_VISIBLE_DEVICES=0,1,2,3 python -m launch.train --config=configs/qwen2_5_1_5b_math.py \
+        --workdir=runs/qwen1.5b_math
+
+The servers see GPUs 4-7 (``generator.env``); on several nodes start them with
+``python -m sglang.launch_server`` and list them in ``generator.urls`` instead (see
+WORKSPACE.md, "Multi-host runs").
+"""
+
+from ml_collections import ConfigDict
+
+CHAT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within "
+        "\\boxed{}.<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def get_config() -> ConfigDict:
+    c = ConfigDict()
+    c.recipe = "rl"
+    c.mode = "async"
+    c.seed = 0
+    c.base = ConfigDict(dict(checkpoint="checkpoints/qwen2.5-1.5b", lm_config="", lm_steps=0))
+    c.model = ConfigDict(dict(
+        dtype="bfloat16", param_dtype="float32", remat="full",
+        # For planning (python -m launch.plan) without the checkpoint at hand.
+        shape=ConfigDict(dict(hidden_size=1536, intermediate_size=8960, num_layers=28,
+                              num_heads=12, num_kv_heads=2, head_dim=128, vocab_size=151936,
+                              tie_word_embeddings=True)),
+    ))
+    c.mesh = ConfigDict(dict(data=1, fsdp=4, tensor=1))
+    c.env = ConfigDict(dict(name="math", kwargs=ConfigDict(dict(require_boxed=True,
+                                                                num_workers=8))))
+    c.data = ConfigDict(dict(path="data/math_train.jsonl", text_key="problem",
+                             answer_key="answer", template=CHAT, shuffle=True, epochs=0))
+    c.rollout = ConfigDict(dict(
+        group_size=8, groups_per_batch=64, max_lag=4, staleness_policy="prevent",
+        temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3072, ignore_eos=False,
+        advantage="grpo", filter_zero_signal=True, seq_len=4096, rows_per_batch=0,
+        max_retries=3, lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64)),
+    ))
+    c.loss = ConfigDict(dict(name="reinforce_tis", options=ConfigDict(dict(truncation=5.0))))
+    c.trainer = ConfigDict(dict(steps=1000, time_limit_s=0.0, num_microbatches=16,
+                                logits_block_size=8192))
+    c.optimizer = ConfigDict(dict(learning_rate=1e-6, warmup_steps=10, final_lr_ratio=1.0,
+                                  b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                                  max_grad_norm=1.0))
+    c.generator = ConfigDict(dict(
+        kind="sglang", urls=(), num_servers=4, max_slots=256, max_seq_len=4096,
+        dtype="bfloat16", tensor_parallel=1, startup_timeout_s=1200.0, restart_dead=True,
+        request_timeout_s=3600.0,
+        # The servers' GPUs (server i uses GPU i of these, --base-gpu-id i).
+        env=(("CUDA_VISIBLE_DEVICES", "4,5,6,7"),), extra_args=(),
+    ))
+    c.cpus = ConfigDict(dict(trainer="", generators=""))
+    c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",
+                                 port=0, timeout_s=600.0))
+    c.eval = ConfigDict(dict(examples=500, every=25, max_new_tokens=3072,
+                             path="data/math500.jsonl"))
+    c.checkpoint = ConfigDict(dict(every=25, keep=3, use_async=True))
+    c.logging = ConfigDict(dict(every=1, tensorboard=True))
+    c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))
+    c.export = ConfigDict(dict(dtype="bfloat16"))
+    return c
