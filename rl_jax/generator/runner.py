@@ -122,11 +122,13 @@ def prefill(params: dict[str, Any], tokens: jax.Array, lengths: jax.Array, *, cf
 
 def decode_weight_axes(cfg: ModelConfig) -> dict[str, Any]:
     """Logical axes of every array of :func:`prepare_decode_weights`' result (same tree)."""
-    layer = {"attn_norm": ("norm",), "wqkv": ("embed", "kv_heads", None, "head_dim"),
-             "wo": ("kv_heads", None, "head_dim", "embed"), "mlp_norm": ("norm",),
-             "w_gate_up": ("embed", None, "mlp"), "w_down": ("mlp", "embed")}
+    # The fused head axes are flattened with key/value heads outermost, so splitting them over
+    # the "kv_heads" mesh axes keeps every group of heads whole.
+    layer = {"attn_norm": ("norm",), "wqkv": ("embed", "kv_heads"), "wo": ("kv_heads", "embed"),
+             "mlp_norm": ("norm",), "w_gate_up": ("embed", None, "mlp"),
+             "w_down": ("mlp", "embed")}
     if cfg.attention_bias:
-        layer["bqkv"] = ("kv_heads", None, "head_dim")
+        layer["bqkv"] = ("kv_heads",)
     if cfg.output_bias:
         layer["bo"] = ("embed",)
     if cfg.qk_norm:
@@ -141,10 +143,11 @@ def prepare_decode_weights(params: dict[str, Any], *, cfg: ModelConfig, dtype: A
     """Lays trainer parameters out for :func:`decode`.
 
     Returns ``{"embed" [V, D], "final_norm" [D], "unembed" [D, V], "layers": (per layer)}`` where
-    each layer holds ``wqkv [D, K, G+2, Dh]`` (for key/value head ``k``: its ``G`` query heads,
-    then its key and its value projection), ``wo [K, G, Dh, D]``, ``w_gate_up [D, 2, F]``,
+    each layer holds ``wqkv [D, K·(G+2)·Dh]`` (for key/value head ``k``: its ``G`` query heads,
+    then its key and its value projection), ``wo [H·Dh, D]``, ``w_gate_up [D, 2, F]``,
     ``w_down [F, D]``, the norms, and the biases fused like their matrices. Matrices are cast to
-    the computation ``dtype``.
+    the computation ``dtype``; two-dimensional matrices make plain matmuls (no per-step
+    re-layout).
     """
     k, hd = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // k
@@ -155,15 +158,15 @@ def prepare_decode_weights(params: dict[str, Any], *, cfg: ModelConfig, dtype: A
         out = {
             "attn_norm": w["attn_norm"],
             "wqkv": jnp.concatenate([w["wq"].reshape(d, k, g, hd), w["wk"][:, :, None],
-                                     w["wv"][:, :, None]], axis=2).astype(dtype),
-            "wo": w["wo"].reshape(k, g, hd, -1).astype(dtype),
+                                     w["wv"][:, :, None]], axis=2).reshape(d, -1).astype(dtype),
+            "wo": w["wo"].reshape(k * g * hd, -1).astype(dtype),
             "mlp_norm": w["mlp_norm"],
             "w_gate_up": jnp.stack([w["w_gate"], w["w_up"]], axis=1).astype(dtype),
             "w_down": w["w_down"].astype(dtype),
         }
         if cfg.attention_bias:
             out["bqkv"] = jnp.concatenate([w["bq"].reshape(k, g, hd), w["bk"][:, None],
-                                           w["bv"][:, None]], axis=1).astype(dtype)
+                                           w["bv"][:, None]], axis=1).reshape(-1).astype(dtype)
         if cfg.output_bias:
             out["bo"] = w["bo"].astype(dtype)
         if cfg.qk_norm:
@@ -183,10 +186,11 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
     kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // kv_heads
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    qkv = jnp.einsum("sd,dkcx->skcx", x, w["wqkv"])
+    qkv = x @ w["wqkv"]
     if cfg.attention_bias:
         qkv = qkv + w["bqkv"]
-    qkv = constrain(qkv, ("act_batch", "act_kv_heads", None, "head_dim"))
+    qkv = constrain(qkv.reshape(s, kv_heads, g + 2, hd),
+                    ("act_batch", "act_kv_heads", None, "head_dim"))
     q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
@@ -197,13 +201,17 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
     k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
     keys, values = k_cache[:s].astype(dtype), v_cache[:s].astype(dtype)
-    scores = jnp.einsum("skgx,sktx->skgt", q, keys, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
-    visible = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None]
-    scores = jnp.where(visible[:, None, None, :], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    attn = jnp.einsum("skgt,sktx->skgx", probs, values)
-    out = jnp.einsum("skgx,kgxd->sd", attn, w["wo"])
+    # Softmax attention with the normalisation after the value product, and the mask as an
+    # additive bias: fewer passes over the [S, K, G, T] scores than softmax-then-product.
+    bias = jnp.where(jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None],
+                     0.0, -1e30)
+    scores = jnp.einsum("skgx,sktx->skgt", q * jnp.asarray(hd ** -0.5, dtype), keys,
+                        preferred_element_type=jnp.float32) + bias[:, None, None, :]
+    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    attn = jnp.einsum("skgt,sktx->skgx", weights.astype(dtype), values,
+                      preferred_element_type=jnp.float32)
+    attn = (attn / jnp.sum(weights, axis=-1)[..., None]).astype(dtype)
+    out = attn.reshape(s, kv_heads * g * hd) @ w["wo"]
     if cfg.output_bias:
         out = out + w["bo"]
     h = constrain(h + out, ("act_batch", "act_embed"))
@@ -342,33 +350,46 @@ def _cdf_block(vocab: int) -> int:
     return block
 
 
-def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Per row of ``weights [S, V]`` (non-negative, each row with positive mass), the first index
-    ``j`` whose inclusive prefix sum exceeds ``u·sum(row)`` for ``u [S]`` in ``[0, 1)``: a sample
-    of ``weights / sum``. Returns ``[S]`` int32; an index of zero weight is never returned.
-
-    Two levels (block sums, then the chosen block's elements) instead of a prefix sum over the
-    whole vocabulary.
-    """
-    s, vocab = weights.shape
-    block = _cdf_block(vocab)
-    pad = (-vocab) % block
+def _blocks(x: jax.Array, block: int, fill: float) -> jax.Array:
+    """``[S, V]`` → ``[S, ceil(V / block), block]``, padded with ``fill``."""
+    pad = (-x.shape[-1]) % block
     if pad:
-        weights = jnp.pad(weights, ((0, 0), (0, pad)))
-    blocks = weights.reshape(s, -1, block)
-    num_blocks = blocks.shape[1]
-    block_sums = jnp.sum(blocks, axis=-1)
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill)
+    return x.reshape(x.shape[0], -1, block)
+
+
+def _inverse_cdf_blocks(values: jax.Array, weight, u: jax.Array) -> jax.Array:
+    """Inverse-CDF sampling over ``weight(values)`` without a prefix sum over the vocabulary.
+
+    ``values [S, NB, B]`` are blocked per-row inputs and ``weight(v, rows)`` maps a ``[S, ..., B]``
+    slice of them (``rows``: how to index per-row parameters) to non-negative weights; each row
+    must have positive mass. Returns per row the first flat index whose inclusive prefix sum
+    exceeds ``u·total`` for ``u [S]`` in ``[0, 1)``: block sums pick a block, then that block's
+    own prefix sums pick the element. An index of zero weight is never returned. Also returns the
+    row totals ``[S]``.
+    """
+    num_blocks, block = values.shape[1:]
+    block_sums = jnp.sum(weight(values, 3), axis=-1)
     block_cum = jnp.cumsum(block_sums, axis=-1)
-    target = u * block_cum[:, -1]
+    total = block_cum[:, -1]
+    target = u * total
     chosen = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), num_blocks - 1)
     before = jnp.take_along_axis(block_cum - block_sums, chosen[:, None], axis=-1)[:, 0]
-    within = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
+    within = weight(jnp.take_along_axis(values, chosen[:, None, None], axis=1)[:, 0], 2)
     rest = jnp.maximum(target - before, 0.0)
     index = jnp.arange(block, dtype=jnp.int32)
     j = jnp.sum(jnp.cumsum(within, axis=-1) <= rest[:, None], axis=-1).astype(jnp.int32)
     # Rounding can leave ``rest`` at or past the block's total: take its last non-zero element.
     last = jnp.max(jnp.where(within > 0, index, 0), axis=-1)
-    return chosen.astype(jnp.int32) * block + jnp.minimum(j, last)
+    return chosen.astype(jnp.int32) * block + jnp.minimum(j, last), total
+
+
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row of ``weights [S, V]`` (non-negative, each row with positive mass), the first index
+    ``j`` whose inclusive prefix sum exceeds ``u·sum(row)`` for ``u [S]`` in ``[0, 1)``: a sample
+    of ``weights / sum``. Returns ``[S]`` int32; an index of zero weight is never returned."""
+    blocks = _blocks(weights, _cdf_block(weights.shape[-1]), 0.0)
+    return _inverse_cdf_blocks(blocks, lambda w, _: w, u)[0]
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:
@@ -397,32 +418,44 @@ def _smallest_key_below(keys: jax.Array, weights: tuple[jax.Array, ...],
     return tuple(hi for _, hi in jax.lax.fori_loop(0, 32, body, start))
 
 
-def filter_mask(scaled: jax.Array, unnormalised: jax.Array, total: jax.Array, top_k: jax.Array,
-                top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """``[S, V]`` bool: tokens kept by top-k, top-p and min-p.
+def filter_cut(logits: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax.Array
+               ) -> jax.Array:
+    """``[S]`` uint32: top-k and top-p keep the tokens whose ``_ordered_bits(logits)`` are
+    ``>=`` this (0 keeps all).
 
-    ``scaled [S, V]`` are temperature-scaled logits, ``unnormalised = exp(scaled - max)`` and
-    ``total [S]`` its row sums. Top-k keeps values ``>=`` the k-th largest (``top_k > 0``);
-    top-p keeps a value when the probability of strictly larger values is ``< top_p``
-    (``top_p < 1``); min-p keeps probabilities ``>= min_p`` times the largest. Ties are kept
-    together. Thresholds are found by bisection over the values' bits, without sorting.
+    ``probs [S, V]`` is the sampling distribution (ordered as ``logits``). Top-k keeps values
+    ``>=`` the k-th largest (``top_k > 0``); top-p keeps a value when the probability of strictly
+    larger values is ``< top_p`` (``top_p < 1``). Ties are kept together. Thresholds are found by
+    bisection over the values' bits, without sorting.
     """
-    keep = unnormalised >= min_p[:, None]
     use_k, use_p = top_k > 0, top_p < 1.0
 
-    def thresholds():
-        keys = _ordered_bits(scaled)
-        k_limit = jnp.where(use_k, top_k, scaled.shape[-1] + 1).astype(jnp.float32)
+    def search():
+        keys = _ordered_bits(logits)
+        k_limit = jnp.where(use_k, top_k, logits.shape[-1] + 1).astype(jnp.float32)
         p_limit = jnp.where(use_p, top_p, 2.0)
-        return _smallest_key_below(keys, (jnp.ones_like(scaled), unnormalised / total[:, None]),
-                                   (k_limit, p_limit)), keys
+        k_cut, p_cut = _smallest_key_below(keys, (jnp.ones_like(probs), probs),
+                                           (k_limit, p_limit))
+        return jnp.maximum(k_cut, p_cut)
 
-    def none():
-        zero = jnp.zeros(scaled.shape[:1], jnp.uint32)
-        return (zero, zero), jnp.zeros(scaled.shape, jnp.uint32)
+    return jax.lax.cond(jnp.any(use_k | use_p), search,
+                        lambda: jnp.zeros(logits.shape[:1], jnp.uint32))
 
-    (k_cut, p_cut), keys = jax.lax.cond(jnp.any(use_k | use_p), thresholds, none)
-    return keep & (keys >= k_cut[:, None]) & (keys >= p_cut[:, None])
+
+def filter_mask(scaled: jax.Array, unnormalised: jax.Array, total: jax.Array, top_k: jax.Array,
+                top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """``[S, V]`` bool: tokens kept by top-k and top-p (:func:`filter_cut`) and min-p
+    (probabilities ``>= min_p`` times the largest), for temperature-scaled logits ``scaled``,
+    ``unnormalised = exp(scaled - max)`` and its row sums ``total``."""
+    cut = filter_cut(scaled, unnormalised / total[:, None], top_k, top_p)
+    return (_ordered_bits(scaled) >= cut[:, None]) & (unnormalised >= min_p[:, None])
+
+
+def argmax_first(x: jax.Array) -> jax.Array:
+    """``[S]`` int32 index of each row's first maximum of ``x [S, V]``."""
+    vocab = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -434,19 +467,43 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     ``softmax(logits / temperature)`` before top-k/top-p/min-p filtering (under the raw logits
     for greedy rows, ``temperature == 0``, which take the first maximum), the distribution a
     trainer recomputes. ``filtered=False`` skips the filters (every row must have them off).
+
+    Without filters this reads the logits twice (row maxima, then block sums of
+    ``exp((logits - max) / temperature)``); nothing of size ``[S, V]`` is written.
     """
+    s, vocab = logits.shape
     greedy = temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    top = jnp.max(scaled, axis=-1, keepdims=True)
-    unnormalised = jnp.exp(scaled - top)
-    total = jnp.sum(unnormalised, axis=-1)
-    keep = jnp.where(greedy[:, None], scaled >= top, True)
-    if filtered:
-        keep &= filter_mask(scaled, unnormalised, total, top_k, top_p, min_p)
+    t = jnp.where(greedy, 1.0, temperature)
+    top = jnp.max(logits, axis=-1)
+    block = _cdf_block(vocab)
+    blocks = _blocks(logits, block, -jnp.inf)
     u = jnp.where(greedy, 0.0, uniform_per_row(seeds, sample_index, token_index))
-    tokens = inverse_cdf(jnp.where(keep, unnormalised, 0.0), u)
-    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-    return tokens, picked - top[:, 0] - jnp.log(total)
+
+    def per_row(x, ndim):
+        return x.reshape((s,) + (1,) * (ndim - 1))
+
+    def exp_scaled(v, ndim):
+        return jnp.exp((v - per_row(top, ndim)) / per_row(t, ndim))
+
+    if filtered:
+        unnormalised = jnp.exp((logits - top[:, None]) / t[:, None])
+        cut = filter_cut(logits, unnormalised / jnp.sum(unnormalised, axis=-1, keepdims=True),
+                         top_k, top_p)
+
+        def weight(v, ndim):
+            e = exp_scaled(v, ndim)
+            keep = (_ordered_bits(v) >= per_row(cut, ndim)) & (e >= per_row(min_p, ndim))
+            return jnp.where(keep, e, 0.0)
+
+        tokens, _ = _inverse_cdf_blocks(blocks, weight, u)
+        total = jnp.sum(unnormalised, axis=-1)
+    else:
+        tokens, total = _inverse_cdf_blocks(blocks, exp_scaled, u)
+    tokens = jax.lax.cond(jnp.any(greedy),
+                          lambda: jnp.where(greedy, argmax_first(logits), tokens),
+                          lambda: tokens)
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, (picked - top) / t - jnp.log(total)
 
 
 # ---- the runner -----------------------------------------------------------------------------------
