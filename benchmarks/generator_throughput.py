@@ -304,9 +304,9 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
         log(f"{name} B={b:<3} step ms: raw {row['raw_step_s'] * 1e3:7.2f}  engine "
             f"{row['engine_step_s'] * 1e3:7.2f}  "
             + (f"hf {row['hf_step_s'] * 1e3:7.2f} ({row['hf_threads']} thr)  " if threads else "")
-            + f"roofline {row['roofline_step_s'] * 1e3:6.2f} ({roof['bound']}) | alone: decode "
-            f"{parts['decode'] * 1e3:.2f}, sample {parts['sample'] * 1e3:.2f}, filtered sample "
-            f"{parts['sample_filtered'] * 1e3:.2f}")
+            + f"roofline {row['roofline_step_s'] * 1e3:6.2f} ({roof['bound']}) | alone: step "
+            f"{parts['decode'] * 1e3:.2f} (its sampling {parts['sample'] * 1e3:.2f}), filtered "
+            f"sampling {parts['sample_filtered'] * 1e3:.2f}")
     del hf_model
     gc.collect()
     return {"model": name, "params": cfg.num_params(), "config": cfg.to_hf(),

@@ -406,8 +406,8 @@ def test_kv_and_batch_buckets():
     sizes = [kv_bucket(n, 4096) for n in range(1, 4097)]
     assert sizes[0] == 16 and sizes[-1] == 4096
     assert all(size >= n for n, size in enumerate(sizes, 1))
-    assert all(3 * (size - n) <= size for n, size in enumerate(sizes, 1) if n > 16)
-    assert len(set(sizes)) == 17  # 16, 24, 32, 48, ..., 3072, 4096
+    assert all(3 * (size - n) <= size for n, size in enumerate(sizes, 1) if n > 128)
+    assert len(set(sizes)) == 14  # 16, 32, 64, 128, 192, 256, 384, ..., 3072, 4096
     assert kv_bucket(90, 96) == 96
     assert [batch_bucket(n, 48) for n in (1, 8, 9, 17, 33, 48)] == [8, 8, 16, 32, 48, 48]
 

@@ -43,6 +43,7 @@ from rl_jax.sharding import ShardingRules
 
 LAYER_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
 MIN_KV_LEN = 16
+FINE_KV_LEN = 128
 
 # Per-slot decode state: name -> dtype. All arrays are [slots].
 SLOT_FIELDS = {
@@ -68,12 +69,13 @@ def generator_rules() -> ShardingRules:
 
 
 def kv_bucket(needed: int, max_seq_len: int, minimum: int = MIN_KV_LEN) -> int:
-    """The cache length for ``needed`` positions: the smallest of ``minimum·2^i`` and
-    ``1.5·minimum·2^i`` that holds them (at most a third of a bucket is padding), within
-    ``[minimum, max_seq_len]``."""
+    """The cache length for ``needed`` positions, within ``[minimum, max_seq_len]``: a power of
+    two up to ``FINE_KV_LEN``, above it the smallest of ``2^i`` and ``1.5·2^i`` that holds them
+    (at most a third of a bucket is padding where attention costs most; few sizes where it costs
+    little, each size being one more compiled decode step)."""
     size = minimum
     while size < needed:
-        if size * 3 // 2 >= needed and size % 2 == 0:
+        if size >= FINE_KV_LEN and size * 3 // 2 >= needed and size % 2 == 0:
             size = size * 3 // 2
             break
         size *= 2
