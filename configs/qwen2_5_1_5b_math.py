@@ -25,7 +25,8 @@ def get_config() -> ConfigDict:
     c.recipe = "rl"
     c.mode = "async"
     c.seed = 0
-    c.base = ConfigDict(dict(checkpoint="checkpoints/qwen2.5-1.5b", lm_config="", lm_steps=0))
+    c.base = ConfigDict(dict(checkpoint="checkpoints/qwen2.5-1.5b", lm_config="",
+                            lm_overrides=()))
     c.model = ConfigDict(dict(
         dtype="bfloat16", param_dtype="float32", remat="full",
         # For planning (python -m launch.plan) without the checkpoint at hand.

@@ -58,12 +58,13 @@ def train_records(workdir: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="session")
 def base_policy(tmp_path_factory) -> Path:
-    """The supervised tiny model, shortened to 150 steps (held-out exact match ~0.1-0.3)."""
+    """The supervised tiny model on 2-digit addition, shortened to 150 steps."""
     workdir = tmp_path_factory.mktemp("base")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
         [sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py",
          f"--workdir={workdir}", "--config.trainer.steps=150", "--config.logging.eval_every=150",
+         "--config.task.num_digits=2",
          "--config.data.eval_examples=64"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -211,3 +212,44 @@ def _same_keys(reference: ConfigDict, c: ConfigDict, name: str, prefix: str = ""
         assert key in c, f"{name} lacks {prefix}{key}"
         if isinstance(value, ConfigDict) and key not in ("kwargs", "options", "shape"):
             _same_keys(value, c[key], name, f"{prefix}{key}.")
+
+
+def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
+    """launch.trainer on two processes (4 host devices each, one (1, 4, 2) mesh) with a
+    generator server given by URL: process 0 drives the rollout and publishes, both train."""
+    import re
+    from rl_jax.generator.launcher import free_port
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "launch.generator_server", f"--model={base_policy}", "--port=0",
+         "--max_seq_len=64", "--max_slots=32", f"--parent_pid={os.getpid()}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        url = None
+        for line in server.stdout:
+            match = re.search(r"ready at (http://\S+)", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url, "the generator server did not start"
+        port = free_port()
+        workdir = tmp_path / "mp"
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "launch.trainer", "--config=configs/tiny_rl.py",
+             f"--workdir={workdir}", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+             f"--process_id={i}", f"--generator_urls={url}", *SMALL,
+             f"--config.base.checkpoint={base_policy}", "--config.trainer.steps=3",
+             "--config.mesh.fsdp=4", "--config.mesh.tensor=2"],
+            cwd=ROOT, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outputs):
+            assert p.returncode == 0, out[-3000:]
+        assert outputs[0].strip().splitlines()[-1].startswith("held-out accuracy: ")
+        summary = json.loads((workdir / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["final_version"] == 3
+        assert sorted(train_records(workdir)) == [1, 2, 3]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

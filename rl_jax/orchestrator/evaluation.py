@@ -31,9 +31,16 @@ class EvalResult:
                 f"{prefix}/version": float(self.min_version), f"{prefix}/seconds": self.seconds}
 
 
-def held_out_prompts(env: Environment, count: int) -> list[Prompt]:
-    """The first ``count`` prompts of the environment's eval split (fixed across runs)."""
-    return [env.prompt(i, "eval") for i in range(count)]
+def held_out_prompts(env: Environment, count: int, max_draws: int = 100) -> list[Prompt]:
+    """The first ``count`` distinct prompts of the environment's eval split (fixed across runs;
+    fewer if the split has fewer within ``max_draws · count`` indices)."""
+    prompts: dict[str, Prompt] = {}
+    for i in range(count * max_draws):
+        if len(prompts) == count:
+            break
+        prompt = env.prompt(i, "eval")
+        prompts.setdefault(prompt.text, prompt)
+    return list(prompts.values())
 
 
 async def evaluate(generator: Generator, env: Environment, prompts: Sequence[Prompt], *,

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
     """The HF directory of the starting policy, training it first when the config says so."""
+    if c.distributed.num_processes > 1 and not c.base.checkpoint:
+        raise RLConfigError("a multi-process trainer needs base.checkpoint (an HF directory "
+                            "every process can read)")
     if c.base.checkpoint:
         path = Path(c.base.checkpoint).expanduser()
         if not (path / "config.json").is_file():
@@ -50,9 +53,8 @@ def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
     lm_config = Path(c.base.lm_config)
     if not lm_config.is_file():
         raise RLConfigError(f"base.lm_config={c.base.lm_config} does not exist")
-    cmd = [sys.executable, "-m", "launch.train", f"--config={lm_config}", f"--workdir={base}"]
-    if c.base.lm_steps:
-        cmd.append(f"--config.trainer.steps={int(c.base.lm_steps)}")
+    cmd = [sys.executable, "-m", "launch.train", f"--config={lm_config}", f"--workdir={base}",
+           *(f"--config.{o}" for o in c.base.lm_overrides)]
     print(f"no base policy yet: training it with {lm_config} into {base}", flush=True)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -28,7 +28,7 @@ from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config, save_
 from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
                                         max_sample_tokens, rows_per_batch)
 from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompts
-from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
+from rl_jax.orchestrator.policy import POLICY_FIELDS, PolicyBatch, make_policy_loss
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
 from rl_jax.orchestrator.weights import WeightSync
 from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
@@ -320,24 +320,26 @@ class Session:
     def run(self) -> dict[str, Any]:
         c = self.c
         self._setup_model()
-        self._setup_generators()
-        self._setup_rollout()
+        self.primary = jax.process_index() == 0
+        if self.primary:  # the other trainer processes only train (batches are broadcast)
+            self._setup_generators()
+            self._setup_rollout()
         writer = MetricsWriter(self.workdir)
         tb = _tensorboard(self.workdir / "tb") if c.logging.tensorboard else None
         if tb is not None:
             self._closers.append(tb.close)
 
+        before = math.nan
         if "eval_before" in self.meta:
             before = float(self.meta["eval_before"])
-        elif self.eval_prompts:
+        elif self.primary and self.eval_prompts:
             result = self.control_loop.run(self._evaluate("eval-before"))
             before = result.accuracy
             writer.write(int(self.state.step), wall_s=0.0, **result.metrics())
-        else:
-            before = math.nan
-        print(f"policy {self.n_params / 1e6:.2f}M parameters, mode {self.settings.mode}, "
-              f"max_lag {self.settings.max_lag}, {len(self.pool.urls)} generator server(s); "
-              f"held-out accuracy before RL: {before:.3f}", flush=True)
+        if self.primary:
+            print(f"policy {self.n_params / 1e6:.2f}M parameters, mode {self.settings.mode}, "
+                  f"max_lag {self.settings.max_lag}, {len(self.pool.urls)} generator "
+                  f"server(s); held-out accuracy before RL: {before:.3f}", flush=True)
 
         wall_offset = float(self.meta.get("wall_s", 0.0))
         totals = collections.Counter({k: float(v) for k, v in
@@ -347,28 +349,30 @@ class Session:
         last_eval: EvalResult | None = None
         start_iter = int(self.state.step) + int(self.state.skipped)
         bar = tqdm(total=c.trainer.steps, initial=start_iter, desc=f"rl {self.settings.mode}",
-                   unit="step", dynamic_ncols=True, disable=jax.process_index() != 0)
-        window = _Window(self.rollout.metrics())
+                   unit="step", dynamic_ncols=True, disable=not self.primary)
+        window = _Window(self.rollout.metrics()) if self.primary else None
         for i in range(start_iter, c.trainer.steps):
-            if c.trainer.time_limit_s and clock.elapsed > c.trainer.time_limit_s:
-                log.warning("time limit of %.0f s reached after %d steps", c.trainer.time_limit_s,
-                            i)
-                break
             t0 = time.perf_counter()
-            groups = next(self.rollout)
-            staleness = self.rollout.staleness(groups)
+            groups, host = None, None
+            stop = bool(c.trainer.time_limit_s and clock.elapsed > c.trainer.time_limit_s)
+            if self.primary and not stop:
+                groups = next(self.rollout)
+                staleness = self.rollout.staleness(groups)
+                host = self.to_batch(groups)
+            host, stop = self._share_batch(host, stop)
+            if stop:
+                log.warning("time limit of %.0f s reached after %d steps",
+                            c.trainer.time_limit_s, i)
+                break
             t1 = time.perf_counter()
-            host = self.to_batch(groups)
             batch = global_batch(PolicyBatch.from_numpy(host), self.batch_sharding)
             self.state, metrics = self.train_step(self.state, batch)
             metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
             version = int(self.state.step)
             t2 = time.perf_counter()
-            self.rollout.set_trainer_version(version)
-            if version != self.weights.published:
-                self.weights.publish(self.state.params, version)
+            self._publish(version)
             t3 = time.perf_counter()
-            if self.settings.wait_for_update:
+            if self.primary and self.settings.wait_for_update:
                 self.weights.wait_applied(version)
             t4 = time.perf_counter()
             clock.waiting_s += t1 - t0
@@ -377,64 +381,114 @@ class Session:
             clock.syncing_s += t4 - t3
             trained = float(np.sum(host["segment_ids"] > 0))
             totals["trained_tokens"] += trained
-            totals["completion_tokens"] += host["metrics"]["tokens/completion"]
-            totals["samples"] += len(host["rewards"])
             done = i + 1
-
-            if pending_eval is not None and pending_eval[1].done():
-                last_eval = pending_eval[1].result()
-                pending_eval = None
-                writer.write(done, wall_s=wall_offset + clock.elapsed, **last_eval.metrics())
+            meta = {"eval_before": before, "wall_s": wall_offset + clock.elapsed,
+                    "totals": dict(totals)}
+            if self.primary:
+                totals["completion_tokens"] += host["metrics"]["tokens/completion"]
+                totals["samples"] += len(host["rewards"])
+                meta["rollout"] = self.rollout.get_state()
+                if pending_eval is not None and pending_eval[1].done():
+                    last_eval = pending_eval[1].result()
+                    pending_eval = None
+                    writer.write(done, wall_s=wall_offset + clock.elapsed, **last_eval.metrics())
+                    if tb is not None:
+                        for k, v in last_eval.metrics().items():
+                            tb.add_scalar(k, v, done)
+                if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
+                        pending_eval is None and self.eval_prompts:
+                    pending_eval = (done,
+                                    self.control_loop.submit(self._evaluate(f"eval-{done}")))
+                correct = np.mean([bool(s.info.get("correct")) for g in groups
+                                   for s in g.samples])
+                record = {
+                    "wall_s": wall_offset + clock.elapsed, "version": version,
+                    "reward/mean": host["metrics"]["reward/mean"],
+                    "reward/std": host["metrics"]["reward/std"],
+                    "rollout/accuracy": float(correct),
+                    "groups/zero_signal": host["metrics"]["groups/zero_signal"],
+                    "staleness/batch_max": float(max(staleness)),
+                    "staleness/batch_mean": float(np.mean(staleness)),
+                    "learning_rate": float(self.schedule(version)),
+                    "trainer/step_s": t2 - t1, "trainer/wait_s": t1 - t0,
+                    "trainer/tokens_per_s": trained / max(t2 - t1, 1e-9),
+                    "weights/publish_s": t3 - t2,
+                    **{f"loss/{k}": v for k, v in metrics.items() if k in LOSS_METRICS},
+                }
+                if done % c.logging.every == 0 or done == c.trainer.steps:
+                    record.update(window.take(self.rollout.metrics(), self.sampler.take(), clock))
+                    record.update(self.weights.metrics())
+                    record["generator/restarts"] = float(sum(self.pool.restarts.values()))
+                writer.write(done, **record)
                 if tb is not None:
-                    for k, v in last_eval.metrics().items():
-                        tb.add_scalar(k, v, done)
-            if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
-                    pending_eval is None and self.eval_prompts:
-                pending_eval = (done, self.control_loop.submit(self._evaluate(f"eval-{done}")))
-
-            correct = np.mean([bool(s.info.get("correct")) for g in groups for s in g.samples])
-            record = {
-                "wall_s": wall_offset + clock.elapsed, "version": version,
-                "reward/mean": host["metrics"]["reward/mean"],
-                "reward/std": host["metrics"]["reward/std"], "rollout/accuracy": float(correct),
-                "groups/zero_signal": host["metrics"]["groups/zero_signal"],
-                "staleness/batch_max": float(max(staleness)),
-                "staleness/batch_mean": float(np.mean(staleness)),
-                "learning_rate": float(self.schedule(version)),
-                "trainer/step_s": t2 - t1, "trainer/wait_s": t1 - t0,
-                "trainer/tokens_per_s": trained / max(t2 - t1, 1e-9),
-                "weights/publish_s": t3 - t2,
-                **{f"loss/{k}": v for k, v in metrics.items() if k in LOSS_METRICS},
-            }
-            if done % c.logging.every == 0 or done == c.trainer.steps:
-                record.update(window.take(self.rollout.metrics(), self.sampler.take(), clock))
-                record.update(self.weights.metrics())
-                record["generator/restarts"] = float(sum(self.pool.restarts.values()))
-            writer.write(done, **record)
-            if tb is not None:
-                for k, v in record.items():
-                    if isinstance(v, (int, float)) and math.isfinite(v):
-                        tb.add_scalar(k, v, done)
-                tb.add_histogram("staleness", np.asarray(staleness), done)
-            bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
-                            acc=f"{record['rollout/accuracy']:.2f}",
-                            **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
-                            stale=int(record["staleness/batch_max"]),
-                            **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
-                               if "generator/tokens_per_s" in record else {}),
-                            refresh=False)
+                    for k, v in record.items():
+                        if isinstance(v, (int, float)) and math.isfinite(v):
+                            tb.add_scalar(k, v, done)
+                    tb.add_histogram("staleness", np.asarray(staleness), done)
+                bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
+                                acc=f"{record['rollout/accuracy']:.2f}",
+                                **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
+                                stale=int(record["staleness/batch_max"]),
+                                **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
+                                   if "generator/tokens_per_s" in record else {}),
+                                refresh=False)
             bar.update(1)
-            self.checkpointer.save(done, self.state, {
-                "rollout": self.rollout.get_state(), "eval_before": before,
-                "wall_s": wall_offset + clock.elapsed, "totals": dict(totals)},
-                force=done == c.trainer.steps)
+            self.checkpointer.save(done, self.state, meta, force=done == c.trainer.steps)
         bar.close()
         return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval)
+
+    def _share_batch(self, host: dict | None, stop: bool) -> tuple[dict | None, bool]:
+        """Multi-process runs: process 0's batch (and its decision to stop) to every process."""
+        if jax.process_count() == 1:
+            return host, stop
+        from jax.experimental import multihost_utils
+        rows = 0 if host is None else host["tokens"].shape[0]
+        header = multihost_utils.broadcast_one_to_all(np.asarray([int(stop), rows], np.int32))
+        if int(header[0]):
+            return None, True
+        shape = (int(header[1]), int(self.c.rollout.seq_len))
+        arrays = {k: np.asarray(host[k]) if self.primary else
+                  np.zeros(shape, np.int32 if k in ("tokens", "targets", "positions",
+                                                    "segment_ids") else np.float32)
+                  for k in POLICY_FIELDS}
+        shared = multihost_utils.broadcast_one_to_all(arrays)
+        merged = dict(host) if self.primary else {}
+        merged.update({k: np.asarray(v) for k, v in shared.items()})
+        return merged, False
+
+    def _publish(self, version: int):
+        """The new version to the generators (process 0; in a multi-process run every process
+        takes part in gathering the parameters)."""
+        if self.primary:
+            self.rollout.set_trainer_version(version)
+            if version == self.weights.published:
+                return
+        params = self.state.params
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            params = multihost_utils.process_allgather(params, tiled=True)
+            if not self.primary:
+                return
+            params = jax.device_put(params, jax.local_devices()[0])
+        self.weights.publish(params, version)
 
     def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval):
         c = self.c
         version = int(self.state.step)
         train_wall = wall_offset + clock.elapsed
+        self.checkpointer.wait()
+        done = version + int(self.state.skipped)
+        if self.checkpointer.latest_step() != done:  # stopped early by the time limit
+            self.checkpointer.save(done, self.state,
+                                   {"eval_before": before, "wall_s": train_wall,
+                                    "totals": dict(totals),
+                                    **({"rollout": self.rollout.get_state()} if self.primary
+                                       else {})}, force=True)
+            self.checkpointer.wait()
+        export = save_pretrained(self.spec.merge(self.state.params), self.workdir / "hf",
+                                 tokenizer=self.tokenizer, dtype=DTYPES[c.export.dtype])
+        if not self.primary:
+            return {}
         rollout_metrics = self.rollout.metrics()
         self.rollout.close()
         if pending_eval is not None:
@@ -447,9 +501,6 @@ class Session:
         if tb is not None:
             for k, v in final.metrics().items():
                 tb.add_scalar(k, v, version)
-        self.checkpointer.wait()
-        export = save_pretrained(self.spec.merge(self.state.params), self.workdir / "hf",
-                                 tokenizer=self.tokenizer, dtype=DTYPES[c.export.dtype])
         elapsed = max(clock.elapsed, 1e-9)
         summary = {
             "mode": self.settings.mode, "max_lag": self.settings.max_lag,

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rl_jax.generator.client import GeneratorUnavailable
 from rl_jax.transfer import Publisher
 
 log = logging.getLogger(__name__)
@@ -174,8 +175,21 @@ class WeightSync:
             self.loop.run(self.client.update_weights_from_disk(path, version),
                           timeout=self.timeout_s)
             return version
-        versions = self.loop.run(self.client.update_weights_from_transfer(
-            version, wait_s=min(30.0, self.timeout_s)), timeout=self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                versions = self.loop.run(self.client.update_weights_from_transfer(
+                    version, publisher_url=self.publisher.url,
+                    wait_s=min(30.0, self.timeout_s)), timeout=self.timeout_s)
+                break
+            except GeneratorUnavailable as e:
+                # Every server down (e.g. one restarting): a restarted server pulls the newest
+                # version itself; keep asking until one answers.
+                if time.monotonic() > deadline:
+                    raise
+                self.totals["unavailable_retries"] += 1
+                log.warning("no generator server took version %d yet: %s", version, e)
+                time.sleep(1.0)
         if not versions:
             raise WeightSyncError(f"no generator server confirmed version {version}")
         low = min(versions.values())
