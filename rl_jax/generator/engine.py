@@ -137,13 +137,16 @@ class Engine:
         self._decode_weights = self.runner.prepare(params)
         self.version = version
         self.eos_token_ids = tuple(eos_token_ids)
-        self._lock = threading.Condition()
+        mutex = threading.RLock()
+        self._lock = threading.Condition(mutex)  # the scheduler and callers wait on this
+        self._helper_wake = threading.Condition(mutex)  # the weight helper waits on this
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: dict[int, _Sequence] = {}
         self._free_slots = list(range(engine_config.max_slots))  # a heap: lowest slot first
         self._requests: dict[str, _Request] = {}
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._to_prepare: list[tuple[dict[str, Any], int]] = []
+        self._retired: list[Any] = []  # replaced weights, released by the helper thread
         self._pending_weights: tuple[dict[str, Any], int, Any] | None = None
         self._incoming_decode_weights: tuple[dict[str, Any], Any] | None = None
         self._control: collections.deque = collections.deque()
@@ -227,7 +230,7 @@ class Engine:
                 raise RuntimeError("the engine's scheduler is not running (shut down or "
                                    "crashed); the weights were not applied")
             self._to_prepare.append((params, int(version)))
-            self._lock.notify_all()
+            self._helper_wake.notify_all()
 
     def wait_for_version(self, version: int, timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -272,6 +275,7 @@ class Engine:
         with self._lock:
             self._stop = True
             self._lock.notify_all()
+            self._helper_wake.notify_all()
         self._thread.join(timeout=30)
         self._preparer.join(timeout=30)
 
@@ -300,12 +304,17 @@ class Engine:
     def _prepare_loop(self):
         while True:
             with self._lock:
-                while not self._stop and not self._to_prepare:
-                    self._lock.wait()
+                while not self._stop and not self._to_prepare and not self._retired:
+                    self._helper_wake.wait()
                 if self._stop:
                     return
-                params, version = self._to_prepare[-1]  # older queued updates are superseded
+                retired, self._retired = self._retired, []
+                job = self._to_prepare[-1] if self._to_prepare else None  # newest supersedes
                 self._to_prepare.clear()
+            del retired  # frees replaced weights here, outside the lock and the scheduler
+            if job is None:
+                continue
+            params, version = job
             start = time.perf_counter()
             try:
                 prepared = self.runner.prepare(params)
@@ -390,6 +399,7 @@ class Engine:
             self._drain()
             self._retract_all()
         incoming, self._incoming_decode_weights = self._incoming_decode_weights, None
+        old = (self.params, self._decode_weights)
         if incoming is not None and incoming[0] is params:
             self._decode_weights = incoming[1]
         else:
@@ -397,7 +407,10 @@ class Engine:
         self.params = params
         with self._lock:
             self.version = version
+            self._retired.append(old)  # deallocation is the helper thread's work
             self._lock.notify_all()
+            self._helper_wake.notify_all()
+        del old, incoming
         self.stats["weight_updates"] += 1
         self.stats["weight_swap_ms"] += int((time.perf_counter() - start) * 1000)
 
