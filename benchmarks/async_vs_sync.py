@@ -43,6 +43,46 @@ _SIGMA = flags.DEFINE_float("sigma", 1.0, "Sigma of log completion length (p99/p
 _MAX_LEN = flags.DEFINE_integer("max_len", 96, "Longest completion (tokens).")
 _QUICK = flags.DEFINE_bool("quick", False, "Few steps, small batches (a smoke run).")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More --config.x=y overrides for every run.")
+_MEASURE = flags.DEFINE_string("measure_decode", "", "Internal: print the decode-step latency "
+                               "curve of this HF checkpoint as JSON and exit.")
+_GROUPS = flags.DEFINE_integer("groups_per_batch", 32, "Prompts per optimizer step.")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per prompt.")
+_SLOTS = 64
+
+
+def batch_shape() -> tuple[int, int]:
+    """(prompts, samples per prompt) of one optimizer step."""
+    return (8, 4) if _QUICK.value else (_GROUPS.value, _GROUP_SIZE.value)
+
+
+def measure_decode_curve(model_dir: str) -> dict[int, float]:
+    """Seconds per decode step of one engine by batch size (the generator's latency curve), on
+    the cores this process may use."""
+    import jax.numpy as jnp
+
+    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.runner import generator_rules
+    from rl_jax.generator.server import eos_ids, load_params
+    from rl_jax.generator.types import GenerateRequest, SamplingParams
+    cfg, params = load_params(model_dir, mesh=None, rules=generator_rules(), dtype=jnp.float32)
+    engine = Engine(cfg, params, rules=generator_rules(), dtype=jnp.float32,
+                    eos_token_ids=eos_ids(cfg),
+                    engine_config=EngineConfig(max_slots=_SLOTS, max_seq_len=128))
+    curve = {}
+    try:
+        for batch in (1, 2, 4, 8, 16, 32, 64):
+            times = []
+            for tokens in (8, 40):
+                request = GenerateRequest([1, 5, 6, 13, 7, 8, 14], SamplingParams(
+                    max_new_tokens=tokens, ignore_eos=True, n=batch, seed=0))
+                engine.generate(request, timeout=600)  # compile
+                start = time.perf_counter()
+                engine.generate(request, timeout=600)
+                times.append(time.perf_counter() - start)
+            curve[batch] = (times[1] - times[0]) / 32  # prefill cancels out
+    finally:
+        engine.shutdown()
+    return curve
 
 
 def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
@@ -50,7 +90,7 @@ def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
     out = workdir / mode
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
-    groups, group_size = (8, 4) if _QUICK.value else (32, 4)
+    groups, group_size = batch_shape()
     cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
            f"--workdir={out}", f"--config.base.checkpoint={base}", f"--config.mode={mode}",
            f"--config.trainer.steps={steps}", f"--config.rollout.max_lag={_MAX_LAG.value}",
@@ -60,7 +100,7 @@ def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
            f"--config.rollout.lengths.sigma={_SIGMA.value}",
            f"--config.rollout.lengths.max={_MAX_LEN.value}",
            "--config.rollout.seq_len=128", "--config.generator.max_seq_len=128",
-           "--config.generator.max_slots=64", "--config.eval.examples=128",
+           f"--config.generator.max_slots={_SLOTS}", "--config.eval.examples=128",
            f"--config.eval.every={max(steps // 8, 1)}", "--config.checkpoint.every=1000000",
            *[f"--config.{o}" for o in _EXTRA.value]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -92,8 +132,54 @@ def measured_lengths(median: float, sigma: float, cap: int, n: int = 20000) -> d
             "mean": float(lengths.mean())}
 
 
+def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
+    """The systems model's prediction of each run from this machine's measured curves, printed
+    beside what was measured."""
+    from rl_jax.rollout.pipeline import LognormalLengths
+    from rl_jax.sysmodel import predict_run
+    cores = ["taskset", "-c", "1"] if (os.cpu_count() or 1) > 1 else []
+    out = subprocess.run([*cores, sys.executable, __file__, f"--measure_decode={base}"],
+                         cwd=ROOT, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    if out.returncode != 0:
+        print(f"decode curve measurement failed:\n{out.stderr[-2000:]}")
+        return {}
+    curve = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    print("decode step latency (s) by batch: " +
+          ", ".join(f"{b}: {t * 1e3:.2f} ms" for b, t in sorted(curve.items())))
+    response = [LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)(i)
+                for i in range(4096)]
+    reference = runs.get("sync") or next(iter(runs.values()))
+    trained = [r["trainer/tokens_per_s"] for r in reference["records"] if
+               "trainer/tokens_per_s" in r][2:]
+    trainer_rate = float(np.median(trained))
+    transfer = [r["weights/total_s"] for r in runs.get("async", reference)["records"]
+                if "weights/total_s" in r][2:]
+    predictions = {}
+    print(f"\n{'mode':<13}{'measured tok/s':>15}{'predicted':>11}{'error':>8}"
+          f"{'stale max meas/pred':>21}")
+    for mode, run in runs.items():
+        s = run["summary"]
+        p = predict_run(decode_latency=curve, trainer_tokens_per_s=trainer_rate,
+                        response_lengths=response, prompt_len=7, group_size=batch_shape()[1],
+                        groups_per_batch=batch_shape()[0], max_lag=s["max_lag"], mode=mode,
+                        num_servers=1, slots_per_server=_SLOTS, num_steps=steps,
+                        weight_transfer_s=float(np.median(transfer)) if transfer else 0.0)
+        error = p.tokens_per_s / s["trained_tokens_per_s"] - 1
+        predictions[mode] = {**p.to_dict(), "measured_tokens_per_s": s["trained_tokens_per_s"],
+                             "relative_error": error,
+                             "measured_staleness_max": s["staleness/max"]}
+        print(f"{mode:<13}{s['trained_tokens_per_s']:>15.0f}{p.tokens_per_s:>11.0f}"
+              f"{error:>+8.0%}{s['staleness/max']:>12.0f} / {p.staleness_max}")
+    return {"decode_curve": {str(k): v for k, v in curve.items()},
+            "trainer_tokens_per_s": trainer_rate, "modes": predictions}
+
+
 def main(argv):
     del argv
+    if _MEASURE.value:
+        print(json.dumps(measure_decode_curve(_MEASURE.value)))
+        return
     workdir = Path(_WORKDIR.value)
     workdir.mkdir(parents=True, exist_ok=True)
     steps = 8 if _QUICK.value else _STEPS.value
@@ -147,6 +233,8 @@ def main(argv):
               "target_accuracy": target, "rows": rows, "machine": {
                   "cpus": os.cpu_count(), "python": platform.python_version(),
                   "load_average": os.getloadavg()}}
+    predictions = predict(runs, base, steps, lengths)
+    result["predictions"] = predictions
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "async_vs_sync_quick" if _QUICK.value else "async_vs_sync"
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -61,5 +61,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from launch.train import parse_flags
+    from launch.cli import parse_flags
     app.run(main, flags_parser=parse_flags)

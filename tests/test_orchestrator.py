@@ -111,8 +111,8 @@ def test_async_run_end_to_end(base_policy, tmp_path):
 
 def test_sync_resume_after_kill_repeats_the_losses(base_policy, tmp_path):
     """Sync mode is deterministic (seeded sampling, batches in prompt order): a run killed with
-    SIGKILL after its step-2 checkpoint and started again with the same command trains steps 3
-    and 4 with exactly the losses of a run that was never interrupted."""
+    SIGKILL after its step-2 checkpoint and started again with the same command samples the
+    same tokens and trains steps 3 and 4 with the losses of a run that was never interrupted."""
     flags = ("--config.mode=sync", "--config.trainer.steps=4", "--config.checkpoint.every=2",
              "--config.checkpoint.use_async=False")
     reference = tmp_path / "reference"
@@ -135,8 +135,15 @@ def test_sync_resume_after_kill_repeats_the_losses(base_policy, tmp_path):
     want, got = train_records(reference), train_records(workdir)
     assert sorted(got) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
-        for key in ("loss/loss", "loss/grad_norm", "reward/mean"):
+        # The same tokens were sampled and rewarded ...
+        for key in ("reward/mean", "reward/std", "rollout/accuracy", "loss/tokens"):
             assert got[step][key] == want[step][key], (step, key)
+        # ... and trained on with the same loss. The behaviour log-probs the server returns are
+        # rounded differently when its batch is composed differently (float32), so the loss
+        # (near 0: advantages have mean 0) agrees to float32 rounding, not bit for bit.
+        assert abs(got[step]["loss/loss"] - want[step]["loss/loss"]) < 1e-6, step
+        assert got[step]["loss/grad_norm"] == pytest.approx(want[step]["loss/grad_norm"],
+                                                            rel=1e-5), step
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 4
 
@@ -215,8 +222,9 @@ def _same_keys(reference: ConfigDict, c: ConfigDict, name: str, prefix: str = ""
 
 
 def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
-    """launch.trainer on two processes (4 host devices each, one (1, 4, 2) mesh) with a
-    generator server given by URL: process 0 drives the rollout and publishes, both train."""
+    """launch.trainer on two processes (4 host devices each, one (1, 8, 1) mesh) with a
+    generator server given by URL: process 0 drives the rollout and publishes, both train.
+    (The tiny vocabulary of 15 tokens cannot be split over a tensor axis.)"""
     import re
     from rl_jax.generator.launcher import free_port
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -240,7 +248,7 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
              f"--workdir={workdir}", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
              f"--process_id={i}", f"--generator_urls={url}", *SMALL,
              f"--config.base.checkpoint={base_policy}", "--config.trainer.steps=3",
-             "--config.mesh.fsdp=4", "--config.mesh.tensor=2"],
+             "--config.mesh.fsdp=8", "--config.mesh.tensor=1"],
             cwd=ROOT, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
