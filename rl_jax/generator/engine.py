@@ -486,8 +486,10 @@ class Engine:
         seqs = list(self._running.values())
         batch = batch_bucket(max(self._running) + 1, self.engine_config.max_slots)
         kv_needed = max(seq.kv_needed for seq in seqs)
+        horizon = max(len(seq.request.input_ids) + seq.request.sampling.max_new_tokens
+                      for seq in seqs)
         filtered = any(seq.request.sampling.needs_filter for seq in seqs)
-        out = self.runner.decode(self._decode_weights, batch, kv_needed, filtered)
+        out = self.runner.decode(self._decode_weights, batch, kv_needed, filtered, horizon)
         for seq in seqs:
             seq.dispatched += 1
         self._inflight.append(_InFlight(out, seqs, [seq.slot for seq in seqs], self.version))

@@ -28,6 +28,8 @@ sample_index, token_index)``, independent of the batch.
 
 from __future__ import annotations
 
+import logging
+import threading
 from functools import partial
 from typing import Any
 
@@ -40,6 +42,8 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import (apply_rotary, attention_mask, decoder_layer, rms_norm,
                                        rotary_tables)
 from rl_jax.sharding import ShardingRules
+
+log = logging.getLogger(__name__)
 
 LAYER_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
 MIN_KV_LEN = 16
@@ -536,6 +540,8 @@ class ModelRunner:
                             * config.head_dim * jnp.dtype(self.cache_dtype).itemsize)
         self._zeros: dict[int, Any] = {}
         self._resizers: dict[int, Any] = {}
+        self._compiled: set[tuple[int, int, bool]] = set()  # decode steps compiled or under way
+        self._compiling: dict[tuple[int, int, bool], threading.Event] = {}  # compiled ahead
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, max_seq_len))
         self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
         self.state = self._initial_state()
@@ -577,16 +583,57 @@ class ModelRunner:
             jnp.asarray(slots), values, jnp.asarray(fresh), filtered=filtered)
         return out
 
-    def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool):
+    def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool,
+               kv_horizon: int = 0):
         """One decode step of slots ``0..batch-1`` whose next positions are ``< kv_needed``;
-        returns the packed ``[2, batch]`` sampled tokens and log-probs (see :func:`unpack`)."""
+        returns the packed ``[2, batch]`` sampled tokens and log-probs (see :func:`unpack`).
+
+        ``kv_horizon`` is how many positions the running sequences may reach: when it exceeds
+        the cache length, the step for the next length is compiled in a background thread, so
+        that growing into it need not stall decoding for a compilation.
+        """
         length = kv_bucket(kv_needed, self.max_seq_len)
         # Grow when needed; shrink only to half or less (each resize copies the cache).
         if length > self.kv_len or 2 * length <= self.kv_len:
+            ahead = self._compiling.pop((batch, length, filtered), None)
+            if ahead is not None:
+                ahead.wait()  # finishing it is faster than compiling again
             self._resize(length)
+        self._compiled.add((batch, self.kv_len, filtered))
         self.k_cache, self.v_cache, self.state, out = self._decode(
             weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered)
+        if kv_horizon > self.kv_len:
+            self._compile_ahead(weights, batch, kv_bucket(self.kv_len + 1, self.max_seq_len),
+                                filtered)
         return out
+
+    def _compile_ahead(self, weights, batch: int, length: int, filtered: bool):
+        """Compiles, in a background thread, the decode step for caches of ``length`` positions
+        and the resize to it (JAX's compilation cache then serves the first real call)."""
+        key = (batch, length, filtered)
+        if key in self._compiled:
+            return
+        self._compiled.add(key)
+        done = self._compiling[key] = threading.Event()
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
+        current = jax.tree.map(abstract, (self.k_cache, self.v_cache))
+        shape = (self.max_slots, self.config.num_kv_heads, length, self.config.head_dim)
+        grown = jax.ShapeDtypeStruct(shape, self.cache_dtype,
+                                     sharding=self._layer_cache_sharding(length))
+        grown = ((grown,) * self.config.num_layers,) * 2
+        args = (jax.tree.map(abstract, weights), *grown, jax.tree.map(abstract, self.state))
+        resizer = self._resizer(length)
+
+        def compile_both():
+            try:
+                resizer.lower(*current).compile()
+                self._decode.lower(*args, batch=batch, filtered=filtered).compile()
+            except Exception:  # a missed warm-up only costs the compilation later
+                log.debug("compiling the decode step ahead failed", exc_info=True)
+            finally:
+                done.set()
+
+        threading.Thread(target=compile_both, name="decode-compile", daemon=True).start()
 
     def reset_cache(self):
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, self.max_seq_len))
@@ -625,14 +672,17 @@ class ModelRunner:
                 out_shardings=((sharding,) * layers,) * 2)
         return self._zeros[length]()
 
-    def _resize(self, length: int):
-        """Pads or truncates every layer's cache to ``length`` positions (copies the cache)."""
+    def _resizer(self, length: int):
         if length not in self._resizers:
             sharding = self._layer_cache_sharding(length)
             layers = self.config.num_layers
             self._resizers[length] = jax.jit(  # no donation: the shapes differ
                 partial(_resize_cache, length=length), out_shardings=((sharding,) * layers,) * 2)
-        self.k_cache, self.v_cache = self._resizers[length](self.k_cache, self.v_cache)
+        return self._resizers[length]
+
+    def _resize(self, length: int):
+        """Pads or truncates every layer's cache to ``length`` positions (copies the cache)."""
+        self.k_cache, self.v_cache = self._resizer(length)(self.k_cache, self.v_cache)
 
 
 def _resize_cache(k_cache, v_cache, *, length: int):
