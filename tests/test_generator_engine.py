@@ -457,3 +457,37 @@ def test_weights_are_laid_out_off_the_scheduler_thread(weights):
             eng.update_weights({"embed": weights[1]["embed"]}, version=2)
     finally:
         eng.shutdown()
+
+
+def test_the_next_cache_length_is_compiled_ahead(weights):
+    from jax import monitoring
+    compiles = []
+
+    def count(name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        _decode_across_a_cache_length(weights, compiles)
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+
+
+def _decode_across_a_cache_length(weights, compiles):
+    import jax
+    from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner
+    runner = ModelRunner(CFG, max_slots=8, max_seq_len=96)
+    params = weights[0]
+    decode_weights = runner.prepare(params)
+    k, v, logits = runner.prefill(params, np.ones((8, 16), np.int32), np.full(8, 10, np.int32))
+    values = {name: np.zeros(8, dtype) for name, dtype in SLOT_FIELDS.items()}
+    values.update(position=np.full(8, 10), temperature=np.ones(8), top_p=np.ones(8))
+    slots = np.arange(8, dtype=np.int32)
+    runner.admit(k, v, logits, slots, slots, values, np.ones(8, bool), False)
+    runner.decode(decode_weights, 8, 12, False, kv_horizon=40)  # cache of 16: 32 compiles ahead
+    runner._compiling[(8, 32, False)].wait(timeout=120)
+    before = len(compiles)
+    out = runner.decode(decode_weights, 8, 20, False, kv_horizon=40)  # grows to 32
+    jax.block_until_ready(out)
+    assert runner.kv_len == 32 and len(compiles) == before
