@@ -633,7 +633,8 @@ class ModelRunner:
             finally:
                 done.set()
 
-        threading.Thread(target=compile_both, name="decode-compile", daemon=True).start()
+        # Not a daemon: the interpreter waits for it at exit rather than killing it inside XLA.
+        threading.Thread(target=compile_both, name="decode-compile", daemon=False).start()
 
     def reset_cache(self):
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, self.max_seq_len))
