@@ -72,6 +72,8 @@ def get_config() -> ConfigDict:
         kind="rl_jax", urls=(), num_servers=1, max_slots=64, max_seq_len=64,
         dtype="float32", tensor_parallel=1, startup_timeout_s=600.0,
         restart_dead=True, request_timeout_s=600.0,
+        # Compile every decode shape before serving (a slower start, no stalls later).
+        warmup_shapes=True,
     ))
     # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1".
     c.cpus = ConfigDict(dict(trainer="0", generators="1"))

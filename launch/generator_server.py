@@ -31,6 +31,9 @@ _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial wei
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile before reporting ready.")
+_WARMUP_SHAPES = flags.DEFINE_bool("warmup_shapes", False, "Also compile every decode batch "
+                                   "size and length before reporting ready (no compilation "
+                                   "stalls later; a slower start).")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models.")
 _PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
 _PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight publisher "
@@ -62,6 +65,7 @@ def main(argv):
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
+        warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,
         publisher_url=_PUBLISHER.value)
     try:

@@ -27,6 +27,7 @@ SMALL = [
     "--config.rollout.groups_per_batch=16", "--config.rollout.group_size=4",
     "--config.eval.examples=64", "--config.eval.every=0", "--config.generator.max_slots=32",
     "--config.checkpoint.every=2", "--config.cpus.trainer=", "--config.cpus.generators=",
+    "--config.generator.warmup_shapes=False",
 ]
 
 

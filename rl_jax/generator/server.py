@@ -79,6 +79,7 @@ class ServerConfig:
     weight_version: int = 0
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
+    warmup_shapes: bool = False  # ... every decode batch size and length (slower start)
     served_model_name: str | None = None
     parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
     publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
@@ -216,12 +217,27 @@ class GeneratorServer:
             log.info("pulled initial weight version %d from %s", update.version, url)
 
     def warmup(self):
-        """Compiles prefill, decode and sampling with one short greedy request."""
+        """Compiles prefill, decode and sampling with one short greedy request; with
+        ``warmup_shapes``, also every decode shape a run can meet (each power-of-two batch up
+        to ``max_slots``, each grown to ``max_seq_len``), so that no request waits for a
+        compilation later (seconds each on a CPU core)."""
         steps = min(2, self.config.max_seq_len - 1)
         if steps > 0:
             self.engine.generate(GenerateRequest(
                 [0], SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True),
                 rid="warmup"), timeout=600)
+        if not self.config.warmup_shapes or self.config.max_seq_len < 3:
+            return
+        start = time.perf_counter()
+        slots = self.config.max_slots
+        sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
+        for n in sizes:
+            self.engine.generate(GenerateRequest(
+                [0], SamplingParams(max_new_tokens=self.config.max_seq_len - 1, temperature=1.0,
+                                    ignore_eos=True, n=n, seed=0),
+                rid=f"warmup-{n}"), timeout=1800)
+        log.info("compiled decode for batches %s up to %d tokens in %.1f s", sizes,
+                 self.config.max_seq_len, time.perf_counter() - start)
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -71,7 +71,9 @@ class GeneratorPool:
                 dtype=block.dtype, tensor_parallel=int(block.tensor_parallel),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
                 cpu_cores=cpu_cores, env=tuple(tuple(kv) for kv in block.get("env", ())),
-                extra_args=tuple(block.get("extra_args", ())),
+                extra_args=tuple(block.get("extra_args", ())) + (
+                    ("--warmup_shapes",) if block.kind == "rl_jax" and
+                    block.get("warmup_shapes", False) else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else ""))
 
     @property

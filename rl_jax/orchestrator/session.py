@@ -20,6 +20,7 @@ from rl_jax import distributed, envs
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
 from rl_jax.generator.client import ClientConfig, GeneratorClient
+from rl_jax.generator.server import eos_ids
 from rl_jax.generator.types import SamplingParams
 from rl_jax.losses import finalize_metrics
 from rl_jax.metrics import MetricsWriter, plot_curves, write_json
@@ -290,7 +291,8 @@ class Session:
                                sampling=sampling, max_retries=r.max_retries,
                                filter_zero_signal=r.filter_zero_signal,
                                length_of=None if not r.lengths.sigma else LognormalLengths(
-                                   r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed))
+                                   r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed),
+                               score_until=eos_ids(self.model_config))
         version = int(self.state.step)
         state = dict(self.meta.get("rollout") or {})
         state.update(trainer_version=version, generator_version=self.weights.applied)

@@ -70,12 +70,22 @@ class RolloutConfig:
     # Per-prompt completion length (benchmarks): position -> max_new_tokens, generated with
     # ignore_eos so every sample of the prompt has exactly that length. None: sampling's own.
     length_of: Callable[[int], int] | None = None
+    # With length_of: the environment scores the completion up to its first of these tokens
+    # (what the policy answered before it was made to go on).
+    score_until: tuple[int, ...] = ()
 
 
 def prompt_seed(seed: int | None, position: int) -> int | None:
     """The sampling seed of the prompt at ``position`` (None: unseeded): distinct per prompt,
     the same for the same prompt, so a resumed or repeated run samples the same tokens."""
     return None if seed is None else (int(seed) * 1_000_003 + 65_537 * int(position)) % 2**31
+
+
+def _until(ids: list[int], stops: tuple[int, ...]) -> list[int]:
+    for i, token in enumerate(ids):
+        if token in stops:
+            return ids[:i + 1]
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +376,7 @@ class RolloutIterator(grain.DatasetIterator):
                                            ignore_eos=True)
         outputs = await self._generator.generate(
             GenerateRequest(ids, sampling, rid=self._rid(position)))
-        texts = [self._decode(o.output_ids) for o in outputs]
+        texts = [self._decode(_until(o.output_ids, cfg.score_until)) for o in outputs]
         scores = await score_many(self._env, [prompt] * len(outputs), texts)
         if cfg.shaping is not None:
             scores = [(cfg.shaping.apply(r, len(o.output_ids),
