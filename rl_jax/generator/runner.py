@@ -1,8 +1,9 @@
 """Jitted device work of the inference engine: prefill, admission, decode steps and sampling.
 
-The KV cache is slot-based, one array per layer: ``k_cache[l], v_cache[l]`` of shape
-``[slots, K, kv_len, Dh]``, one slot per running sequence (heads before positions, so that the
-attention products read each head's keys and values where they lie). Its length ``kv_len`` follows
+The KV cache is slot-based, one array per layer and slot per running sequence: keys
+``k_cache[l] [slots, K, Dh, kv_len]`` and values ``v_cache[l] [slots, K, kv_len, Dh]`` (heads
+before positions, and key positions innermost, so that both attention products are plain
+per-head matmuls over the cache where it lies). Its length ``kv_len`` follows
 the longest running sequence (see :func:`kv_bucket`), so a decode step reads and attends over the
 context the batch actually has, not the whole capacity; the memory bound is
 ``2·L·slots·max_seq_len·K·Dh`` elements. A slot holding a sequence of length ``n`` has
@@ -45,7 +46,11 @@ from rl_jax.sharding import ShardingRules
 
 log = logging.getLogger(__name__)
 
-LAYER_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
+# Per-layer cache layouts: keys [slots, K, Dh, kv_len], values [slots, K, kv_len, Dh]. Keys with
+# positions innermost make the score product a plain [G, Dh] x [Dh, T] matmul per slot and head.
+K_CACHE_AXES = ("act_batch", "act_kv_heads", "head_dim", "act_seq")
+V_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
+K_SEQ_AXIS, V_SEQ_AXIS = 3, 2
 MIN_KV_LEN = 16
 FINE_KV_LEN = 128
 
@@ -186,8 +191,9 @@ def prepare_decode_weights(params: dict[str, Any], *, cfg: ModelConfig, dtype: A
 # ---- decode ---------------------------------------------------------------------------------------
 
 def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain):
-    """One decoder layer for one token per slot: ``h [S, D]``; caches ``[slots, K, T, Dh]`` of
-    which rows ``0..S-1`` are this step's. Mirrors ``models.transformer.decoder_layer``."""
+    """One decoder layer for one token per slot: ``h [S, D]``; key cache ``[slots, K, Dh, T]``
+    and value cache ``[slots, K, T, Dh]`` of which rows ``0..S-1`` are this step's. Mirrors
+    ``models.transformer.decoder_layer``."""
     s = h.shape[0]
     kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // kv_heads
@@ -204,14 +210,14 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
     q = apply_rotary(q.reshape(s, 1, kv_heads * g, hd), cos, sin).reshape(s, kv_heads, g, hd)
     k = apply_rotary(k[:, None], cos, sin)[:, 0]
     rows = jnp.arange(s)
-    k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
+    k_cache = k_cache.at[rows, :, :, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
     keys, values = k_cache[:s].astype(dtype), v_cache[:s].astype(dtype)
     # Softmax attention with the normalisation after the value product, and the mask as an
     # additive bias: fewer passes over the [S, K, G, T] scores than softmax-then-product.
-    bias = jnp.where(jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None],
+    bias = jnp.where(jnp.arange(values.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None],
                      0.0, -1e30)
-    scores = jnp.einsum("skgx,sktx->skgt", q * jnp.asarray(hd ** -0.5, dtype), keys,
+    scores = jnp.einsum("skgx,skxt->skgt", q * jnp.asarray(hd ** -0.5, dtype), keys,
                         preferred_element_type=jnp.float32) + bias[:, None, None, :]
     weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     attn = jnp.einsum("skgt,sktx->skgx", weights.astype(dtype), values,
@@ -236,7 +242,8 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
 
     Args:
       weights: :func:`prepare_decode_weights` output.
-      k_cache, v_cache: per layer ``[slots, K, kv_len, Dh]`` (slot positions ``< kv_len``).
+      k_cache, v_cache: per layer keys ``[slots, K, Dh, kv_len]`` and values
+        ``[slots, K, kv_len, Dh]`` (slot positions ``< kv_len``).
       state: :data:`SlotState`, ``[slots]`` arrays.
       batch: slots decoded (a prefix; the others are untouched).
       filtered: whether any slot uses top-k/top-p/min-p (see :func:`sample`).
@@ -298,13 +305,16 @@ def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots,
     """
     p = k_new.shape[2]
 
-    def put(cache, new):
-        # [M, P, K, Dh] → [M, K, P, Dh] into the first P positions of the slots.
-        return cache.at[slots, :, :p].set(jnp.swapaxes(new[rows], 1, 2).astype(cache.dtype),
-                                          mode="drop")
+    def put_keys(cache, new):  # [M, P, K, Dh] → [M, K, Dh, P] into the first P positions
+        new = jnp.transpose(new[rows], (0, 2, 3, 1)).astype(cache.dtype)
+        return cache.at[slots, :, :, :p].set(new, mode="drop")
 
-    k_cache = tuple(put(c, k_new[i]) for i, c in enumerate(k_cache))
-    v_cache = tuple(put(c, v_new[i]) for i, c in enumerate(v_cache))
+    def put_values(cache, new):  # [M, P, K, Dh] → [M, K, P, Dh] into the first P positions
+        new = jnp.swapaxes(new[rows], 1, 2).astype(cache.dtype)
+        return cache.at[slots, :, :p].set(new, mode="drop")
+
+    k_cache = tuple(put_keys(c, k_new[i]) for i, c in enumerate(k_cache))
+    v_cache = tuple(put_values(c, v_new[i]) for i, c in enumerate(v_cache))
     tokens, logprobs = sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
                               values["token_index"], filtered=filtered)
     tokens = jnp.where(fresh, tokens, values["token"])
@@ -557,7 +567,7 @@ class ModelRunner:
     @property
     def kv_len(self) -> int:
         """Current length of the cache's position axis."""
-        return self.k_cache[0].shape[2]
+        return self.v_cache[0].shape[V_SEQ_AXIS]
 
     def prepare(self, params: dict[str, Any]) -> dict[str, Any]:
         """Decode weights for ``params`` (:func:`prepare_decode_weights`), dispatched
@@ -617,10 +627,10 @@ class ModelRunner:
         done = self._compiling[key] = threading.Event()
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
         current = jax.tree.map(abstract, (self.k_cache, self.v_cache))
-        shape = (self.max_slots, self.config.num_kv_heads, length, self.config.head_dim)
-        grown = jax.ShapeDtypeStruct(shape, self.cache_dtype,
-                                     sharding=self._layer_cache_sharding(length))
-        grown = ((grown,) * self.config.num_layers,) * 2
+        grown = tuple((jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding),)
+                      * self.config.num_layers
+                      for shape, sharding in zip(self._cache_shapes(length),
+                                                 self._cache_shardings(length)))
         args = (jax.tree.map(abstract, weights), *grown, jax.tree.map(abstract, self.state))
         resizer = self._resizer(length)
 
@@ -658,27 +668,33 @@ class ModelRunner:
         return {name: jax.device_put(np.zeros((s,), dtype), self._state_sharding)
                 for name, dtype in SLOT_FIELDS.items()}
 
-    def _layer_cache_sharding(self, length: int):
-        shape = (self.max_slots, self.config.num_kv_heads, length, self.config.head_dim)
-        return self._sharding(LAYER_CACHE_AXES, shape, "kv cache")
+    def _cache_shapes(self, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-layer key and value cache shapes for ``length`` positions."""
+        s, k, hd = self.max_slots, self.config.num_kv_heads, self.config.head_dim
+        return (s, k, hd, length), (s, k, length, hd)
+
+    def _cache_shardings(self, length: int):
+        k_shape, v_shape = self._cache_shapes(length)
+        return (self._sharding(K_CACHE_AXES, k_shape, "key cache"),
+                self._sharding(V_CACHE_AXES, v_shape, "value cache"))
 
     def _zero_cache(self, length: int):
         if length not in self._zeros:
-            shape = (self.max_slots, self.config.num_kv_heads, length, self.config.head_dim)
             layers = self.config.num_layers
-            sharding = self._layer_cache_sharding(length)
+            shapes, shardings = self._cache_shapes(length), self._cache_shardings(length)
             self._zeros[length] = jax.jit(
                 lambda: tuple(tuple(jnp.zeros(shape, self.cache_dtype) for _ in range(layers))
-                              for _ in range(2)),
-                out_shardings=((sharding,) * layers,) * 2)
+                              for shape in shapes),
+                out_shardings=tuple((sharding,) * layers for sharding in shardings))
         return self._zeros[length]()
 
     def _resizer(self, length: int):
         if length not in self._resizers:
-            sharding = self._layer_cache_sharding(length)
             layers = self.config.num_layers
             self._resizers[length] = jax.jit(  # no donation: the shapes differ
-                partial(_resize_cache, length=length), out_shardings=((sharding,) * layers,) * 2)
+                partial(_resize_cache, length=length),
+                out_shardings=tuple((sharding,) * layers
+                                    for sharding in self._cache_shardings(length)))
         return self._resizers[length]
 
     def _resize(self, length: int):
@@ -687,8 +703,11 @@ class ModelRunner:
 
 
 def _resize_cache(k_cache, v_cache, *, length: int):
-    def one(c):
-        if c.shape[2] >= length:
-            return c[:, :, :length]
-        return jnp.pad(c, ((0, 0), (0, 0), (0, length - c.shape[2]), (0, 0)))
-    return tuple(map(one, k_cache)), tuple(map(one, v_cache))
+    def one(c, axis):
+        if c.shape[axis] >= length:
+            return jax.lax.slice_in_dim(c, 0, length, axis=axis)
+        pad = [(0, 0)] * c.ndim
+        pad[axis] = (0, length - c.shape[axis])
+        return jnp.pad(c, pad)
+    return (tuple(one(c, K_SEQ_AXIS) for c in k_cache),
+            tuple(one(c, V_SEQ_AXIS) for c in v_cache))
