@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,17 +174,36 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     assert summary.get("rollout/skipped_prompts", 0) == 0
 
 
+@pytest.mark.parametrize("override, message", [
+    ({"rollout.max_lag": -1}, "rollout.max_lag must be an integer >= 0"),
+    ({"mode": "fast"}, "mode must be one of"),
+    ({"rollout.group_size": 1}, "rollout.group_size must be >= 2"),
+    ({"loss.name": "ppo2"}, "loss.name must be one of"),
+    ({"loss.options": ConfigDict({"epsilon": 0.1})}, "loss.options"),
+    ({"trainer.steps": 0}, "trainer.steps must be an integer >= 1"),
+    ({"generator.urls": ("localhost:30000",)}, "generator.urls must be http(s) URLs"),
+])
+def test_static_config_checks(override, message):
+    from rl_jax.orchestrator import RLConfigError, validate
+    c = _load(ROOT / "configs/tiny_rl.py")
+    for key, value in override.items():
+        block, _, name = key.rpartition(".")
+        target = c[block] if block else c
+        with target.unlocked() if hasattr(target, "unlocked") else c.unlocked():
+            target[name] = value
+    with pytest.raises(RLConfigError, match=re.escape(message)):
+        validate(c)
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--config.rollout.max_lag=-1", "rollout.max_lag must be an integer >= 0"),
-    ("--config.mode=fast", "mode must be one of"),
-    ("--config.rollout.group_size=1", "rollout.group_size must be >= 2"),
     ("--config.rollout.rows_per_batch=3", "not divisible"),
     ("--config.rollout.seq_len=8", "rollout.seq_len=8 is shorter than the longest sample"),
     ("--config.generator.urls=('http://127.0.0.1:9',)", "unreachable"),
-    ("--config.loss.name=ppo2", "loss.name must be one of"),
     ("--config.rollout.nonsense=1", "nonsense"),
 ])
 def test_bad_configs_stop_at_start_with_one_line(base_policy, tmp_path, flag, message):
+    """From the command line: one line on stderr, no traceback, before any generation."""
     extra = ("--config.trainer.num_microbatches=2",) if "rows_per_batch" in flag else ()
     result = launch(tmp_path / "bad", flag, *extra, base=base_policy, timeout=180)
     assert result.returncode != 0
@@ -226,7 +246,6 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
     """launch.trainer on two processes (4 host devices each, one (1, 8, 1) mesh) with a
     generator server given by URL: process 0 drives the rollout and publishes, both train.
     (The tiny vocabulary of 15 tokens cannot be split over a tensor axis.)"""
-    import re
     from rl_jax.generator.launcher import free_port
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     server = subprocess.Popen(
