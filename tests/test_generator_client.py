@@ -170,8 +170,9 @@ def test_killed_server_is_detected_and_requests_retried(pool):
             long = asyncio.create_task(client.generate(req(max_new_tokens=400)))
             await wait_for(lambda: any(s.outstanding for s in client.servers))
             victim = next(i for i, s in enumerate(client.servers) if s.outstanding)
-            await wait_for(lambda: http(pool.urls[victim], "/get_load")[1]["running"] == 1,
-                           what="the long request to start decoding")
+            # Frozen at once (the request must not finish first: 400 tokens take well under a
+            # second), then killed with the request in flight.
+            pool.kill(victim, signal.SIGSTOP)
             pool.kill(victim, signal.SIGKILL)
             outs = await long  # its connection broke: retried on the other server
             assert len(outs[0].output_ids) == 400
