@@ -7,12 +7,14 @@ import io
 import os
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
 from safetensors.numpy import load as load_safetensors
 
 from rl_jax.generator.engine import Engine
@@ -122,10 +124,11 @@ def test_chunks_are_valid_aligned_safetensors():
 
 def test_checksums_catch_single_bit_flips_and_misplaced_shards():
     x = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
-    dst = np.empty_like(x)
     d = checksum.digest(x)
-    assert checksum.copy_and_digest(dst, x, block_bytes=100) == d and np.array_equal(dst, x)
-    assert checksum.copy_and_digest(np.empty((33, 64), np.float32), x.T) == checksum.digest(x.T)
+    # The GIL-free path computes exactly the xxhash package's XXH3-64 of the C-order bytes.
+    assert d == xxhash.xxh3_64(x.tobytes()).hexdigest()
+    assert checksum.digest(x.T) == xxhash.xxh3_64(np.ascontiguousarray(x.T).tobytes()).hexdigest()
+    assert checksum.digest_async(x).result() == d
     flipped = x.copy()
     flipped.reshape(-1).view(np.uint8)[1234] ^= 0x10
     assert checksum.digest(flipped) != d
@@ -216,6 +219,41 @@ def test_superseded_while_pulling_restarts_on_the_newest(publisher, specs):
     assert update.metrics.versions_skipped == 2
     got, want = host(update.params), host(newest)
     assert all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_shm_weights_alias_a_slot_nobody_rewrites_while_they_live(publisher, specs):
+    """shm pulls are zero-copy: the arrays alias the publisher's staging slot, which stays
+    locked (and intact) while they live, however many versions follow; then it is reused."""
+    import gc
+    puller = Puller(publisher.url, target_of(specs["single"]), transports=["shm"])
+    puller.register()
+    first = random_params(specs["trainer"], 1)
+    publisher.publish(first, 1)
+    held = puller.pull(0)
+    slot = held.manifest.transports["shm"]["file"]
+    array = flatten(held.params)["layers.wq"]
+    with open(slot, "rb") as f:  # the array's bytes are the slot's bytes
+        f.seek(held.manifest.tensors[[t.name for t in held.manifest.tensors].index(
+            "layers.wq")].shards[0].offset)
+        assert f.read(64) == np.asarray(array).tobytes()[:64]
+    files = set()
+    for version in (2, 3, 4):
+        publisher.publish(random_params(specs["trainer"], version), version)
+        update = puller.pull(version - 1)
+        files.add(update.manifest.transports["shm"]["file"])
+        del update
+        gc.collect()
+    assert slot not in files  # never rewritten while held...
+    got, want = host(held.params), host(first)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    del held, array, got
+    gc.collect()
+    reused = set()
+    for version in (5, 6):
+        publisher.publish(random_params(specs["trainer"], version), version)
+        reused.add(puller.poll(version - 1).transports["shm"]["file"])
+    assert slot in reused  # ...and reused once released
+    assert len(list(Path(slot).parent.glob("slot*.safetensors"))) == 3
 
 
 def test_unproducible_layout_is_refused_with_a_clear_error(publisher, specs):

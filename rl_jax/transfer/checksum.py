@@ -6,14 +6,21 @@ sides compute it from what they hold: the publisher from the shards it offers, t
 the arrays it is about to hand to the engine, so anything that goes wrong in between (a flipped
 byte, a truncated chunk, a shard placed at the wrong index) is caught.
 
-The digest is XXH3-64 (``xxhash``, ~20-30 GB/s per core, far above memory bandwidth; not
-cryptographic: it protects against faults, not against an adversary). Without ``xxhash`` the
-publisher falls back to CRC-32 (zlib, ~4 GB/s); the algorithm travels in the manifest.
+The digest is XXH3-64 (``xxhash``; not cryptographic: it protects against faults, not against
+an adversary). Measured here: ~75 GB/s on data in cache, ~30 GB/s streaming from memory (about
+half the time of a ``memcpy`` of the same bytes). Whole-shard digests call the library's C
+function through ``ctypes``, which releases the GIL, so :func:`digest_async` hashes on another
+core while the caller copies the next shard. Without ``xxhash`` the publisher falls back to
+CRC-32 (zlib, ~4 GB/s); the algorithm travels in the manifest.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
+import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterable
 
@@ -26,7 +33,23 @@ except ImportError:  # pragma: no cover - xxhash is a declared dependency
 
 ALGORITHMS = ("xxh3_64", "crc32")
 DEFAULT_ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
-BLOCK_BYTES = 1 << 20  # copy-and-hash granularity (stays in cache between the two)
+
+
+def _load_xxh3():
+    """``XXH3_64bits(ptr, len) -> uint64`` from the ``xxhash`` package's own extension (the
+    very code ``xxhash.xxh3_64`` runs), callable without the GIL; None if unavailable."""
+    if xxhash is None:
+        return None
+    try:
+        from xxhash import _xxhash
+        fn = ctypes.CDLL(_xxhash.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_uint64
+    return fn
+
+
+_XXH3_64 = _load_xxh3()
 
 
 class Hasher:
@@ -51,36 +74,37 @@ class Hasher:
         return self._h.hexdigest() if self._h is not None else f"{self._crc:08x}"
 
 
-def _bytes_view(array: np.ndarray) -> memoryview:
-    a = np.ascontiguousarray(array)
-    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
-
-
 def digest(array: np.ndarray, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Digest of ``array``'s bytes in C order (a non-contiguous view is copied first)."""
+    a = np.ascontiguousarray(array)
+    if algorithm == "xxh3_64" and _XXH3_64 is not None and a.size:
+        return f"{_XXH3_64(a.ctypes.data, a.nbytes):016x}"  # == xxhash.xxh3_64(a).hexdigest()
     h = Hasher(algorithm)
-    h.update(_bytes_view(array))
+    h.update(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
     return h.hexdigest()
 
 
-def copy_and_digest(dst: np.ndarray, src: np.ndarray, algorithm: str = DEFAULT_ALGORITHM,
-                    block_bytes: int = BLOCK_BYTES) -> str:
-    """Copies ``src`` into the C-contiguous ``dst`` (same shape and dtype) and returns the digest
-    of the copied bytes, hashing each block right after copying it, while it is in cache."""
-    h = Hasher(algorithm)
-    if dst.size == 0:
-        return h.hexdigest()
-    flat_dst = dst.reshape(-1)
-    if src.flags.c_contiguous:
-        flat_src = src.reshape(-1)
-        step = max(1, block_bytes // dst.itemsize)
-        for i in range(0, flat_dst.size, step):
-            np.copyto(flat_dst[i:i + step], flat_src[i:i + step])
-            h.update(memoryview(flat_dst[i:i + step].view(np.uint8)))
-        return h.hexdigest()
-    np.copyto(dst, src)
-    h.update(memoryview(flat_dst.view(np.uint8)))
-    return h.hexdigest()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def digest_async(array: np.ndarray, algorithm: str = DEFAULT_ALGORITHM
+                 ) -> concurrent.futures.Future:
+    """:func:`digest` in a background thread (two workers, shared by the process). ``array``
+    must not change until the future is done."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(2, "transfer-digest")
+    return _pool.submit(digest, array, algorithm)
 
 
 def combine(shards: Iterable[tuple[tuple[tuple[int, int], ...], str]],

@@ -42,6 +42,10 @@ class PublisherConfig:
         unused ticket of a dead generator expires then and frees its hold on the arrays).
       layout_ttl_s: a registered layout whose generators have not asked for a manifest for
         this long is no longer prepared.
+      max_host_slots: staging slots (each the size of one version in that layout) a layout
+        may use: ``shm`` pullers hold the slot their live weights alias, so a slot is free for
+        the next version only once its pullers moved on; past this many, publishing that
+        layout fails with an error its pullers see.
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +57,7 @@ class PublisherConfig:
     num_transport_addresses: int = 1
     ticket_ttl_s: float = 120.0
     layout_ttl_s: float = 600.0
+    max_host_slots: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +75,10 @@ class PullerConfig:
         publisher's).
       retries: how many times a pull restarts on the newest version when the one it was
         pulling is superseded meanwhile.
-      host_buffers: model-sized host buffers the host transports keep for reuse (pulled
+      host_buffers: model-sized host buffers the ``socket`` transport keeps for reuse (pulled
         weights alias them on CPU, so one is in use per live version; reusing the others
-        avoids page faults).
+        avoids page faults). ``shm`` pulls need none: their weights alias the publisher's
+        staging slot, which stays locked for as long as they live.
     """
 
     transport: str = "auto"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -280,7 +281,8 @@ class Publisher:
         transports: dict[str, Any] = {}
         if wanted & set(HOST_TRANSPORTS):
             if key not in self._host:
-                self._host[key] = HostStaging(self._staging_root / key)
+                self._host[key] = HostStaging(self._staging_root / key,
+                                             self.config.max_host_slots)
             tensors, staging, _ = self._host[key].stage(version, flat, layout,
                                                         self.config.chunk_bytes, self.algorithm)
             infos = {t.name: t for t in tensors}
@@ -465,8 +467,20 @@ class Publisher:
                 raise HTTPStatus(409, "host staging was not prepared for this layout")
             if {"offset": offset, "nbytes": nbytes} not in prep.staging["chunks"]:
                 raise HTTPStatus(400, f"no chunk at offset {offset} of {nbytes} bytes")
-            staging = self._host[key]
-            fd = os.dup(staging.fd(prep.staging["slot"]))
+            path = self._host[key].slot_path(prep.staging["slot"])
+        # A shared lock for the send: the slot is not rewritten under it.
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            raise HTTPStatus(410, f"version {version} is no longer offered")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise HTTPStatus(410, f"version {version} is no longer offered")
+        if self._host[key].stamp(prep.staging["slot"]) != version:
+            os.close(fd)
+            raise HTTPStatus(410, f"version {version} is no longer offered")
         return FileSlice(fd, offset, nbytes, owned=True)
 
     def _route_report(self, query, body):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import fcntl
 import http.client
 import logging
 import mmap
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import uuid as uuid_lib
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,28 +145,48 @@ class HostBufferPool:
 
 class _SourceMaps:
     """Read-only mappings of the publisher's staging files, kept across versions: the files are
-    rewritten in place, so after the first pull their page tables are warm here too."""
+    rewritten in place, so after the first pull their page tables are warm here too (a fresh
+    mapping costs a page fault per page on first touch: several times the copy itself)."""
 
     def __init__(self):
-        self._maps: dict[str, tuple[int, int, mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}
         self._lock = threading.Lock()
 
-    def view(self, path: str, nbytes: int) -> np.ndarray:
+    def view(self, path: str, fd: int, nbytes: int) -> np.ndarray:
+        """A new array over the first ``nbytes`` of the file open as ``fd`` (whose ``path``
+        names the cached mapping); the array is its views' base."""
         with self._lock:
-            st = os.stat(path)
+            st = os.fstat(fd)
+            if st.st_size < nbytes:
+                raise VersionGone(f"staging file {path} is shorter than the manifest says")
             entry = self._maps.get(path)
-            if entry is None or entry[0] != st.st_ino or entry[1] < nbytes or \
-                    entry[1] != st.st_size:
-                fd = os.open(path, os.O_RDONLY)
+            if entry is None or entry[0] != st.st_ino or entry[1] != st.st_size:
+                # Mapped through another descriptor: ``mmap`` keeps a duplicate of the one it
+                # is given, which would keep ``fd``'s lock alive with the cached mapping.
+                own = os.open(path, os.O_RDONLY)
                 try:
-                    size = os.fstat(fd).st_size
-                    if size < nbytes:
-                        raise VersionGone(f"staging file {path} is shorter than the manifest says")
-                    m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                    if os.fstat(own).st_ino != st.st_ino:
+                        raise VersionGone(f"staging file {path} was replaced")
+                    m = mmap.mmap(own, st.st_size, prot=mmap.PROT_READ)
                 finally:
-                    os.close(fd)
-                entry = self._maps[path] = (st.st_ino, size, m, np.frombuffer(m, np.uint8))
-            return entry[3][:nbytes]
+                    os.close(own)
+                entry = self._maps[path] = (st.st_ino, st.st_size, m)
+            return np.frombuffer(entry[2], np.uint8, count=nbytes)
+
+
+def _hold_slot(path: str) -> int:
+    """Opens a staging slot with a shared lock (the publisher does not rewrite a slot while
+    anyone holds it); raises :class:`VersionGone` when it is being rewritten or gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise VersionGone(f"staging file {path} is gone: {e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        os.close(fd)
+        raise VersionGone(f"staging file {path} is being rewritten") from e
+    return fd
 
 
 def _is_loopback(host: str) -> bool:
@@ -350,6 +372,8 @@ class Puller:
     # ---- host transports ------------------------------------------------------------------------
 
     def _fetch_shm(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
+        """Zero-copy: the arrays alias the publisher's staging slot (mapped read-only), whose
+        shared lock lives as long as they do. Each shard is hashed where it lies."""
         if manifest.host_id != host_id():
             raise TransportUnavailable("the publisher is on another host: shm is unusable")
         info, staging = manifest.transports["shm"], manifest.transports["staging"]
@@ -362,29 +386,36 @@ class Puller:
             except (OSError, IndexError) as e:
                 raise VersionGone(f"staging of version {manifest.version} is gone: {e}") from e
 
-        if stamp() != manifest.version:
-            raise VersionGone(f"version {manifest.version} was superseded")
+        fd = _hold_slot(info["file"])
+        release = None
         try:
-            src = self._sources.view(info["file"], total)
-        except OSError as e:
-            raise VersionGone(f"staging file of version {manifest.version} is gone: {e}") from e
-        buf = self._buffers.get(total)
-        # Copy each shard and hash it while it is in cache; the arrays will alias these bytes.
-        digests: dict[str, dict[Index, str]] = {}
-        for c in staging["chunks"]:  # headers (and padding) first
-            lo, hi = int(c["offset"]), int(c["offset"]) + int(c["nbytes"])
-            np.copyto(buf[lo:hi], src[lo:hi])
-        for k, tensor in enumerate(manifest.tensors):
-            if k == len(manifest.tensors) // 2 and "mid_pull" in self.hooks:
-                self.hooks["mid_pull"]()
-            for shard in tensor.shards:
-                lo, hi = shard.offset, shard.offset + shard.nbytes
-                digests.setdefault(tensor.name, {})[shard.index] = checksum.copy_and_digest(
-                    buf[lo:hi], src[lo:hi], manifest.algorithm)
-        del src
-        if stamp() != manifest.version:
-            raise VersionGone(f"version {manifest.version} was overwritten while read")
-        return self._arrays_from_chunks(manifest, buf), total, digests
+            if stamp() != manifest.version:
+                raise VersionGone(f"version {manifest.version} was superseded")
+            try:
+                base = self._sources.view(info["file"], fd, total)
+            except OSError as e:
+                raise VersionGone(f"staging file of version {manifest.version} is gone: "
+                                  f"{e}") from e
+            release = weakref.finalize(base, os.close, fd)  # unlocks when no array aliases it
+            futures: dict[str, dict[Index, Any]] = {}  # hashed on two cores where free
+            for k, tensor in enumerate(manifest.tensors):
+                if k == len(manifest.tensors) // 2 and "mid_pull" in self.hooks:
+                    self.hooks["mid_pull"]()
+                for shard in tensor.shards:
+                    lo, hi = shard.offset, shard.offset + shard.nbytes
+                    futures.setdefault(tensor.name, {})[shard.index] = checksum.digest_async(
+                        base[lo:hi], manifest.algorithm)
+            digests = {name: {index: f.result() for index, f in shards.items()}
+                       for name, shards in futures.items()}
+            if stamp() != manifest.version:
+                raise VersionGone(f"version {manifest.version} was superseded while read")
+            return self._arrays_from_chunks(manifest, base), total, digests
+        except BaseException:
+            if release is not None:
+                release()
+            else:
+                os.close(fd)
+            raise
 
     def _fetch_socket(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
         staging = manifest.transports["staging"]

@@ -3,11 +3,12 @@
 Host staging (``shm`` and ``socket`` transports): the trainer's shards are copied straight into
 the generator's shards inside a reusable staging file (safetensors-format chunks, see
 :mod:`rl_jax.transfer.chunks`), hashing each block while it is in cache. The copy *is* the
-reshard: no device work and one pass over the bytes. Each layout has two slot files used in turn
-(the newest version is never overwritten; the slot being rewritten held a superseded version), so
-after two versions the pages are warm and a publish costs about one ``memcpy``. Each slot has a
-stamp file (``int64`` version, -1 while it is being written): pullers check it before and after
-reading, and the per-shard checksums catch anything else.
+reshard: no device work and one pass over the bytes. Each layout has a few slot files used in turn:
+a slot is rewritten only when no puller holds it (``flock``: exclusive while the publisher writes,
+shared while a puller's arrays alias the slot's bytes), and never while it holds the newest
+version; so after a few versions the pages are warm and a publish costs about one ``memcpy``.
+Each slot has a stamp file (``int64`` version; -1 while it is being written, -2 once superseded):
+pullers check it before and after reading, and the per-shard checksums catch anything else.
 
 Device staging (``jax_transfer``): each tensor is resharded in a jit over all the trainer's
 devices, laid out as ``(replicas, *generator mesh)``, then the shards of replica group 0 are
@@ -17,6 +18,8 @@ Tensors go one at a time, so the transient replication costs one tensor, not the
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import mmap
 import os
 import shutil
@@ -35,7 +38,8 @@ from rl_jax.transfer.errors import LayoutError
 from rl_jax.transfer.layout import Index, Layout, index_shape, index_slices, normalize_index
 from rl_jax.transfer.manifest import ShardInfo, TensorInfo
 
-STAMP_WRITING = -1
+STAMP_WRITING = -1  # the slot is being written
+STAMP_SUPERSEDED = -2  # the slot holds a version that is no longer offered
 
 
 def check_layout(layout: Layout, flat: Mapping[str, Any]) -> None:
@@ -70,15 +74,10 @@ def _host_shards(array: jax.Array) -> list[tuple[Index, np.ndarray]]:
     return list(seen.items())
 
 
-def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]],
-              algorithm: str) -> str:
-    """Fills ``dst`` (the shard ``target``) from the overlapping source shards; returns its
-    digest. One covering source: copy-and-hash in cache-sized blocks."""
-    for index, host in sources:
-        if all(s0 <= t0 and t1 <= s1 for (s0, s1), (t0, t1) in zip(index, target)):
-            region = tuple(slice(t0 - s0, t1 - s0) for (s0, _), (t0, t1) in zip(index, target))
-            return checksum.copy_and_digest(dst, host[region].astype(dst.dtype, copy=False),
-                                            algorithm)
+def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
+              ) -> None:
+    """Fills ``dst`` (the shard ``target``) from the overlapping source shards: one copy per
+    source (strided where the layouts cut differently), cast to ``dst``'s dtype."""
     covered = 0
     for index, host in sources:
         lo = [max(s0, t0) for (s0, _), (t0, _) in zip(index, target)]
@@ -92,19 +91,38 @@ def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
     if covered != dst.size:
         raise LayoutError(f"source shards cover {covered} of {dst.size} elements of shard "
                           f"{target} (parameters not fully addressable in this process?)")
-    return checksum.digest(dst, algorithm)
+
+
+class StagingFull(LayoutError):
+    """Every staging slot of a layout is held by pullers (no slot can be rewritten)."""
+
+
+@dataclasses.dataclass
+class _Slot:
+    fd: int
+    map: mmap.mmap | None
+    size: int
+    stamp_fd: int
+    stamp_map: mmap.mmap
+    stamp: np.ndarray  # int64[1], a view of stamp_map
 
 
 class HostStaging:
-    """Two slot files (and their stamps) for one layout, reused version after version."""
+    """Slot files (and their stamps) for one layout, reused version after version.
 
-    def __init__(self, directory: Path):
+    A slot is rewritten only when nobody holds it: the publisher takes an exclusive ``flock`` on
+    it for the write, pullers hold a shared one for as long as their arrays alias its bytes
+    (``shm``) or a chunk of it is being sent (``socket``). When every slot but the newest is
+    held, a new one is made (up to ``max_slots``).
+    """
+
+    def __init__(self, directory: Path, max_slots: int = 8):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._maps: dict[int, tuple[int, mmap.mmap, int]] = {}  # slot -> (fd, map, size)
-        self._stamps: dict[int, np.ndarray] = {}
-        self._stamp_maps: dict[int, tuple[int, mmap.mmap]] = {}
+        self.max_slots = max_slots
+        self._slots: dict[int, _Slot] = {}
         self.current_slot: int | None = None
+        self._staged_slot: int | None = None
 
     def slot_path(self, slot: int) -> Path:
         return self.dir / f"slot{slot}.safetensors"
@@ -112,42 +130,57 @@ class HostStaging:
     def stamp_path(self, slot: int) -> Path:
         return self.dir / f"slot{slot}.version"
 
-    def _stamp(self, slot: int) -> np.ndarray:
-        if slot not in self._stamps:
-            fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-            os.ftruncate(fd, 8)
-            m = mmap.mmap(fd, 8)
-            self._stamp_maps[slot] = (fd, m)
-            self._stamps[slot] = np.frombuffer(m, np.int64)
-            self._stamps[slot][0] = STAMP_WRITING
-        return self._stamps[slot]
+    def _new_slot(self, slot: int) -> _Slot:
+        fd = os.open(self.slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        stamp_fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(stamp_fd, 8)
+        stamp_map = mmap.mmap(stamp_fd, 8)
+        entry = _Slot(fd, None, 0, stamp_fd, stamp_map, np.frombuffer(stamp_map, np.int64))
+        entry.stamp[0] = STAMP_WRITING
+        self._slots[slot] = entry
+        return entry
 
-    def stamp(self, slot: int) -> int:
-        return int(self._stamp(slot)[0])
+    def _acquire(self) -> int:
+        """A slot locked exclusively for writing: a free existing one, else a new one."""
+        for slot, entry in sorted(self._slots.items()):
+            if slot == self.current_slot:
+                continue
+            try:
+                fcntl.flock(entry.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # pullers still use the version it holds
+            return slot
+        if len(self._slots) >= self.max_slots:
+            raise StagingFull(f"all {len(self._slots)} staging slots of this layout are held by "
+                              "pullers (generators keeping old versions?)")
+        slot = max(self._slots, default=-1) + 1
+        fcntl.flock(self._new_slot(slot).fd, fcntl.LOCK_EX)
+        return slot
 
-    def _map(self, slot: int, size: int) -> mmap.mmap:
-        fd, m, have = self._maps.get(slot, (None, None, 0))
-        if m is None or have < size:
-            if m is not None:
-                m.close()
-                os.close(fd)
-            fd = os.open(self.slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-            os.ftruncate(fd, size)
-            m = mmap.mmap(fd, size)
-            self._maps[slot] = (fd, m, size)
-        return m
+    def _map(self, entry: _Slot, size: int) -> mmap.mmap:
+        if entry.map is None or entry.size < size:
+            if entry.map is not None:
+                try:
+                    entry.map.close()
+                except BufferError:  # a view is still alive; dropped with it
+                    pass
+            os.ftruncate(entry.fd, size)
+            entry.map, entry.size = mmap.mmap(entry.fd, size), size
+        return entry.map
 
     def fd(self, slot: int) -> int:
-        return self._maps[slot][0]
+        return self._slots[slot].fd
+
+    def stamp(self, slot: int) -> int:
+        return int(self._slots[slot].stamp[0])
 
     def stage(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
               chunk_bytes: int, algorithm: str) -> tuple[list[TensorInfo], dict[str, Any], int]:
-        """Writes ``flat`` in ``layout`` into the slot not holding the current version.
+        """Writes ``flat`` in ``layout`` into a slot nobody holds (never the current version's).
 
         Returns ``(tensor infos with offsets, staging description, slot)``; call
         :meth:`commit` once the version is announced.
         """
-        slot = 0 if self.current_slot != 0 else 1
         names = sorted(flat)
         entries, shard_lists = [], {}
         for name in names:
@@ -158,57 +191,67 @@ class HostStaging:
         plans = plan_chunks(entries, chunk_bytes, {"format": "rl_jax.transfer",
                                                    "version": str(version), "layout": layout.key})
         size = max(p.offset + p.nbytes for p in plans)
-        stamp = self._stamp(slot)
-        stamp[0] = STAMP_WRITING
-        m = self._map(slot, size)
-        buf = np.frombuffer(m, np.uint8)
-        offsets = {}
-        for p in plans:
-            buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
-            offsets.update(p.entries)
-        infos = []
-        for name in names:
-            dtype = target_dtype(layout, name, flat[name])
-            sources = _host_shards(flat[name])
-            shards = []
-            for k, index in enumerate(shard_lists[name]):
-                shape = index_shape(index)
-                off = offsets[f"{name}#{k}"]
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                dst = buf[off:off + nbytes].view(dtype).reshape(shape)
-                shards.append(ShardInfo(index, _assemble(dst, index, sources, algorithm),
-                                        nbytes, off))
-            infos.append(TensorInfo(name, tuple(flat[name].shape), dtype.name,
-                                    checksum.combine([(s.index, s.checksum) for s in shards],
-                                                     algorithm), tuple(shards)))
-        stamp[0] = version
+        slot = self._acquire()
+        entry = self._slots[slot]
+        try:
+            entry.stamp[0] = STAMP_WRITING
+            buf = np.frombuffer(self._map(entry, size), np.uint8, count=size)
+            offsets = {}
+            for p in plans:
+                buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
+                offsets.update(p.entries)
+            # Each shard is hashed in a background thread while the next one is copied.
+            pending = {}
+            for name in names:
+                dtype = target_dtype(layout, name, flat[name])
+                sources = _host_shards(flat[name])
+                for k, index in enumerate(shard_lists[name]):
+                    off = offsets[f"{name}#{k}"]
+                    nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
+                    dst = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
+                    _assemble(dst, index, sources)
+                    pending[name, k] = (checksum.digest_async(dst, algorithm), nbytes, off)
+            infos = []
+            for name in names:
+                shards = tuple(ShardInfo(index, future.result(), nbytes, off)
+                               for k, index in enumerate(shard_lists[name])
+                               for future, nbytes, off in [pending[name, k]])
+                infos.append(TensorInfo(name, tuple(flat[name].shape),
+                                        target_dtype(layout, name, flat[name]).name,
+                                        checksum.combine([(s.index, s.checksum) for s in shards],
+                                                         algorithm), shards))
+            entry.stamp[0] = version
+        finally:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)
+        self._staged_slot = slot
         description = {"file": str(self.slot_path(slot)), "stamp": str(self.stamp_path(slot)),
                        "slot": slot, "nbytes": size,
                        "chunks": [{"offset": p.offset, "nbytes": p.nbytes} for p in plans]}
         return infos, description, slot
 
     def commit(self, slot: int) -> None:
-        self.current_slot = slot
+        """``slot`` holds the announced version; the previous one's stamp says superseded, so
+        that a puller still reading it starts again on the newest."""
+        previous, self.current_slot = self.current_slot, slot
+        if previous is not None and previous != slot:
+            self._slots[previous].stamp[0] = STAMP_SUPERSEDED
 
     def corrupt(self, offset: int) -> None:
         """Flips one bit at ``offset`` of the slot being published (fault injection)."""
-        slot = 0 if self.current_slot != 0 else 1
-        m = self._maps[slot][1]
+        m = self._slots[self._staged_slot].map
         m[offset] = m[offset] ^ 0x01
 
     def close(self) -> None:
-        for fd, m, _ in self._maps.values():
-            m.close()
-            os.close(fd)
-        self._stamps.clear()
-        for fd, m in self._stamp_maps.values():
-            try:
-                m.close()
-            except BufferError:  # a numpy view is still alive; the OS frees it at exit
-                pass
-            os.close(fd)
-        self._maps.clear()
-        self._stamp_maps.clear()
+        for entry in self._slots.values():
+            for m in (entry.map, entry.stamp_map):
+                try:
+                    if m is not None:
+                        m.close()
+                except BufferError:  # a numpy view is still alive; the OS frees it at exit
+                    pass
+            os.close(entry.fd)
+            os.close(entry.stamp_fd)
+        self._slots.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
