@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.generator.engine import Engine, EngineConfig
-from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, sample
+from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, attend, sample
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 from rl_jax.models import ModelConfig, save_pretrained
 from rl_jax.trainer.state import ModelSpec
@@ -240,26 +240,70 @@ def raw_decode_steps(runner: ModelRunner, params, weights, prompts: np.ndarray,
     return (time.perf_counter() - start) / max(new_tokens - 1, 1)
 
 
+def dense_matmuls(weights: dict, x: jax.Array) -> jax.Array:
+    """Every dense matmul of a decode step of ``x [B, D]``, at its shapes (fused query/key/value,
+    output, fused gate/up, down, unembedding), chained so none can be dropped; no attention,
+    norms or sampling."""
+    for layer in weights["layers"]:
+        qkv = x @ layer["wqkv"]
+        out = qkv[:, :layer["wo"].shape[0]] @ layer["wo"]
+        gate_up = jnp.einsum("sd,dcf->scf", x + out, layer["w_gate_up"])
+        x = x + out + (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ layer["w_down"]
+    return x @ weights["unembed"]
+
+
 def step_components(runner: ModelRunner, params, weights, batch: int, position: int) -> dict:
     """Seconds of a raw step (``decode``: the model and sampling, ``batch`` slots at about
-    ``position``) and of its sampling alone (``sample``) from ``[batch, V]`` logits, plus
-    ``sample_filtered``, the sampling path that top-k/top-p requests switch on (top-k 50 and
-    top-p 0.9 here; not used by the benchmark's requests)."""
-    prompts = prompts_for(runner.config, batch, 16, seed=7)
+    ``position``) and of its pieces alone: ``matmuls`` (:func:`dense_matmuls`), ``attention``
+    (every layer's attention over the cache at the length the step reads, ``attention_kv_len``),
+    ``sample`` (sampling from ``[batch, V]`` logits), plus ``sample_filtered``, the sampling path
+    that top-k/top-p requests switch on (top-k 50 and top-p 0.9 here; not used by the
+    benchmark's requests)."""
+    cfg = runner.config
+    prompts = prompts_for(cfg, batch, 16, seed=7)
     jax.block_until_ready(admit_prompts(runner, params, prompts, position=position))
-    logits = jax.random.normal(jax.random.key(0), (batch, runner.config.vocab_size)) * 3
+    decode_s = best_time(lambda: jax.block_until_ready(
+        runner.decode(weights, batch, position + 16, False)), repeats=10)
+    logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size)) * 3
     ones, zeros = jnp.ones((batch,)), jnp.zeros((batch,), jnp.int32)
     seeds = jnp.arange(batch, dtype=jnp.uint32)
     plain = (ones, zeros - 1, ones, ones * 0, seeds, zeros, zeros)
     filtered = (ones, zeros + 50, ones * 0.9, ones * 0, seeds, zeros, zeros)
     sample_fn = jax.jit(sample, static_argnames="filtered")
+    x = jax.random.normal(jax.random.key(1), (batch, cfg.hidden_size))
+    matmuls = jax.jit(dense_matmuls)
+    kv_heads = cfg.num_kv_heads
+    q = jax.random.normal(jax.random.key(2), (batch, kv_heads, cfg.num_heads // kv_heads,
+                                              cfg.head_dim))
+    positions = jnp.full((batch,), position + 16, jnp.int32)
+    caches = [(k[:batch], v[:batch]) for k, v in zip(runner.k_cache, runner.v_cache)]
+    attention = jax.jit(lambda q, caches: [attend(q, k, v, positions, dtype=q.dtype)
+                                           for k, v in caches])
     return {
-        "decode": best_time(lambda: jax.block_until_ready(
-            runner.decode(weights, batch, position + 16, False)), repeats=10),
+        "decode": decode_s,
+        "matmuls": best_time(lambda: jax.block_until_ready(matmuls(weights, x)), repeats=10),
+        "attention": best_time(lambda: jax.block_until_ready(attention(q, caches)), repeats=10),
+        "attention_kv_len": runner.kv_len,
         "sample": best_time(lambda: jax.block_until_ready(
             sample_fn(logits, *plain, filtered=False)), repeats=10),
         "sample_filtered": best_time(lambda: jax.block_until_ready(
             sample_fn(logits, *filtered, filtered=True)), warmup=1, repeats=5)}
+
+
+def component_rooflines(cfg: ModelConfig, batch: int, context: float, kv_len: int,
+                        ceilings: dict, itemsize: int = 4) -> dict:
+    """Each piece's own roofline (seconds): ``matmuls`` (weights read once, 2 FLOPs per weight
+    per sequence), ``attention`` (the live context's keys and values, 4 FLOPs per element per
+    query head; ``attention_read`` the same with the cache length the step reads) and ``sample``
+    (the logits read twice)."""
+    peak, bw = ceilings["peak_flops"], ceilings["bandwidth"]
+    mm = cfg.num_params(include_embeddings=False) + cfg.vocab_size * cfg.hidden_size
+    kv_elems = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * batch
+    attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * batch * (context + 1)
+    return {"matmuls": max(mm * itemsize / bw, 2 * mm * batch / peak),
+            "attention": max(kv_elems * (context + 1) * itemsize / bw, attn_flops / peak),
+            "attention_read": kv_elems * kv_len * itemsize / bw,
+            "sample": 2 * batch * cfg.vocab_size * 4 / bw}
 
 
 def engine_generate(engine: Engine, prompts: np.ndarray, new_tokens: int) -> float:
@@ -352,6 +396,7 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
                 hf_1[t].append(hf_generate(hf_model, prompts, 1, threads=t))
             measured.append(meter.measure(working_set))
         parts = step_components(runner, params, weights, b, p + n // 2)
+        parts_context = p + n // 2 + 16  # the components' step attends over this many tokens
         engine.shutdown()
         del runner, engine
         gc.collect()
@@ -366,6 +411,8 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
                "engine_wall_s": best(eng_n), "roofline_step_s": roof["step_s"], "roofline": roof,
                "roofline_dram_step_s": roof_dram["step_s"], "roofline_dram": roof_dram,
                "ceilings": row_ceilings,
+               "components_roofline_s": component_rooflines(
+                   cfg, b, parts_context, parts["attention_kv_len"], row_ceilings),
                "components_s": parts,
                "times_s": {"raw_step": raw, "engine_n": eng_n, "engine_1": eng_1, "hf_n": hf_n,
                            "hf_1": hf_1}}
@@ -387,6 +434,7 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             row["engine_over_hf"] = row["hf_step_s"] / row["engine_step_s"]
             row["engine_over_hf_wall"] = row["hf_wall_s"] / row["engine_wall_s"]
         rows.append(row)
+        own = row["components_roofline_s"]
         log(f"{name} B={b:<3} step ms: raw {row['raw_step_s'] * 1e3:7.2f}  engine "
             f"{row['engine_step_s'] * 1e3:7.2f}  "
             + (f"hf {row['hf_step_s'] * 1e3:7.2f} ({row['hf_threads']} thr)  " if threads else "")
@@ -394,9 +442,12 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             f"{row_ceilings['peak_flops'] / 1e9:.0f} GFLOP/s, {row_ceilings['bandwidth'] / 1e9:.0f}"
             f" GB/s at {working_set / 2 ** 20:.0f} MiB; main memory "
             f"{row_ceilings['dram_bandwidth'] / 1e9:.0f} GB/s: {roof_dram['step_s'] * 1e3:.2f})"
-            f" | alone: step "
-            f"{parts['decode'] * 1e3:.2f} (its sampling {parts['sample'] * 1e3:.2f}), filtered "
-            f"sampling {parts['sample_filtered'] * 1e3:.2f}")
+            f"\n    alone, ms (own roofline): step {parts['decode'] * 1e3:.2f}; matmuls "
+            f"{parts['matmuls'] * 1e3:.2f} ({own['matmuls'] * 1e3:.2f}), attention "
+            f"{parts['attention'] * 1e3:.2f} ({own['attention'] * 1e3:.2f}; reading "
+            f"{parts['attention_kv_len']} positions {own['attention_read'] * 1e3:.2f}), sampling "
+            f"{parts['sample'] * 1e3:.2f} ({own['sample'] * 1e3:.2f}); filtered sampling "
+            f"{parts['sample_filtered'] * 1e3:.2f}")
     del hf_model
     gc.collect()
     return {"model": name, "params": cfg.num_params(), "config": cfg.to_hf(),

@@ -190,6 +190,23 @@ def prepare_decode_weights(params: dict[str, Any], *, cfg: ModelConfig, dtype: A
 
 # ---- decode ---------------------------------------------------------------------------------------
 
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array, *,
+           dtype: Any) -> jax.Array:
+    """Attention of one query per slot over its cache: ``q [S, K, G, Dh]`` (G query heads per
+    key/value head), ``keys [S, K, Dh, T]``, ``values [S, K, T, Dh]``; cache positions
+    ``<= positions [S]`` are attended. Returns ``[S, K, G, Dh]`` in ``dtype``."""
+    # Softmax attention with the normalisation after the value product, and the mask as an
+    # additive bias: fewer passes over the [S, K, G, T] scores than softmax-then-product.
+    bias = jnp.where(jnp.arange(values.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None],
+                     0.0, -1e30)
+    scores = jnp.einsum("skgx,skxt->skgt", q * jnp.asarray(q.shape[-1] ** -0.5, dtype), keys,
+                        preferred_element_type=jnp.float32) + bias[:, None, None, :]
+    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    attn = jnp.einsum("skgt,sktx->skgx", weights.astype(dtype), values,
+                      preferred_element_type=jnp.float32)
+    return (attn / jnp.sum(weights, axis=-1)[..., None]).astype(dtype)
+
+
 def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain):
     """One decoder layer for one token per slot: ``h [S, D]``; key cache ``[slots, K, Dh, T]``
     and value cache ``[slots, K, T, Dh]`` of which rows ``0..S-1`` are this step's. Mirrors
@@ -212,17 +229,8 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
     rows = jnp.arange(s)
     k_cache = k_cache.at[rows, :, :, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
-    keys, values = k_cache[:s].astype(dtype), v_cache[:s].astype(dtype)
-    # Softmax attention with the normalisation after the value product, and the mask as an
-    # additive bias: fewer passes over the [S, K, G, T] scores than softmax-then-product.
-    bias = jnp.where(jnp.arange(values.shape[2], dtype=jnp.int32)[None, :] <= positions[:, None],
-                     0.0, -1e30)
-    scores = jnp.einsum("skgx,skxt->skgt", q * jnp.asarray(hd ** -0.5, dtype), keys,
-                        preferred_element_type=jnp.float32) + bias[:, None, None, :]
-    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    attn = jnp.einsum("skgt,sktx->skgx", weights.astype(dtype), values,
-                      preferred_element_type=jnp.float32)
-    attn = (attn / jnp.sum(weights, axis=-1)[..., None]).astype(dtype)
+    attn = attend(q, k_cache[:s].astype(dtype), v_cache[:s].astype(dtype), positions,
+                  dtype=dtype)
     out = attn.reshape(s, kv_heads * g * hd) @ w["wo"]
     if cfg.output_bias:
         out = out + w["bo"]
@@ -281,6 +289,9 @@ def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
 
 
+_pack_jit = jax.jit(_pack)
+
+
 def unpack(out: Any) -> tuple[np.ndarray, np.ndarray]:
     """Host ``(tokens [n] int32, logprobs [n] float32)`` from a packed step output."""
     out = np.asarray(out)
@@ -302,7 +313,26 @@ def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots,
         resumes with ``values["token"]``).
 
     Returns ``(k_cache, v_cache, state, out)`` with ``out [2, M]`` as :func:`decode`'s.
+    The runner compiles the two halves separately (:func:`sample_first`, whose shapes do not
+    depend on the cache, and :func:`install`, a cheap scatter), so a new cache length costs
+    only a small compilation.
     """
+    tokens, logprobs = sample_first(logits, rows, values, filtered=filtered)
+    k_cache, v_cache, state = install(k_cache, v_cache, state, k_new, v_new, rows, slots, values,
+                                      fresh, tokens)
+    return k_cache, v_cache, state, _pack(tokens, logprobs)
+
+
+def sample_first(logits, rows, values, *, filtered: bool):
+    """First tokens ``[M]`` (and log-probs) of sequences ``rows [M]`` of prefill ``logits``."""
+    return sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
+                  values["token_index"], filtered=filtered)
+
+
+def install(k_cache, v_cache, state: SlotState, k_new, v_new, rows, slots, values, fresh,
+            tokens):
+    """Writes prefill keys/values and slot state of sequences ``rows → slots`` (see
+    :func:`admit`); ``tokens [M]`` are the sampled first tokens (used where ``fresh``)."""
     p = k_new.shape[2]
 
     def put_keys(cache, new):  # [M, P, K, Dh] → [M, K, Dh, P] into the first P positions
@@ -315,13 +345,11 @@ def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots,
 
     k_cache = tuple(put_keys(c, k_new[i]) for i, c in enumerate(k_cache))
     v_cache = tuple(put_values(c, v_new[i]) for i, c in enumerate(v_cache))
-    tokens, logprobs = sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
-                              values["token_index"], filtered=filtered)
     tokens = jnp.where(fresh, tokens, values["token"])
     updates = dict(values, token=tokens, token_index=values["token_index"] + fresh)
     state = {name: state[name].at[slots].set(updates[name].astype(state[name].dtype),
                                              mode="drop") for name in state}
-    return k_cache, v_cache, state, _pack(tokens, logprobs)
+    return k_cache, v_cache, state
 
 
 # ---- sampling -------------------------------------------------------------------------------------
@@ -559,7 +587,8 @@ class ModelRunner:
         self._prefill = jax.jit(partial(prefill, **kw))
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
                                static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
-        self._admit = jax.jit(admit, static_argnames=("filtered",), donate_argnums=(0, 1, 2))
+        self._sample_first = jax.jit(sample_first, static_argnames=("filtered",))
+        self._install = jax.jit(install, donate_argnums=(0, 1, 2))
         prepare_kw = {} if mesh is None else {"out_shardings": self._weight_shardings()}
         self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
                                 **prepare_kw)
@@ -588,10 +617,12 @@ class ModelRunner:
             self._resize(kv_bucket(needed, self.max_seq_len))
         values = {name: jnp.asarray(np.asarray(values[name], SLOT_FIELDS[name]))
                   for name in SLOT_FIELDS}
-        self.k_cache, self.v_cache, self.state, out = self._admit(
-            self.k_cache, self.v_cache, self.state, k_new, v_new, logits, jnp.asarray(rows),
-            jnp.asarray(slots), values, jnp.asarray(fresh), filtered=filtered)
-        return out
+        rows, fresh = jnp.asarray(rows), jnp.asarray(fresh)
+        tokens, logprobs = self._sample_first(logits, rows, values, filtered=filtered)
+        self.k_cache, self.v_cache, self.state = self._install(
+            self.k_cache, self.v_cache, self.state, k_new, v_new, rows, jnp.asarray(slots),
+            values, fresh, tokens)
+        return _pack_jit(jnp.where(fresh, tokens, values["token"]), logprobs)
 
     def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool,
                kv_horizon: int = 0):
