@@ -30,8 +30,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 _STEPS = flags.DEFINE_integer("steps", 40, "Optimizer steps per mode.")
 _MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async"], "Modes to run.")
-_BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: train one with "
-                            "configs/tiny_lm.py into the work directory.")
+_BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the recipe's base "
+                            "policy, trained once into the work directory.")
 _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sync"),
                                "Where the runs write.")
 _TARGET = flags.DEFINE_float("target_accuracy", 0.0, "Held-out accuracy whose first crossing "
@@ -185,12 +185,13 @@ def main(argv):
     workdir = Path(_WORKDIR.value)
     workdir.mkdir(parents=True, exist_ok=True)
     steps = 8 if _QUICK.value else _STEPS.value
-    base = Path(_BASE.value) if _BASE.value else workdir / "base" / "hf"
-    if not (base / "config.json").is_file():
-        print(f"training the base policy into {base.parent}", flush=True)
-        subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/tiny_lm.py",
-                        f"--workdir={base.parent}"], cwd=ROOT, check=True,
-                       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    if _BASE.value:
+        base = Path(_BASE.value)
+    else:  # the recipe's own base policy (trained once into the work directory)
+        from rl_jax.orchestrator.rl import ensure_base_checkpoint
+        sys.path.insert(0, str(ROOT))
+        from configs.tiny_rl import get_config
+        base = ensure_base_checkpoint(get_config(), workdir)
     lengths = measured_lengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
     print(f"completion lengths: p50 {lengths['p50']:.0f}, p99 {lengths['p99']:.0f} "
           f"(p99/p50 {lengths['p99_over_p50']:.1f}), mean {lengths['mean']:.1f} tokens")

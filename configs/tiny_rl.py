@@ -60,6 +60,9 @@ def get_config() -> ConfigDict:
         steps=400,
         time_limit_s=540.0,  # > 0: stop (and export) after this many seconds of RL
         num_microbatches=1,
+        # > 0: every batch runs as fixed [micro_batch_rows, seq_len] micro-batches (one compiled
+        # program whatever the batch's size; padding at most micro_batch_rows - 1 rows).
+        micro_batch_rows=8,
         logits_block_size=4096,
     ))
     c.optimizer = ConfigDict(dict(learning_rate=5e-4, warmup_steps=5, final_lr_ratio=0.1,

@@ -10,7 +10,7 @@ from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, init_state, learning_rate_schedule,
                                   make_optimizer)
 from rl_jax.trainer.step import (batch_partition_spec, causal_lm_loss, global_batch,
-                                 make_train_step, split_microbatches)
+                                 make_train_step, split_microbatches, StreamingTrainStep)
 from trainer_fixtures import TINY, random_batch
 
 TX = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
@@ -43,6 +43,10 @@ def test_microbatching_and_sharding_match_single_device(reference, mesh_shape, n
     ref_state, ref_metrics = reference
     mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
     state, metrics = _two_steps(mesh, num_micro)
+    _assert_same_steps(state, metrics, ref_state, ref_metrics)
+
+
+def _assert_same_steps(state, metrics, ref_state, ref_metrics):
     for got, want in zip(metrics, ref_metrics):
         for key in ("loss", "grad_norm", "denominator", "nll_sum", "correct_tokens"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
@@ -123,3 +127,58 @@ def test_microbatch_split_draws_rows_from_every_shard():
     assert micro.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     with pytest.raises(ValueError, match="not divisible"):
         split_microbatches(jnp.arange(6), 4)
+
+
+def _streaming_two_steps(mesh, micro_rows, batch_rows=(8, 8)):
+    spec = ModelSpec(TINY, mesh=mesh)
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    step = StreamingTrainStep(spec, TX, causal_lm_loss, micro_rows=micro_rows)
+    out = []
+    for seed, rows in zip((1, 2), batch_rows):
+        host = jax.tree.map(np.asarray, random_batch(seed, batch=rows))
+        state, metrics = step(state, host)
+        out.append({k: float(v) for k, v in metrics.items()})
+    return state, out, step
+
+
+@pytest.mark.parametrize("mesh_shape,micro_rows", [(None, 2), (None, 8), ((2, 2, 2), 4),
+                                                   ((8, 1, 1), 8)])
+def test_streaming_step_matches_whole_batch_step(reference, mesh_shape, micro_rows):
+    ref_state, ref_metrics = reference
+    mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
+    state, metrics, step = _streaming_two_steps(mesh, micro_rows)
+    _assert_same_steps(state, metrics, ref_state, ref_metrics)
+    assert len(step._programs) == 1  # one micro-batch shape, compiled once
+
+
+def test_streaming_step_takes_any_multiple_of_the_micro_batch():
+    # Batches of 4 and then 12 rows go through the same compiled programs; each step equals the
+    # whole-batch step on the same rows.
+    spec = ModelSpec(TINY, mesh=None)
+    step = StreamingTrainStep(spec, TX, causal_lm_loss, micro_rows=4)
+    whole = make_train_step(spec, TX, causal_lm_loss, donate=False)
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    for seed, rows in ((3, 4), (4, 12)):
+        host = jax.tree.map(np.asarray, random_batch(seed, batch=rows))
+        want_state, want = whole(state, global_batch(host, spec.replicated()))
+        state, got = step(state, host)
+        np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(float(got["grad_norm"]), float(want["grad_norm"]), rtol=1e-5)
+        for a, b in zip(_params(state), _params(want_state)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert len(step._programs) == 1
+    with pytest.raises(ValueError, match="not a positive multiple of micro_rows=4"):
+        step(state, jax.tree.map(np.asarray, random_batch(5, batch=6)))
+
+
+def test_streaming_step_skips_a_non_finite_update():
+    spec = ModelSpec(TINY, mesh=None)
+    step = StreamingTrainStep(spec, TX, causal_lm_loss, micro_rows=4)
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    before = _params(state)
+    host = jax.tree.map(np.asarray, random_batch(6, batch=8))
+    host = host.replace(loss_mask=np.where(host.loss_mask > 0, np.inf, 0.0).astype(np.float32))
+    state, metrics = step(state, host)
+    assert int(state.step) == 0 and int(state.skipped) == 1 and int(metrics["skipped"]) == 1
+    for a, b in zip(_params(state), before):
+        np.testing.assert_array_equal(a, b)

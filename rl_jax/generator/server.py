@@ -80,6 +80,7 @@ class ServerConfig:
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
     warmup_shapes: bool = False  # ... every decode batch size and length (slower start)
+    warmup_group_sizes: tuple[int, ...] = (1,)  # ... and admissions of these samples per prompt
     served_model_name: str | None = None
     parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
     publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
@@ -236,8 +237,39 @@ class GeneratorServer:
                 [0], SamplingParams(max_new_tokens=self.config.max_seq_len - 1, temperature=1.0,
                                     ignore_eos=True, n=n, seed=0),
                 rid=f"warmup-{n}"), timeout=1800)
-        log.info("compiled decode for batches %s up to %d tokens in %.1f s", sizes,
+        # Bursts of prompts admitted together (a batch of rollout groups, an evaluation set):
+        # every power-of-two prompt count × each of `warmup_group_sizes` samples per prompt, at
+        # every cache length (installing prefilled sequences compiles per cache length).
+        from rl_jax.generator.runner import kv_bucket
+        lengths = sorted({kv_bucket(n, self.config.max_seq_len)
+                          for n in range(1, self.config.max_seq_len + 1)})
+        for length in lengths:
+            for n in self.config.warmup_group_sizes:
+                for prompts in sizes:
+                    if prompts * n > slots:
+                        continue
+                    if length > lengths[0]:  # grow the cache to `length` (it stays when idle)
+                        self.engine.generate(GenerateRequest(
+                            [0], SamplingParams(max_new_tokens=length - 1, temperature=0.0,
+                                                ignore_eos=True),
+                            rid=f"warmup-grow-{length}"), timeout=1800)
+                    self._burst(prompts, n, tag=f"{length}-{n}-{prompts}")
+        log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
                  self.config.max_seq_len, time.perf_counter() - start)
+
+    def _burst(self, prompts: int, n: int, tag: str):
+        """``prompts`` one-token requests of ``n`` samples, admitted in one scheduler pass."""
+        self.engine.pause("in_place")
+        deadline = time.monotonic() + 60
+        while not self.engine.paused and time.monotonic() < deadline:
+            time.sleep(0.001)
+        futures = [self.engine.submit(GenerateRequest(
+            [i % self.engine.config.vocab_size], SamplingParams(
+                max_new_tokens=2, temperature=1.0, ignore_eos=True, n=n, seed=i),
+            rid=f"warmup-burst-{tag}-{i}")) for i in range(prompts)]
+        self.engine.resume()
+        for future in futures:
+            future.result(timeout=1800)
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -112,6 +112,13 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
                             f"{r.staleness_policy!r}")
     _int("trainer.steps", c.trainer.steps, 1)
     _int("trainer.num_microbatches", c.trainer.num_microbatches, 1)
+    _int("trainer.micro_batch_rows", c.trainer.get("micro_batch_rows", 0), 0)
+    if c.trainer.get("micro_batch_rows", 0) and c.trainer.num_microbatches != 1:
+        raise RLConfigError("trainer.micro_batch_rows (fixed-shape micro-batches) and "
+                            "trainer.num_microbatches > 1 exclude each other; set one")
+    if c.trainer.get("micro_batch_rows", 0) and r.rows_per_batch % c.trainer.micro_batch_rows:
+        raise RLConfigError(f"rollout.rows_per_batch={r.rows_per_batch} is not divisible by "
+                            f"trainer.micro_batch_rows={c.trainer.micro_batch_rows}")
     if c.trainer.time_limit_s < 0:
         raise RLConfigError(f"trainer.time_limit_s must be >= 0, got {c.trainer.time_limit_s}")
     _positive("optimizer.learning_rate", c.optimizer.learning_rate)

@@ -38,7 +38,8 @@ from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
                                   learning_rate_schedule, make_optimizer)
-from rl_jax.trainer.step import default_batch_sharding, global_batch, make_train_step
+from rl_jax.trainer.step import (StreamingTrainStep, default_batch_sharding, global_batch,
+                                 make_train_step)
 from rl_jax.transfer import Publisher, PublisherConfig
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,11 @@ class Session:
                           range(min(256, len(self.prompt_source)))] + self.eval_prompts
         self.max_prompt_tokens = max(len(self.codec.encode(p.text)) for p in sample_prompts)
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        self.row_multiple = shards * c.trainer.num_microbatches
+        micro_rows = int(c.trainer.micro_batch_rows)
+        if micro_rows and micro_rows % shards:
+            raise RLConfigError(f"trainer.micro_batch_rows={micro_rows} is not divisible by the "
+                                f"mesh's {shards} batch shards (data × fsdp)")
+        self.row_multiple = micro_rows or shards * c.trainer.num_microbatches
         self.rows = rows_per_batch(c, self.max_prompt_tokens, self.row_multiple)
         if max_sample_tokens(self.max_prompt_tokens, c) > c.generator.max_seq_len:
             raise RLConfigError(
@@ -206,10 +211,21 @@ class Session:
         self.schedule = learning_rate_schedule(opt)
         self.tx = make_optimizer(opt)
         self.batch_sharding = default_batch_sharding(self.spec)
-        self.train_step = make_train_step(
-            self.spec, self.tx, make_policy_loss(c.loss.name, c.loss.options.to_dict(),
-                                                 block_size=c.trainer.logits_block_size),
-            num_microbatches=c.trainer.num_microbatches, batch_sharding=self.batch_sharding)
+        loss_fn = make_policy_loss(c.loss.name, c.loss.options.to_dict(),
+                                   block_size=c.trainer.logits_block_size)
+        if micro_rows:
+            # Batches of any size run as fixed-shape micro-batches: compiled once, here.
+            self.train_step = StreamingTrainStep(self.spec, self.tx, loss_fn,
+                                                 micro_rows=micro_rows,
+                                                 batch_sharding=self.batch_sharding)
+            seconds = self.train_step.compile(PolicyBatch.abstract(micro_rows,
+                                                                   c.rollout.seq_len))
+            log.info("train step compiled for micro-batches of %d x %d in %.1f s", micro_rows,
+                     c.rollout.seq_len, seconds)
+        else:
+            self.train_step = make_train_step(self.spec, self.tx, loss_fn,
+                                              num_microbatches=c.trainer.num_microbatches,
+                                              batch_sharding=self.batch_sharding)
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
                                          every=c.checkpoint.every,
                                          use_async=c.checkpoint.use_async)
@@ -238,8 +254,9 @@ class Session:
             spec=self.spec)
         self._closers.append(self.publisher.close)
         self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
-                                  publisher_url=self.publisher.url,
-                                  cpu_cores=c.cpus.generators, log_dir=self.workdir / "generators")
+                                  publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
+                                  log_dir=self.workdir / "generators",
+                                  group_sizes=(1, int(c.rollout.group_size)))
         self._closers.append(self.pool.stop)
         started = time.perf_counter()
         self.pool.start()
@@ -307,7 +324,8 @@ class Session:
         self._closers.append(self.rollout.close)
         self.to_batch = GroupsToBatch(seq_len=r.seq_len, rows=self.rows, advantage=r.advantage,
                                       pad_id=self.model_config.pad_token_id or 0,
-                                      row_multiple=self.row_multiple)
+                                      row_multiple=self.row_multiple,
+                                      power_of_two=not c.trainer.micro_batch_rows)
 
 
     # ---- evaluation -----------------------------------------------------------------------------
@@ -367,7 +385,9 @@ class Session:
                             c.trainer.time_limit_s, i)
                 break
             t1 = time.perf_counter()
-            batch = global_batch(PolicyBatch.from_numpy(host), self.batch_sharding)
+            batch = PolicyBatch.from_numpy(host)
+            if not isinstance(self.train_step, StreamingTrainStep):
+                batch = global_batch(batch, self.batch_sharding)
             self.state, metrics = self.train_step(self.state, batch)
             metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
             version = int(self.state.step)

@@ -81,6 +81,12 @@ def prompt_seed(seed: int | None, position: int) -> int | None:
     return None if seed is None else (int(seed) * 1_000_003 + 65_537 * int(position)) % 2**31
 
 
+def _mask_after(ids: list[int], stops: tuple[int, ...]) -> list[float]:
+    """1.0 up to and including the first stop token, 0.0 after it."""
+    kept = len(_until(ids, stops))
+    return [1.0] * kept + [0.0] * (len(ids) - kept)
+
+
 def _until(ids: list[int], stops: tuple[int, ...]) -> list[int]:
     for i, token in enumerate(ids):
         if token in stops:
@@ -382,13 +388,17 @@ class RolloutIterator(grain.DatasetIterator):
             scores = [(cfg.shaping.apply(r, len(o.output_ids),
                                          truncated=o.finish_reason.get("type") == "length"),
                        info) for (r, info), o in zip(scores, outputs)]
+        # Forced lengths: tokens past the first stop token only shape the length distribution;
+        # they are trained on (compute) with loss mask 0, so the policy learns what it scored.
+        masks = [None if cfg.length_of is None or not cfg.score_until else
+                 _mask_after(o.output_ids, cfg.score_until) for o in outputs]
         samples = [Sample(group_id=position, prompt_ids=list(ids),
                           completion_ids=list(o.output_ids),
                           behaviour_logprobs=list(o.output_logprobs),
                           versions=list(o.output_versions),
                           finish_reason=o.finish_reason.get("type", "unknown"),
-                          reward=float(r), info=info)
-                   for o, (r, info) in zip(outputs, scores)]
+                          reward=float(r), info=info, loss_mask=mask)
+                   for o, (r, info), mask in zip(outputs, scores, masks)]
         return samples, scores
 
     async def _episode(self, prompt: Prompt, ids: list[int], position: int, index: int
@@ -482,13 +492,14 @@ class GroupsToBatch:
     advantage: str = "grpo"
     pad_id: int = 0
     row_multiple: int = 1  # rows=0: a multiple of this (batch shards × micro-batches)
+    power_of_two: bool = True  # rows=0: row_multiple · 2^k rows (else any multiple)
 
     def __call__(self, groups: list[Group]) -> dict[str, Any]:
         # Prompt-stream order, not completion order: the same groups always pack the same way.
         groups = sorted(groups, key=lambda g: g.position)
         batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
                             advantage=self.advantage, pad_id=self.pad_id,
-                            row_multiple=self.row_multiple)
+                            row_multiple=self.row_multiple, power_of_two=self.power_of_two)
         rewards = batch["rewards"]
         solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
         batch["metrics"] = {

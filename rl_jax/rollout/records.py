@@ -70,20 +70,24 @@ class PackingError(ValueError):
     """A batch of samples that does not fit the configured rows."""
 
 
-def bucket_rows(needed: int, multiple: int = 1) -> int:
+def bucket_rows(needed: int, multiple: int = 1, power_of_two: bool = True) -> int:
     """Rows for a batch that needs ``needed``: ``multiple · 2^k``, the smallest such ``>=
-    needed``, so that variable batches compile to a few shapes only."""
+    needed``, so that variable batches compile to a few shapes only; or, without
+    ``power_of_two``, the smallest multiple of ``multiple`` (for a train step that runs any
+    number of fixed-shape micro-batches)."""
     units = max(1, -(-needed // multiple))
-    return multiple * (1 << (units - 1).bit_length())
+    return multiple * ((1 << (units - 1).bit_length()) if power_of_two else units)
 
 
 def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: str = "grpo",
-                pad_id: int = 0, row_multiple: int = 1, **advantage_kwargs
+                pad_id: int = 0, row_multiple: int = 1, power_of_two: bool = True,
+                **advantage_kwargs
                 ) -> dict[str, np.ndarray]:
     """Advantages per group, then first-fit-decreasing packing into ``[rows, seq_len]``.
 
     ``rows=0`` sizes the batch to the samples: the rows packing needs, rounded up by
-    :func:`bucket_rows` (to a power-of-two multiple of ``row_multiple``).
+    :func:`bucket_rows` (to a power-of-two multiple of ``row_multiple``, or with
+    ``power_of_two=False`` to a multiple of it).
 
     Returns numpy arrays (all ``[rows, seq_len]``): ``tokens``, ``targets``, ``loss_mask``
     (completion tokens only), ``positions``, ``segment_ids``, ``advantages`` (the sample's
@@ -109,7 +113,7 @@ def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: 
         masks.append([0.0] * len(s.prompt_ids) + [float(m) for m in completion_mask])
     if rows == 0:
         needed = len(pack_sequences(seqs, seq_len, loss_masks=masks, pad_id=pad_id)[0]["tokens"])
-        rows = bucket_rows(needed, row_multiple)
+        rows = bucket_rows(needed, row_multiple, power_of_two)
     packed, leftover = pack_sequences(seqs, seq_len, num_rows=rows, loss_masks=masks,
                                       pad_id=pad_id)
     if leftover:

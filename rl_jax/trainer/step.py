@@ -19,7 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.models.transformer import Transformer
-from rl_jax.trainer.state import ModelSpec, TrainState, state_shardings
+from rl_jax.trainer.state import ModelSpec, TrainState, abstract_state, state_shardings
 
 LossFn = Callable[[Transformer, Any], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
 
@@ -128,26 +128,144 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
                 return (loss_acc, denom_acc, metrics_acc, grads_acc), None
 
             (loss_sum, denom, metrics, grads), _ = jax.lax.scan(body, zeros, micro)
-        safe_denom = jnp.where(denom > 0, denom, 1.0)
-        loss = loss_sum / safe_denom
-        grads = jax.tree.map(lambda g, p: (g / safe_denom).astype(p.dtype), grads, params)
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = tx.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-        new_state = TrainState(
-            step=state.step + ok.astype(jnp.int32),
-            params=jax.tree.map(keep, new_params, params),
-            opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
-            skipped=state.skipped + (~ok).astype(jnp.int32))
-        out = {"loss": loss, "denominator": denom, "grad_norm": grad_norm,
-               "skipped": (~ok).astype(jnp.int32), **metrics}
-        return new_state, out
+        return apply_gradients(state, tx, loss_sum, denom, metrics, grads)
 
     return jax.jit(step, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, spec.replicated()),
                    donate_argnums=(0,) if donate else ())
+
+
+def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_sum: jax.Array,
+                    denom: jax.Array, metrics: dict[str, jax.Array], grads: Any
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The optimizer update from accumulated sums: ``grads / denom``; if the loss or the
+    gradient norm is not finite the state is kept and ``skipped`` counts it."""
+    params = state.params
+    safe_denom = jnp.where(denom > 0, denom, 1.0)
+    loss = loss_sum / safe_denom
+    grads = jax.tree.map(lambda g, p: (g / safe_denom).astype(p.dtype), grads, params)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    new_state = TrainState(
+        step=state.step + ok.astype(jnp.int32),
+        params=jax.tree.map(keep, new_params, params),
+        opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
+        skipped=state.skipped + (~ok).astype(jnp.int32))
+    out = {"loss": loss, "denominator": denom, "grad_norm": grad_norm,
+           "skipped": (~ok).astype(jnp.int32), **metrics}
+    return new_state, out
+
+
+class StreamingTrainStep:
+    """A train step over any number of fixed-shape micro-batches.
+
+    ``step(state, batch)`` takes a host batch (a pytree of numpy ``[R, T]`` arrays, ``R`` a
+    multiple of ``micro_rows``) and runs one compiled gradient-accumulation program per
+    ``[micro_rows, T]`` slice, then one compiled optimizer update: batches whose size varies
+    from step to step (RL batches packed from completions of varying length) share two programs,
+    compiled once, ahead of time by :meth:`compile`, and waste at most ``micro_rows - 1`` padding
+    rows. The update equals :func:`make_train_step` on the whole batch up to the order of float
+    summation (the loss convention: sums over micro-batches, divided once).
+    """
+
+    def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: LossFn, *,
+                 micro_rows: int, batch_sharding: Any = None):
+        if micro_rows < 1:
+            raise ValueError(f"micro_rows must be >= 1, got {micro_rows}")
+        self.spec, self.micro_rows, self._tx = spec, micro_rows, tx
+        self.batch_sharding = batch_sharding or default_batch_sharding(spec)
+        self._shardings = state_shardings(tx, spec)
+        rep = spec.replicated()
+
+        def grads_of(params, batch):
+            def micro_loss(p):
+                loss_sum, denom, metrics = loss_fn(spec.merge(p), batch)
+                return loss_sum, (denom, metrics)
+            (loss_sum, (denom, metrics)), grads = jax.value_and_grad(
+                micro_loss, has_aux=True)(params)
+            return loss_sum, denom, metrics, grads
+
+        def accumulate(params, acc, batch):
+            loss_sum, denom, metrics, grads = grads_of(params, batch)
+            return (acc[0] + loss_sum, acc[1] + denom,
+                    {k: _reduce_metric(k, acc[2][k], metrics[k]) for k in acc[2]},
+                    jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[3], grads))
+
+        def apply(state, acc):
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc[3], state.params)
+            return apply_gradients(state, tx, acc[0], acc[1], acc[2], grads)
+
+        self._grads_of, self._accumulate_fn, self._apply_fn = grads_of, accumulate, apply
+        self._rep = rep
+        self._programs: dict[tuple, Any] = {}
+
+    def _acc_shapes(self, abstract_batch):
+        shapes = jax.eval_shape(self._grads_of, self.spec.abstract_params, abstract_batch)
+        rep = self._rep
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+        metrics = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=rep)
+                   for k, v in shapes[2].items()}
+        grads = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32,
+                                                                sharding=sh),
+                             shapes[3], self.spec.param_shardings)
+        return (scalar, scalar, metrics, grads)
+
+    def compile(self, abstract_micro_batch: Any) -> float:
+        """Compiles the accumulation, zero-init and update programs for micro-batches shaped like
+        ``abstract_micro_batch`` (``ShapeDtypeStruct``s of ``[micro_rows, T]``); returns the
+        seconds it took."""
+        import time
+        start = time.perf_counter()
+        key = jax.tree.map(lambda s: (s.shape, str(s.dtype)), abstract_micro_batch)
+        key = tuple(jax.tree.leaves(key))
+        if key in self._programs:
+            return 0.0
+        acc = self._acc_shapes(abstract_micro_batch)
+        acc_shardings = jax.tree.map(lambda s: s.sharding, acc)
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                            sharding=self.batch_sharding),
+                             abstract_micro_batch)
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              self.spec.abstract_params, self.spec.param_shardings)
+        state = abstract_state(self._tx, self.spec)
+
+        def zeros():
+            return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                    {k: _metric_identity(k, jnp.zeros(v.shape, jnp.float32))
+                     for k, v in acc[2].items()},
+                    jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), acc[3]))
+
+        programs = (
+            jax.jit(zeros, out_shardings=acc_shardings).lower().compile(),
+            jax.jit(self._accumulate_fn, in_shardings=(self.spec.param_shardings, acc_shardings,
+                                                       self.batch_sharding),
+                    out_shardings=acc_shardings, donate_argnums=(1,)).lower(
+                        params, acc, batch).compile(),
+            jax.jit(self._apply_fn, in_shardings=(self._shardings, acc_shardings),
+                    out_shardings=(self._shardings, self._rep),
+                    donate_argnums=(0,)).lower(state, acc).compile())
+        self._programs[key] = programs
+        return time.perf_counter() - start
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        leaves = jax.tree.leaves(batch)
+        rows = leaves[0].shape[0]
+        m = self.micro_rows
+        if rows % m or rows == 0:
+            raise ValueError(f"batch of {rows} rows is not a positive multiple of "
+                             f"micro_rows={m}")
+        slices = [jax.tree.map(lambda x, i=i: x[i:i + m], batch) for i in range(0, rows, m)]
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), slices[0])
+        self.compile(abstract)
+        key = tuple(jax.tree.leaves(jax.tree.map(lambda s: (s.shape, str(s.dtype)), abstract)))
+        zeros, accumulate, apply = self._programs[key]
+        acc = zeros()
+        for micro in slices:
+            acc = accumulate(state.params, acc, global_batch(micro, self.batch_sharding))
+        return apply(state, acc)
 
 
 def _metric_identity(name: str, zero: jax.Array) -> jax.Array:
