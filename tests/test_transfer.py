@@ -128,7 +128,11 @@ def test_checksums_catch_single_bit_flips_and_misplaced_shards():
     # The GIL-free path computes exactly the xxhash package's XXH3-64 of the C-order bytes.
     assert d == xxhash.xxh3_64(x.tobytes()).hexdigest()
     assert checksum.digest(x.T) == xxhash.xxh3_64(np.ascontiguousarray(x.T).tobytes()).hexdigest()
-    assert checksum.digest_async(x).result() == d
+    for threads in (0, 2):
+        digests = checksum.Digests(threads=threads)
+        digests.add("x", x)
+        digests.add("x.T", x.T)
+        assert digests.result() == {"x": d, "x.T": checksum.digest(x.T)}
     flipped = x.copy()
     flipped.reshape(-1).view(np.uint8)[1234] ^= 0x10
     assert checksum.digest(flipped) != d

@@ -42,6 +42,9 @@ class PublisherConfig:
         unused ticket of a dead generator expires then and frees its hold on the arrays).
       layout_ttl_s: a registered layout whose generators have not asked for a manifest for
         this long is no longer prepared.
+      digest_threads: background threads hashing staged shards while the next ones are
+        copied (0: hash each shard in the publishing thread right after copying it, while it
+        is partly in cache; the faster choice when no core is idle).
       max_host_slots: staging slots (each the size of one version in that layout) a layout
         may use: ``shm`` pullers hold the slot their live weights alias, so a slot is free for
         the next version only once its pullers moved on; past this many, publishing that
@@ -57,6 +60,7 @@ class PublisherConfig:
     num_transport_addresses: int = 1
     ticket_ttl_s: float = 120.0
     layout_ttl_s: float = 600.0
+    digest_threads: int = 0
     max_host_slots: int = 8
 
 
@@ -75,6 +79,8 @@ class PullerConfig:
         publisher's).
       retries: how many times a pull restarts on the newest version when the one it was
         pulling is superseded meanwhile.
+      digest_threads: background threads verifying host-transport shards (0: in the pulling
+        thread; N: up to N shards hashed at once on otherwise idle cores).
       host_buffers: model-sized host buffers the ``socket`` transport keeps for reuse (pulled
         weights alias them on CPU, so one is in use per live version; reusing the others
         avoids page faults). ``shm`` pulls need none: their weights alias the publisher's
@@ -87,4 +93,5 @@ class PullerConfig:
     socket_connections: int = 4
     num_transport_addresses: int = 1
     retries: int = 2
+    digest_threads: int = 0
     host_buffers: int = 3

@@ -397,16 +397,16 @@ class Puller:
                 raise VersionGone(f"staging file of version {manifest.version} is gone: "
                                   f"{e}") from e
             release = weakref.finalize(base, os.close, fd)  # unlocks when no array aliases it
-            futures: dict[str, dict[Index, Any]] = {}  # hashed on two cores where free
+            hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
             for k, tensor in enumerate(manifest.tensors):
                 if k == len(manifest.tensors) // 2 and "mid_pull" in self.hooks:
                     self.hooks["mid_pull"]()
                 for shard in tensor.shards:
-                    lo, hi = shard.offset, shard.offset + shard.nbytes
-                    futures.setdefault(tensor.name, {})[shard.index] = checksum.digest_async(
-                        base[lo:hi], manifest.algorithm)
-            digests = {name: {index: f.result() for index, f in shards.items()}
-                       for name, shards in futures.items()}
+                    hashed.add((tensor.name, shard.index),
+                               base[shard.offset:shard.offset + shard.nbytes])
+            digests: dict[str, dict[Index, str]] = {}
+            for (name, index), value in hashed.result().items():
+                digests.setdefault(name, {})[index] = value
             if stamp() != manifest.version:
                 raise VersionGone(f"version {manifest.version} was superseded while read")
             return self._arrays_from_chunks(manifest, base), total, digests

@@ -175,7 +175,8 @@ class HostStaging:
         return int(self._slots[slot].stamp[0])
 
     def stage(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
-              chunk_bytes: int, algorithm: str) -> tuple[list[TensorInfo], dict[str, Any], int]:
+              chunk_bytes: int, algorithm: str, digest_threads: int = 0
+              ) -> tuple[list[TensorInfo], dict[str, Any], int]:
         """Writes ``flat`` in ``layout`` into a slot nobody holds (never the current version's).
 
         Returns ``(tensor infos with offsets, staging description, slot)``; call
@@ -200,8 +201,8 @@ class HostStaging:
             for p in plans:
                 buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
                 offsets.update(p.entries)
-            # Each shard is hashed in a background thread while the next one is copied.
-            pending = {}
+            digests = checksum.Digests(algorithm, digest_threads)
+            placed = {}
             for name in names:
                 dtype = target_dtype(layout, name, flat[name])
                 sources = _host_shards(flat[name])
@@ -210,12 +211,13 @@ class HostStaging:
                     nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
                     dst = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
                     _assemble(dst, index, sources)
-                    pending[name, k] = (checksum.digest_async(dst, algorithm), nbytes, off)
+                    digests.add((name, k), dst)
+                    placed[name, k] = (nbytes, off)
+            digests = digests.result()
             infos = []
             for name in names:
-                shards = tuple(ShardInfo(index, future.result(), nbytes, off)
-                               for k, index in enumerate(shard_lists[name])
-                               for future, nbytes, off in [pending[name, k]])
+                shards = tuple(ShardInfo(index, digests[name, k], *placed[name, k])
+                               for k, index in enumerate(shard_lists[name]))
                 infos.append(TensorInfo(name, tuple(flat[name].shape),
                                         target_dtype(layout, name, flat[name]).name,
                                         checksum.combine([(s.index, s.checksum) for s in shards],
