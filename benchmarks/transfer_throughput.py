@@ -49,9 +49,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-# (label, transport, digest threads on both sides): shm also with hashing on two background
-# threads (which pays off only when cores are idle), side by side with the default.
-VARIANTS = (("shm", "shm", 0), ("shm/2 hash threads", "shm", 2), ("socket", "socket", 0),
+# (label, transport, threads): shm also with two threads staging shards (copy + hash) in the
+# publisher and two hashing them in the puller (which pays off only when cores are idle), side
+# by side with the default (all in the calling thread).
+VARIANTS = (("shm", "shm", 0), ("shm/2 threads", "shm", 2), ("socket", "socket", 0),
             ("jax_transfer", "jax_transfer", 0), ("disk", "disk", 0))
 # name -> (hidden, layers, vocab); intermediate = 4 * hidden, heads of 64; float32.
 SIZES = {"10MB": (256, 2, 4096), "100MB": (512, 4, 8192), "300MB": (768, 8, 12288),
@@ -116,7 +117,7 @@ def trainer_main():
                     spec.abstract_params, spec.param_shardings)
             publisher = Publisher(PublisherConfig(
                 transports=(cmd["transport"],), disk_dir=cmd["disk_dir"],
-                digest_threads=cmd.get("digest_threads", 0)), spec=spec)
+                staging_threads=cmd.get("threads", 0)), spec=spec)
             reply(url=publisher.url,
                   nbytes=int(sum(x.nbytes for x in jax.tree.leaves(params))))
         elif cmd["cmd"] == "wait":
@@ -150,7 +151,7 @@ def generator_main():
                                   spec.abstract_params, spec.param_shardings)
             puller = Puller(cmd["url"], target, transports=[cmd["transport"]],
                             config=PullerConfig(timeout_s=600,
-                                                digest_threads=cmd.get("digest_threads", 0)))
+                                                digest_threads=cmd.get("threads", 0)))
             puller.register()
             reply(ok=True)
         elif cmd["cmd"] == "pull":
@@ -350,14 +351,14 @@ def run(args) -> dict:
                 if transport == "disk" and size == "1GB" and not args.disk_1gb:
                     continue
                 setup = trainer.ask(cmd="setup", size=size, transport=transport,
-                                    disk_dir=str(disk_dir), digest_threads=threads)
+                                    disk_dir=str(disk_dir), threads=threads)
                 nbytes = setup["nbytes"]
                 memcpy = memcpy or Memcpy(nbytes)
                 generator.ask(cmd="setup", size=size, url=setup["url"], transport=transport,
-                              digest_threads=threads)
+                              threads=threads)
                 trainer.ask(cmd="wait")
                 row = {"size": size, "model_bytes": nbytes, "transport": label,
-                       "digest_threads": threads,
+                       "threads": threads,
                        "memcpy_s": [], "publish_s": [], "pull_s": [], "pull_fetch_s": [],
                        "pull_verify_s": []}
                 for r in range(repeats + 2):  # two warm-up rounds: compiles, staging slots

@@ -367,3 +367,20 @@ def test_crc32_fallback_when_xxhash_is_missing(monkeypatch, tmp_path, specs):
             assert update.manifest.algorithm == "crc32"
             got, want = host(update.params), host(params)
             assert all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_staging_and_verifying_on_worker_threads_gives_the_same_bytes(tmp_path, specs):
+    with Publisher(PublisherConfig(transports=("shm",), staging_dir=str(tmp_path),
+                                   staging_threads=2)) as pub:
+        puller = Puller(pub.url, target_of(specs["tp2"]), transports=["shm"],
+                        config=PullerConfig(digest_threads=2))
+        puller.register()
+        params = random_params(specs["trainer"], 1)
+        pub.publish(params, 1)
+        update = puller.pull(0)
+        got, want = host(update.params), host(params)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        pub.faults["corrupt"] = {"version": 2, "tensor": "layers.wq"}
+        pub.publish(random_params(specs["trainer"], 2), 2)
+        with pytest.raises(IntegrityError, match="layers.wq"):
+            puller.pull(1)

@@ -97,25 +97,29 @@ def _forget_pools() -> None:  # a forked child has none of its parent's threads
 os.register_at_fork(after_in_child=_forget_pools)
 
 
+def worker_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor | None:
+    """The process's shared pool of ``threads`` transfer workers (None for ``threads=0``).
+    Work given to it should release the GIL (numpy copies, :func:`digest`)."""
+    if threads <= 0:
+        return None
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = concurrent.futures.ThreadPoolExecutor(
+                threads, f"transfer-worker{threads}")
+        return _pools[threads]
+
+
 class Digests:
     """Digests of many arrays, keyed by the caller.
 
-    ``threads=0`` hashes each array in the calling thread when it is added: on a busy host this
-    is the fastest, as an array just written is still partly in the last-level cache.
-    ``threads=N`` hands them to N shared background threads (:func:`digest` runs without the
-    GIL), so that hashing overlaps the caller's next copy when cores are free. An added array
-    must not change until :meth:`result` returns.
+    ``threads=0`` hashes each array in the calling thread when it is added. ``threads=N`` hands
+    them to N shared background threads (:func:`digest` runs without the GIL), which pays off
+    when cores are idle. An added array must not change until :meth:`result` returns.
     """
 
     def __init__(self, algorithm: str = DEFAULT_ALGORITHM, threads: int = 0):
         self.algorithm = algorithm
-        self._pool = None
-        if threads > 0:
-            with _pools_lock:
-                if threads not in _pools:
-                    _pools[threads] = concurrent.futures.ThreadPoolExecutor(
-                        threads, f"transfer-digest{threads}")
-                self._pool = _pools[threads]
+        self._pool = worker_pool(threads)
         self._values: dict = {}
 
     def add(self, key, array: np.ndarray) -> None:

@@ -42,9 +42,9 @@ class PublisherConfig:
         unused ticket of a dead generator expires then and frees its hold on the arrays).
       layout_ttl_s: a registered layout whose generators have not asked for a manifest for
         this long is no longer prepared.
-      digest_threads: background threads hashing staged shards while the next ones are
-        copied (0: hash each shard in the publishing thread right after copying it, while it
-        is partly in cache; the faster choice when no core is idle).
+      staging_threads: threads that stage shards in parallel, each copying a shard into place
+        and hashing it right after, while it is partly in cache (0: the publishing thread
+        stages them one by one; the faster choice when no core is idle).
       max_host_slots: staging slots (each the size of one version in that layout) a layout
         may use: ``shm`` pullers hold the slot their live weights alias, so a slot is free for
         the next version only once its pullers moved on; past this many, publishing that
@@ -60,7 +60,7 @@ class PublisherConfig:
     num_transport_addresses: int = 1
     ticket_ttl_s: float = 120.0
     layout_ttl_s: float = 600.0
-    digest_threads: int = 0
+    staging_threads: int = 0
     max_host_slots: int = 8
 
 

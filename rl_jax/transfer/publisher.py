@@ -285,7 +285,7 @@ class Publisher:
                                              self.config.max_host_slots)
             tensors, staging, _ = self._host[key].stage(version, flat, layout,
                                                         self.config.chunk_bytes, self.algorithm,
-                                                        self.config.digest_threads)
+                                                        self.config.staging_threads)
             infos = {t.name: t for t in tensors}
             prep.staging = staging
             nbytes["host"] += sum(s.nbytes for t in tensors for s in t.shards)

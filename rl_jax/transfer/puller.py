@@ -2,7 +2,10 @@
 returns parameters ready for ``Engine.update_weights``.
 
 A pull never touches the engine: it builds new arrays in the engine's shardings (and dtypes),
-checks every shard's checksum against the manifest, and only then returns them. Any failure
+checks every shard's checksum against the manifest, and only then returns them. Over ``shm`` the
+arrays alias the publisher's staging slot (no copy: each byte is read once, to verify it); the
+slot is held with a shared lock for as long as any of them lives, and the publisher never
+rewrites a held slot. Any failure
 (publisher gone, deadline passed, corrupted or superseded data, layout refused) raises a
 :class:`~rl_jax.transfer.errors.TransferError` and the caller simply keeps serving the weights it
 has: a generator can never see a half-written version.
@@ -114,7 +117,7 @@ def aligned_host_buffer(nbytes: int) -> np.ndarray:
 
 
 class HostBufferPool:
-    """Reusable aligned host buffers for the host transports.
+    """Reusable aligned host buffers for the ``socket`` transport.
 
     Pulled arrays alias their buffer (no copy into XLA on CPU), so a buffer can be reused only
     once nothing references it any more: JAX keeps a reference to the buffer's base array for as

@@ -18,6 +18,7 @@ Tensors go one at a time, so the transient replication costs one tensor, not the
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import fcntl
 import mmap
@@ -91,6 +92,25 @@ def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
     if covered != dst.size:
         raise LayoutError(f"source shards cover {covered} of {dst.size} elements of shard "
                           f"{target} (parameters not fully addressable in this process?)")
+
+
+def _stage_one(dst: np.ndarray, index: Index, sources: Sequence[tuple[Index, np.ndarray]],
+               algorithm: str) -> str:
+    """Copies one shard into place and returns its digest (hashed while partly in cache)."""
+    _assemble(dst, index, sources)
+    return checksum.digest(dst, algorithm)
+
+
+def _stage_shards(jobs: Mapping[Any, tuple[np.ndarray, Index, Sequence[tuple[Index, np.ndarray]]]],
+                  algorithm: str, pool) -> dict[Any, str]:
+    """Runs :func:`_stage_one` for every job, on ``pool``'s threads (largest shards first) or,
+    without a pool, in this thread; returns ``{key: digest}``."""
+    if pool is None:
+        return {key: _stage_one(*job, algorithm) for key, job in jobs.items()}
+    order = sorted(jobs, key=lambda key: -jobs[key][0].nbytes)
+    futures = {key: pool.submit(_stage_one, *jobs[key], algorithm) for key in order}
+    concurrent.futures.wait(futures.values())  # none writes into the slot after we return
+    return {key: futures[key].result() for key in jobs}
 
 
 class StagingFull(LayoutError):
@@ -175,7 +195,7 @@ class HostStaging:
         return int(self._slots[slot].stamp[0])
 
     def stage(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
-              chunk_bytes: int, algorithm: str, digest_threads: int = 0
+              chunk_bytes: int, algorithm: str, threads: int = 0
               ) -> tuple[list[TensorInfo], dict[str, Any], int]:
         """Writes ``flat`` in ``layout`` into a slot nobody holds (never the current version's).
 
@@ -201,8 +221,7 @@ class HostStaging:
             for p in plans:
                 buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
                 offsets.update(p.entries)
-            digests = checksum.Digests(algorithm, digest_threads)
-            placed = {}
+            jobs, placed = {}, {}  # (name, k) -> (dst, index, sources), (nbytes, offset)
             for name in names:
                 dtype = target_dtype(layout, name, flat[name])
                 sources = _host_shards(flat[name])
@@ -210,10 +229,8 @@ class HostStaging:
                     off = offsets[f"{name}#{k}"]
                     nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
                     dst = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
-                    _assemble(dst, index, sources)
-                    digests.add((name, k), dst)
-                    placed[name, k] = (nbytes, off)
-            digests = digests.result()
+                    jobs[name, k], placed[name, k] = (dst, index, sources), (nbytes, off)
+            digests = _stage_shards(jobs, algorithm, checksum.worker_pool(threads))
             infos = []
             for name in names:
                 shards = tuple(ShardInfo(index, digests[name, k], *placed[name, k])
