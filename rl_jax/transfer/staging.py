@@ -2,11 +2,14 @@
 
 Host staging (``shm`` and ``socket`` transports): the trainer's shards are copied straight into
 the generator's shards inside a reusable staging file (safetensors-format chunks, see
-:mod:`rl_jax.transfer.chunks`), hashing each block while it is in cache. The copy *is* the
-reshard: no device work and one pass over the bytes. Each layout has a few slot files used in turn:
-a slot is rewritten only when no puller holds it (``flock``: exclusive while the publisher writes,
-shared while a puller's arrays alias the slot's bytes), and never while it holds the newest
-version; so after a few versions the pages are warm and a publish costs about one ``memcpy``.
+:mod:`rl_jax.transfer.chunks`), hashing each shard right after it is copied (partly still in
+cache). The copy *is* the reshard: no device work and one copy of each byte. With
+``staging_threads``, several shards are staged at once on otherwise idle cores.
+
+Each layout has a few slot files used in turn: a slot is rewritten only when no puller holds it
+(``flock``: exclusive while the publisher writes, shared while a puller's arrays alias the slot's
+bytes), and never while it holds the newest version; so after a few versions the pages are warm
+and a publish costs about one ``memcpy`` plus one hash of the bytes.
 Each slot has a stamp file (``int64`` version; -1 while it is being written, -2 once superseded):
 pullers check it before and after reading, and the per-shard checksums catch anything else.
 
