@@ -52,6 +52,7 @@ K_CACHE_AXES = ("act_batch", "act_kv_heads", "head_dim", "act_seq")
 V_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
 K_SEQ_AXIS, V_SEQ_AXIS = 3, 2
 MIN_KV_LEN = 16
+MIN_ADMIT = 8  # admissions install at least this many rows (padding dropped)
 FINE_KV_LEN = 128
 
 # Per-slot decode state: name -> dtype. All arrays are [slots].
@@ -289,9 +290,6 @@ def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
 
 
-_pack_jit = jax.jit(_pack)
-
-
 def unpack(out: Any) -> tuple[np.ndarray, np.ndarray]:
     """Host ``(tokens [n] int32, logprobs [n] float32)`` from a packed step output."""
     out = np.asarray(out)
@@ -313,43 +311,49 @@ def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots,
         resumes with ``values["token"]``).
 
     Returns ``(k_cache, v_cache, state, out)`` with ``out [2, M]`` as :func:`decode`'s.
-    The runner compiles the two halves separately (:func:`sample_first`, whose shapes do not
-    depend on the cache, and :func:`install`, a cheap scatter), so a new cache length costs
-    only a small compilation.
+    The runner compiles the parts separately (:func:`first_tokens`, whose shapes do not depend
+    on the cache, and :func:`install_kv` / :func:`install_state`, cheap scatters), so a new
+    cache length costs only a small compilation.
     """
-    tokens, logprobs = sample_first(logits, rows, values, filtered=filtered)
-    k_cache, v_cache, state = install(k_cache, v_cache, state, k_new, v_new, rows, slots, values,
-                                      fresh, tokens)
-    return k_cache, v_cache, state, _pack(tokens, logprobs)
+    k_rows, v_rows, tokens, out = first_tokens(k_new, v_new, logits, rows, values, fresh,
+                                               filtered=filtered)
+    k_cache, v_cache = install_kv(k_cache, v_cache, k_rows, v_rows, slots)
+    return k_cache, v_cache, install_state(state, slots, values, fresh, tokens), out
 
 
-def sample_first(logits, rows, values, *, filtered: bool):
-    """First tokens ``[M]`` (and log-probs) of sequences ``rows [M]`` of prefill ``logits``."""
-    return sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
-                  values["token_index"], filtered=filtered)
+def first_tokens(k_new, v_new, logits, rows, values, fresh, *, filtered: bool):
+    """Per admitted sequence ``[M]``: its prefill keys/values ``[L, M, P, K, Dh]`` (row
+    ``rows[i]`` of the prefill), its sampled first token ``[M]`` and the packed ``[2, M]``
+    output (the resumed token where not ``fresh``)."""
+    tokens, logprobs = sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
+                              values["token_index"], filtered=filtered)
+    out = _pack(jnp.where(fresh, tokens, values["token"]), logprobs)
+    return k_new[:, rows], v_new[:, rows], tokens, out
 
 
-def install(k_cache, v_cache, state: SlotState, k_new, v_new, rows, slots, values, fresh,
-            tokens):
-    """Writes prefill keys/values and slot state of sequences ``rows → slots`` (see
-    :func:`admit`); ``tokens [M]`` are the sampled first tokens (used where ``fresh``)."""
-    p = k_new.shape[2]
+def install_kv(k_cache, v_cache, k_rows, v_rows, slots):
+    """Keys/values ``[L, M, P, K, Dh]`` into the first ``P`` positions of ``slots [M]`` (slots
+    past the cache are dropped); the only part of admission compiled per cache length."""
+    p = k_rows.shape[2]
 
-    def put_keys(cache, new):  # [M, P, K, Dh] → [M, K, Dh, P] into the first P positions
-        new = jnp.transpose(new[rows], (0, 2, 3, 1)).astype(cache.dtype)
-        return cache.at[slots, :, :, :p].set(new, mode="drop")
+    def put_keys(cache, new):  # [M, P, K, Dh] → [M, K, Dh, P]
+        return cache.at[slots, :, :, :p].set(jnp.transpose(new, (0, 2, 3, 1)).astype(
+            cache.dtype), mode="drop")
 
-    def put_values(cache, new):  # [M, P, K, Dh] → [M, K, P, Dh] into the first P positions
-        new = jnp.swapaxes(new[rows], 1, 2).astype(cache.dtype)
-        return cache.at[slots, :, :p].set(new, mode="drop")
+    def put_values(cache, new):  # [M, P, K, Dh] → [M, K, P, Dh]
+        return cache.at[slots, :, :p].set(jnp.swapaxes(new, 1, 2).astype(cache.dtype),
+                                          mode="drop")
 
-    k_cache = tuple(put_keys(c, k_new[i]) for i, c in enumerate(k_cache))
-    v_cache = tuple(put_values(c, v_new[i]) for i, c in enumerate(v_cache))
+    return (tuple(put_keys(c, k_rows[i]) for i, c in enumerate(k_cache)),
+            tuple(put_values(c, v_rows[i]) for i, c in enumerate(v_cache)))
+
+
+def install_state(state: SlotState, slots, values, fresh, tokens) -> SlotState:
+    """Slot state of admitted sequences ``[M]`` (first tokens ``tokens`` where ``fresh``)."""
     tokens = jnp.where(fresh, tokens, values["token"])
     updates = dict(values, token=tokens, token_index=values["token_index"] + fresh)
-    state = {name: state[name].at[slots].set(updates[name].astype(state[name].dtype),
-                                             mode="drop") for name in state}
-    return k_cache, v_cache, state
+    return {name: state[name].at[slots].set(updates[name].astype(state[name].dtype),
+                                            mode="drop") for name in state}
 
 
 # ---- sampling -------------------------------------------------------------------------------------
@@ -587,8 +591,9 @@ class ModelRunner:
         self._prefill = jax.jit(partial(prefill, **kw))
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
                                static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
-        self._sample_first = jax.jit(sample_first, static_argnames=("filtered",))
-        self._install = jax.jit(install, donate_argnums=(0, 1, 2))
+        self._first_tokens = jax.jit(first_tokens, static_argnames=("filtered",))
+        self._install_kv = jax.jit(install_kv, donate_argnums=(0, 1))
+        self._install_state = jax.jit(install_state, donate_argnums=(0,))
         prepare_kw = {} if mesh is None else {"out_shardings": self._weight_shardings()}
         self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
                                 **prepare_kw)
@@ -615,14 +620,21 @@ class ModelRunner:
         needed = k_new.shape[2]
         if needed > self.kv_len:
             self._resize(kv_bucket(needed, self.max_seq_len))
-        values = {name: jnp.asarray(np.asarray(values[name], SLOT_FIELDS[name]))
+        # At least MIN_ADMIT rows (padding goes to a dropped slot): fewer programs to compile.
+        pad = max(MIN_ADMIT, len(rows)) - len(rows)
+        rows = np.pad(np.asarray(rows, np.int32), (0, pad))
+        slots = np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=self.max_slots)
+        fresh = np.pad(np.asarray(fresh, bool), (0, pad))
+        values = {name: jnp.asarray(np.pad(np.asarray(values[name], SLOT_FIELDS[name]),
+                                           (0, pad)))
                   for name in SLOT_FIELDS}
-        rows, fresh = jnp.asarray(rows), jnp.asarray(fresh)
-        tokens, logprobs = self._sample_first(logits, rows, values, filtered=filtered)
-        self.k_cache, self.v_cache, self.state = self._install(
-            self.k_cache, self.v_cache, self.state, k_new, v_new, rows, jnp.asarray(slots),
-            values, fresh, tokens)
-        return _pack_jit(jnp.where(fresh, tokens, values["token"]), logprobs)
+        rows, slots, fresh = jnp.asarray(rows), jnp.asarray(slots), jnp.asarray(fresh)
+        k_rows, v_rows, tokens, out = self._first_tokens(k_new, v_new, logits, rows, values,
+                                                         fresh, filtered=filtered)
+        self.k_cache, self.v_cache = self._install_kv(self.k_cache, self.v_cache, k_rows,
+                                                      v_rows, slots)
+        self.state = self._install_state(self.state, slots, values, fresh, tokens)
+        return out
 
     def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool,
                kv_horizon: int = 0):
