@@ -20,6 +20,7 @@ Errors are ``{"error": message}`` with a 4xx/5xx status.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import logging
@@ -35,6 +36,7 @@ from rl_jax.transfer.errors import PublisherUnavailable
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def host_id() -> str:
     """Identifies this host (and boot): shared memory is only usable where it is equal."""
     try:

@@ -155,6 +155,19 @@ class _SourceMaps:
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}
         self._lock = threading.Lock()
 
+    def stamp(self, path: str) -> int:
+        """The ``int64`` in the stamp file ``path`` (read through a kept mapping)."""
+        with self._lock:
+            ino = os.stat(path).st_ino
+            entry = self._maps.get(path)
+            if entry is None or entry[0] != ino:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    entry = self._maps[path] = (ino, 8, mmap.mmap(fd, 8, prot=mmap.PROT_READ))
+                finally:
+                    os.close(fd)
+            return int(np.frombuffer(entry[2], np.int64, count=1)[0])
+
     def view(self, path: str, fd: int, nbytes: int) -> np.ndarray:
         """A new array over the first ``nbytes`` of the file open as ``fd`` (whose ``path``
         names the cached mapping); the array is its views' base."""
@@ -384,9 +397,8 @@ class Puller:
 
         def stamp() -> int:
             try:
-                with open(info["stamp"], "rb") as f:
-                    return int(np.frombuffer(f.read(8), np.int64)[0])
-            except (OSError, IndexError) as e:
+                return self._sources.stamp(info["stamp"])
+            except (OSError, ValueError) as e:
                 raise VersionGone(f"staging of version {manifest.version} is gone: {e}") from e
 
         fd = _hold_slot(info["file"])
