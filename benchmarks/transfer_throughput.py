@@ -7,8 +7,8 @@ FSDP) publishes, a generator (1 device: the whole model on one device) pulls. Fo
 socket, jax_transfer, disk), after two warm-up rounds, each round times:
 
 - memcpy: ``np.copyto`` of ``model_bytes`` into a warm destination (a single copy of the same
-  bytes; best of 3), in this driver process, right before the round: the ceiling every ratio
-  is taken against (the best over all rounds of that model size, every transport);
+  bytes; best of 3), in this driver process, right before the round: the ceiling the round's
+  steps are compared with;
 - publish: ``Publisher.publish`` in the trainer (trainer shards -> generator layout, checksums,
   announce). Host transports copy each byte once into a staging slot and hash it;
 - pull: manifest in hand -> verified arrays in the generator's layout (``Puller.pull``). ``shm``
@@ -16,8 +16,8 @@ socket, jax_transfer, disk), after two warm-up rounds, each round times:
   copies each byte once into the generator's buffer (through the kernel) and hashes it;
 - publish+pull: the two added (the trainer's call to usable weights).
 
-Ratios are ``best memcpy time / best time`` over interleaved rounds (the machine is shared,
-best-of filters other processes' interference): 1.0 means the step moved the model as
+Ratios are ``best memcpy time / best time`` over the same interleaved rounds (the machine is
+shared, best-of filters other processes' interference): 1.0 means the step moved the model as
 fast as one plain copy of it; the aim is >= 0.5 for the fastest transport's publish+pull at
 >= 100 MB.
 
@@ -326,17 +326,15 @@ class Proc:
         return self.reply()
 
 
-def ratios(rows: list[dict]) -> None:
-    """Adds ``*_vs_memcpy`` to rows of one model size: the best single-copy time of the model's
-    bytes (over the rounds of every transport of that size) over the best time of the step."""
-    copy_s = min(t for row in rows for t in row["memcpy_s"])
-    for row in rows:
-        for key, times in (("publish", row["publish_s"]), ("pull", row["pull_s"]),
-                           ("end_to_end", [p + q for p, q in zip(row["publish_s"],
-                                                                  row["pull_s"])])):
-            row[f"{key}_gbps"] = row["model_bytes"] / min(times) / 1e9
-            row[f"{key}_vs_memcpy"] = copy_s / min(times)
-        row["memcpy_gbps"] = row["model_bytes"] / copy_s / 1e9
+def ratios(row: dict) -> None:
+    """Adds ``*_vs_memcpy``: the best single-copy time of the model's bytes over the best time of
+    the step, over the same interleaved rounds (each round: a memcpy, then the step)."""
+    copy_s = min(row["memcpy_s"])
+    for key, times in (("publish", row["publish_s"]), ("pull", row["pull_s"]),
+                       ("end_to_end", [p + q for p, q in zip(row["publish_s"], row["pull_s"])])):
+        row[f"{key}_gbps"] = row["model_bytes"] / min(times) / 1e9
+        row[f"{key}_vs_memcpy"] = copy_s / min(times)
+    row["memcpy_gbps"] = row["model_bytes"] / copy_s / 1e9
 
 
 def run(args) -> dict:
@@ -377,8 +375,8 @@ def run(args) -> dict:
                         row["pull_fetch_s"].append(got["fetch_seconds"])
                         row["pull_verify_s"].append(got["verify_seconds"])
                         row["pull_bytes_moved"] = got["bytes"]
+                ratios(row)
                 rows.append(row)
-                ratios([r for r in rows if r["size"] == size])  # final after the size's last
                 print(f"{size:>6} {label:>18}: publish {row['publish_vs_memcpy']:5.2f}x, "
                       f"pull {row['pull_vs_memcpy']:5.2f}x, publish+pull "
                       f"{row['end_to_end_vs_memcpy']:5.2f}x memcpy "
@@ -421,7 +419,7 @@ def run(args) -> dict:
                              "staging slot (one copy per byte) + per-shard checksums + announce",
                 "pull_s": "Puller.pull from the manifest to verified arrays in the generator's "
                           "layout (shm: no copy, every byte hashed once; socket: one copy)",
-                "x_vs_memcpy": "min(memcpy_s over every round of the size) / min(x_s)",
+                "x_vs_memcpy": "min(memcpy_s) / min(x_s) over the same rounds",
                 "pause_s": "gap between the decode results of the last step under the old "
                            "weights and the first under the new, minus the median gap (negative: "
                            "the step after the swap came sooner than a median step)",
