@@ -37,22 +37,29 @@ _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sy
 _TARGET = flags.DEFINE_float("target_accuracy", 0.0, "Held-out accuracy whose first crossing "
                              "is timed (0: the base accuracy + 0.02).")
 _MAX_LAG = flags.DEFINE_integer("max_lag", 4, "Staleness bound of the async run.")
-_MEDIAN = flags.DEFINE_float("median", 6.0, "Median completion tokens.")
-_SIGMA = flags.DEFINE_float("sigma", 1.0, "Sigma of log completion length (p99/p50 = "
+_MEDIAN = flags.DEFINE_float("median", 16.0, "Median completion tokens.")
+_SIGMA = flags.DEFINE_float("sigma", 1.5, "Sigma of log completion length (p99/p50 = "
                             "exp(2.326 sigma)).")
-_MAX_LEN = flags.DEFINE_integer("max_len", 96, "Longest completion (tokens).")
+_MAX_LEN = flags.DEFINE_integer("max_len", 256, "Longest completion (tokens).")
 _QUICK = flags.DEFINE_bool("quick", False, "Few steps, small batches (a smoke run).")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More --config.x=y overrides for every run.")
 _MEASURE = flags.DEFINE_string("measure_decode", "", "Internal: print the decode-step latency "
                                "curve of this HF checkpoint as JSON and exit.")
-_GROUPS = flags.DEFINE_integer("groups_per_batch", 32, "Prompts per optimizer step.")
+_GROUPS = flags.DEFINE_integer("groups_per_batch", 8, "Prompts per optimizer step.")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per prompt.")
 _SLOTS = 64
+PROMPT_TOKENS = 16  # at most, for the recipe's arithmetic prompts
 
 
 def batch_shape() -> tuple[int, int]:
     """(prompts, samples per prompt) of one optimizer step."""
     return (8, 4) if _QUICK.value else (_GROUPS.value, _GROUP_SIZE.value)
+
+
+def seq_len() -> int:
+    """Rows of the training batch and the servers' context: the longest sample (prompt +
+    completion) rounded up to a multiple of 64."""
+    return -(-(_MAX_LEN.value + PROMPT_TOKENS) // 64) * 64
 
 
 def measure_decode_curve(model_dir: str) -> dict[int, float]:
@@ -67,7 +74,7 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
     cfg, params = load_params(model_dir, mesh=None, rules=generator_rules(), dtype=jnp.float32)
     engine = Engine(cfg, params, rules=generator_rules(), dtype=jnp.float32,
                     eos_token_ids=eos_ids(cfg),
-                    engine_config=EngineConfig(max_slots=_SLOTS, max_seq_len=128))
+                    engine_config=EngineConfig(max_slots=_SLOTS, max_seq_len=seq_len()))
     curve = {}
     try:
         for batch in (1, 2, 4, 8, 16, 32, 64):
@@ -80,8 +87,10 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
                     engine.generate(request, timeout=600)
                     best = min(best, time.perf_counter() - start)
                 return best
-            timed(112)  # compiles every length bucket of this batch size
-            curve[batch] = (timed(80) - timed(16)) / 64  # prefill cancels out
+            # Mean step over the contexts a completion passes through (prefill cancels out).
+            longest = min(_MAX_LEN.value, seq_len() - PROMPT_TOKENS)
+            timed(longest)  # compiles every length bucket of this batch size
+            curve[batch] = (timed(longest) - timed(16)) / (longest - 16)
     finally:
         engine.shutdown()
     return curve
@@ -101,7 +110,7 @@ def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
            f"--config.rollout.lengths.median={_MEDIAN.value}",
            f"--config.rollout.lengths.sigma={_SIGMA.value}",
            f"--config.rollout.lengths.max={_MAX_LEN.value}",
-           "--config.rollout.seq_len=128", "--config.generator.max_seq_len=128",
+           f"--config.rollout.seq_len={seq_len()}", f"--config.generator.max_seq_len={seq_len()}",
            f"--config.generator.max_slots={_SLOTS}", "--config.eval.examples=128",
            f"--config.eval.every={max(steps // 4, 1)}", "--config.checkpoint.every=1000000",
            *[f"--config.{o}" for o in _EXTRA.value]]
@@ -152,11 +161,24 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
     response = [LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)(i)
                 for i in range(4096)]
     reference = runs.get("sync") or next(iter(runs.values()))
-    trained = [r["trainer/tokens_per_s"] for r in reference["records"] if
-               "trainer/tokens_per_s" in r][2:]
-    trainer_rate = float(np.median(trained))
-    transfer = [r["weights/total_s"] for r in runs.get("async", reference)["records"]
+    # Trained tokens over seconds in train steps, past the first two steps (compilation).
+    timed = [r for r in reference["records"] if "trainer/step_s" in r][2:]
+    trainer_rate = float(sum(r["trainer/tokens_per_s"] * r["trainer/step_s"] for r in timed) /
+                         max(sum(r["trainer/step_s"] for r in timed), 1e-9))
+    transfer = [r["weights/total_s"] for r in reference["records"]
                 if "weights/total_s" in r][2:]
+    # Per step on the trainer's side beyond the train step: packing the batch, publishing.
+    overhead = [r.get("trainer/pack_s", 0.0) + r.get("weights/publish_s", 0.0)
+                for r in reference["records"] if "trainer/step_s" in r][2:]
+    # Per group between the server's engine and the trainer's side (HTTP, decoding, scoring).
+    s = reference["summary"]
+    group_overhead = s.get("rollout/client_overhead_s", 0.0) / max(
+        s.get("rollout/timed_groups", 0.0), 1.0)
+    step_overhead = float(np.median(overhead)) if overhead else 0.0
+    print(f"measured in the {'sync' if 'sync' in runs else 'first'} run: trainer "
+          f"{trainer_rate:.0f} tokens/s + {np.median(overhead) * 1e3:.1f} ms per step, weights "
+          f"{np.median(transfer) * 1e3 if transfer else 0:.1f} ms to reach the server, "
+          f"{group_overhead * 1e3:.1f} ms per group outside the engine")
     predictions = {}
     print(f"\n{'mode':<13}{'measured tok/s':>15}{'predicted':>11}{'error':>8}"
           f"{'stale max meas/pred':>21}")
@@ -166,7 +188,12 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
                         response_lengths=response, prompt_len=7, group_size=batch_shape()[1],
                         groups_per_batch=batch_shape()[0], max_lag=s["max_lag"], mode=mode,
                         num_servers=1, slots_per_server=_SLOTS, num_steps=steps,
-                        weight_transfer_s=float(np.median(transfer)) if transfer else 0.0)
+                        weight_transfer_s=float(np.median(transfer)) if transfer else 0.0,
+                        trainer_step_overhead_s=step_overhead + (
+                            # the rollout client runs in the trainer's process, on its core:
+                            # overlapped with training, its work per batch slows each step
+                            batch_shape()[0] * group_overhead if mode != "sync" else 0.0),
+                        group_overhead_s=group_overhead)
         error = p.tokens_per_s / s["trained_tokens_per_s"] - 1
         predictions[mode] = {**p.to_dict(), "measured_tokens_per_s": s["trained_tokens_per_s"],
                              "relative_error": error,
@@ -226,6 +253,14 @@ def main(argv):
               f"{(r['generator_idle_fraction'] or math.nan):>10.2f}{r['staleness_max']:>11.0f}"
               f"{r['staleness_mean']:>12.2f}"
               f"{r['accuracy_before']:>7.2f}->{r['accuracy_after']:.2f}")
+    bound = None
+    if "sync" in runs:
+        # Overlap can at best hide the shorter of the two phases of a sync step.
+        sec = runs["sync"]["summary"]["trainer_seconds"]
+        train, other = sec["training"], sec["waiting"] + sec["syncing"] + sec["publishing"]
+        bound = (train + other) / max(train, other, 1e-9)
+        print(f"sync run: {train:.1f} s training, {other:.1f} s waiting for generation and "
+              f"weights -> any overlap of the two is at most {bound:.2f}x sync")
     if "async" in runs and sync_rate:
         ratio = runs["async"]["summary"]["trained_tokens_per_s"] / sync_rate
         print(f"async / sync trained tokens/s: {ratio:.2f} (aim >= 1.8); async max staleness "
@@ -235,7 +270,7 @@ def main(argv):
                           "max": _MAX_LEN.value, **lengths},
               "target_accuracy": target, "overrides": list(_EXTRA.value),
               "batch": {"groups_per_batch": batch_shape()[0], "group_size": batch_shape()[1]},
-              "rows": rows, "machine": {
+              "rows": rows, "overlap_bound_vs_sync": bound, "machine": {
                   "cpus": os.cpu_count(), "python": platform.python_version(),
                   "load_average": os.getloadavg()}}
     predictions = predict(runs, base, steps, lengths)

@@ -34,9 +34,6 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "Compile before reporting ready.")
 _WARMUP_SHAPES = flags.DEFINE_bool("warmup_shapes", False, "Also compile every decode batch "
                                    "size and length before reporting ready (no compilation "
                                    "stalls later; a slower start).")
-_WARMUP_N = flags.DEFINE_list("warmup_group_sizes", ["1"], "With --warmup_shapes: samples per "
-                              "prompt (n) of the request bursts compiled ahead, e.g. 1,8 for "
-                              "greedy evaluation and groups of 8.")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models.")
 _PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
 _PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight publisher "
@@ -62,14 +59,6 @@ def main(argv):
                                    f" --xla_force_host_platform_device_count={_TP.value}")
     from rl_jax.errors import USER_ERRORS
     from rl_jax.generator import server
-    try:
-        group_sizes = tuple(int(n) for n in _WARMUP_N.value)
-        if any(n < 1 for n in group_sizes):
-            raise ValueError
-    except ValueError:
-        print(f"error: --warmup_group_sizes must be positive integers, got "
-              f"{','.join(_WARMUP_N.value)}", file=sys.stderr)
-        sys.exit(2)
 
     config = server.ServerConfig(
         model=_MODEL.value, host=_HOST.value, port=_PORT.value, max_slots=_MAX_SLOTS.value,
@@ -77,7 +66,6 @@ def main(argv):
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
-        warmup_group_sizes=group_sizes,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,
         publisher_url=_PUBLISHER.value)
     try:

@@ -187,6 +187,15 @@ def test_sync_constant_lengths_closed_form():
     # twice the samples per slot: two waves of generation
     r2 = run("sync", tokens_per_s=1000.0, slots=4)
     assert r2.steady_tokens_per_s == pytest.approx(240 / (0.2 + 0.24))
+    # the client's overhead per group delays every sync step by exactly that much
+    r3 = run("sync", tokens_per_s=1000.0, group_overhead_s=0.03)
+    assert r3.steady_tokens_per_s == pytest.approx(240 / (0.1 + 0.03 + 0.24))
+
+
+def test_group_overhead_is_hidden_by_async_when_training_bound():
+    # generation 0.1 s + overhead 0.05 s per batch < training 0.24 s: async stays trainer-bound
+    r = run("async", tokens_per_s=1000.0, steps=30, group_overhead_s=0.05)
+    assert r.steady_tokens_per_s == pytest.approx(240 / 0.24, rel=1e-6)
 
 
 def test_one_step_off_overlaps_generation_and_training():

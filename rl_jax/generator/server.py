@@ -80,7 +80,6 @@ class ServerConfig:
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
     warmup_shapes: bool = False  # ... every decode batch size and length (slower start)
-    warmup_group_sizes: tuple[int, ...] = (1,)  # ... and admissions of these samples per prompt
     served_model_name: str | None = None
     parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
     publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
@@ -220,8 +219,9 @@ class GeneratorServer:
     def warmup(self):
         """Compiles prefill, decode and sampling with one short greedy request; with
         ``warmup_shapes``, also every decode shape a run can meet (each power-of-two batch up
-        to ``max_slots``, each grown to ``max_seq_len``), so that no request waits for a
-        compilation later (seconds each on a CPU core)."""
+        to ``max_slots``, each grown to ``max_seq_len``) and every admission shape of prompts
+        up to the shortest prefill bucket, so that no request waits for a compilation later
+        (a second or more each on a CPU core)."""
         steps = min(2, self.config.max_seq_len - 1)
         if steps > 0:
             self.engine.generate(GenerateRequest(
@@ -237,23 +237,24 @@ class GeneratorServer:
                 [0], SamplingParams(max_new_tokens=self.config.max_seq_len - 1, temperature=1.0,
                                     ignore_eos=True, n=n, seed=0),
                 rid=f"warmup-{n}"), timeout=1800)
-        # Bursts of prompts admitted together (a batch of rollout groups, an evaluation set):
-        # every power-of-two prompt count × each of `warmup_group_sizes` samples per prompt, at
-        # every cache length (installing prefilled sequences compiles per cache length).
-        from rl_jax.generator.runner import kv_bucket
+        # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
+        # both mixed): the first tokens of every power-of-two prompt count × sequence count,
+        # and installing every power-of-two sequence count at every cache length.
+        from rl_jax.generator.runner import MIN_ADMIT, kv_bucket
+        for prompts in sizes:
+            for n in sizes:
+                if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
+                    self._burst(prompts, n, tag=f"{prompts}x{n}")
         lengths = sorted({kv_bucket(n, self.config.max_seq_len)
                           for n in range(1, self.config.max_seq_len + 1)})
-        for length in lengths:
-            for n in self.config.warmup_group_sizes:
-                for prompts in sizes:
-                    if prompts * n > slots:
-                        continue
-                    if length > lengths[0]:  # grow the cache to `length` (it stays when idle)
-                        self.engine.generate(GenerateRequest(
-                            [0], SamplingParams(max_new_tokens=length - 1, temperature=0.0,
-                                                ignore_eos=True),
-                            rid=f"warmup-grow-{length}"), timeout=1800)
-                    self._burst(prompts, n, tag=f"{length}-{n}-{prompts}")
+        for length in lengths[1:]:
+            for n in sizes:
+                if n >= MIN_ADMIT or n == slots:
+                    self.engine.generate(GenerateRequest(  # the cache stays this long when idle
+                        [0], SamplingParams(max_new_tokens=length - 1, temperature=0.0,
+                                            ignore_eos=True),
+                        rid=f"warmup-grow-{length}"), timeout=1800)
+                    self._burst(1, n, tag=f"{length}-{n}")
         log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
                  self.config.max_seq_len, time.perf_counter() - start)
 

@@ -54,12 +54,10 @@ class GeneratorPool:
       publisher_url: the weight publisher servers pull from.
       cpu_cores: cores the servers run on ("" = any).
       log_dir: where server logs go.
-      group_sizes: samples per prompt of the run's requests (compiled ahead by servers started
-        with ``warmup_shapes``).
     """
 
     def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
-                 cpu_cores: str = "", log_dir: str | Path, group_sizes: tuple[int, ...] = (1,)):
+                 cpu_cores: str = "", log_dir: str | Path):
         self.block = block
         self.external = tuple(block.urls)
         self.restarts: collections.Counter = collections.Counter()
@@ -74,9 +72,7 @@ class GeneratorPool:
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
                 cpu_cores=cpu_cores, env=tuple(tuple(kv) for kv in block.get("env", ())),
                 extra_args=tuple(block.get("extra_args", ())) + (
-                    ("--warmup_shapes", "--warmup_group_sizes=" +
-                     ",".join(str(n) for n in sorted(set(group_sizes))))
-                    if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
+                    ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else ""))
 
     @property

@@ -255,8 +255,7 @@ class Session:
         self._closers.append(self.publisher.close)
         self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
                                   publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
-                                  log_dir=self.workdir / "generators",
-                                  group_sizes=(1, int(c.rollout.group_size)))
+                                  log_dir=self.workdir / "generators")
         self._closers.append(self.pool.stop)
         started = time.perf_counter()
         self.pool.start()
@@ -378,7 +377,9 @@ class Session:
             if self.primary and not stop:
                 groups = next(self.rollout)
                 staleness = self.rollout.staleness(groups)
+                packing = time.perf_counter()
                 host = self.to_batch(groups)
+                packing = time.perf_counter() - packing
             host, stop = self._share_batch(host, stop)
             if stop:
                 log.warning("time limit of %.0f s reached after %d steps",
@@ -433,6 +434,7 @@ class Session:
                     "staleness/batch_mean": float(np.mean(staleness)),
                     "learning_rate": float(self.schedule(version)),
                     "trainer/step_s": t2 - t1, "trainer/wait_s": t1 - t0,
+                    "trainer/pack_s": packing,
                     "trainer/tokens_per_s": trained / max(t2 - t1, 1e-9),
                     "weights/publish_s": t3 - t2,
                     **{f"loss/{k}": v for k, v in metrics.items() if k in LOSS_METRICS},

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -380,10 +381,18 @@ class RolloutIterator(grain.DatasetIterator):
         if cfg.length_of is not None:
             sampling = dataclasses.replace(sampling, max_new_tokens=int(cfg.length_of(position)),
                                            ignore_eos=True)
+        start = time.perf_counter()
         outputs = await self._generator.generate(
             GenerateRequest(ids, sampling, rid=self._rid(position)))
         texts = [self._decode(_until(o.output_ids, cfg.score_until)) for o in outputs]
         scores = await score_many(self._env, [prompt] * len(outputs), texts)
+        # Seconds a group spends outside the generator's engine (queueing in the client, HTTP,
+        # decoding, scoring), when the generator reports its own latency.
+        engine_s = max((o.e2e_latency for o in outputs), default=0.0)
+        if engine_s > 0:
+            with self._lock:
+                self.counts["client_overhead_s"] += time.perf_counter() - start - engine_s
+                self.counts["timed_groups"] += 1
         if cfg.shaping is not None:
             scores = [(cfg.shaping.apply(r, len(o.output_ids),
                                          truncated=o.finish_reason.get("type") == "length"),

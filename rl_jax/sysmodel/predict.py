@@ -44,6 +44,7 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                 num_servers: int, slots_per_server: int, num_steps: int = 20,
                 weight_transfer_s: float = 0.0, trainer_step_overhead_s: float = 0.0,
                 prefill_s_per_token: float = 0.0, swap_pause_s: float = 0.0,
+                group_overhead_s: float = 0.0,
                 warmup_steps: int | None = None, seed: int = 0) -> RunPrediction:
     """Predicts throughput, idle fractions and staleness of a run from measurements.
 
@@ -64,6 +65,8 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
       trainer_step_overhead_s: fixed seconds per optimizer step beyond token processing.
       prefill_s_per_token: server seconds per prompt token of a newly started sample.
       swap_pause_s: decode pause of a server applying weights in flight (async).
+      group_overhead_s: seconds from a group's last sample leaving the server until the
+        trainer's side has it (client, HTTP, scoring).
       warmup_steps: steps left out of ``steady_tokens_per_s`` (default: automatic).
       seed: seed of the length resampling.
     """
@@ -74,7 +77,8 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                     groups_per_batch=groups_per_batch, max_lag=max_lag, num_servers=num_servers,
                     slots_per_server=slots_per_server, num_steps=num_steps,
                     weight_transfer_s=weight_transfer_s, swap_pause_s=swap_pause_s,
-                    prefill_s_per_token=prefill_s_per_token, warmup_steps=warmup_steps,
+                    prefill_s_per_token=prefill_s_per_token,
+                    group_overhead_s=group_overhead_s, warmup_steps=warmup_steps,
                     seed=seed)
     sim = simulate(cfg, latency, trainer, lengths)
     workload = Workload(prompt_len, group_size, groups_per_batch, lengths, max_lag)

@@ -10,7 +10,8 @@ What is simulated (times in seconds, lengths in tokens):
   the server holds when it starts, so that version is the oldest in the sample.
 - *Trainer*: consumes one batch of ``groups_per_batch`` groups (``group_size`` samples of one
   prompt) per optimizer step, taking ``trainer.step_seconds(tokens)``; the version counts steps.
-  New weights reach every server ``weight_transfer_s`` after a step ends.
+  New weights reach every server ``weight_transfer_s`` after a step ends. A group is ready to
+  train ``group_overhead_s`` after its last sample ends (the client's HTTP, decoding, scoring).
 - *Modes*:
   ``sync``: admit a batch, generate all of it, train, transfer, repeat (staleness 0).
   ``one_step_off``: batch ``k+1`` is generated while batch ``k`` trains; servers take new weights
@@ -60,6 +61,7 @@ class SimConfig:
     weight_transfer_s: float = 0.0
     swap_pause_s: float = 0.0
     prefill_s_per_token: float = 0.0
+    group_overhead_s: float = 0.0
     warmup_steps: int | None = None  # steps left out of the steady-state rate; None: auto
     seed: int = 0
     timeline_bins: int = 200
@@ -78,7 +80,8 @@ class SimConfig:
         if self.mode == "one_step_off" and self.max_lag < 1:
             raise SysModelError("one_step_off trains on samples one step old: it needs "
                                 f"max_lag >= 1, got {self.max_lag}")
-        for name in ("weight_transfer_s", "swap_pause_s", "prefill_s_per_token"):
+        for name in ("weight_transfer_s", "swap_pause_s", "prefill_s_per_token",
+                     "group_overhead_s"):
             if getattr(self, name) < 0:
                 raise SysModelError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -130,7 +133,7 @@ class _Sample:
 
 class _Group:
     __slots__ = ("order", "batch", "deadline", "remaining", "min_version", "tokens",
-                 "completion_tokens", "completed_order")
+                 "completion_tokens", "completed_order", "ready")
 
     def __init__(self, order: int, batch: int, deadline: int, lengths: np.ndarray,
                  prompt_len: int):
@@ -140,10 +143,12 @@ class _Group:
         self.completion_tokens = int(lengths.sum())
         self.tokens = self.completion_tokens + prompt_len * len(lengths)
         self.completed_order = -1
+        self.ready = False
 
     @property
     def complete(self) -> bool:
-        return self.remaining == 0
+        """Every sample generated and the group handed over to the trainer's side."""
+        return self.ready
 
 
 class _Server:
@@ -273,9 +278,16 @@ class _Simulation:
         self.outstanding -= 1
         group = sample.group
         group.remaining -= 1
-        if group.complete:
-            group.completed_order = next(self.completed_order)
-            self.try_train()
+        if group.remaining == 0:
+            if self.cfg.group_overhead_s > 0:
+                self.push(self.now + self.cfg.group_overhead_s, "group_ready", group)
+            else:
+                self.on_group_ready(group)
+
+    def on_group_ready(self, group: "_Group"):
+        group.ready = True
+        group.completed_order = next(self.completed_order)
+        self.try_train()
 
     def on_weights(self, version: int):
         for s in self.servers:
