@@ -182,6 +182,9 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"loss.options": ConfigDict({"epsilon": 0.1})}, "loss.options"),
     ({"trainer.steps": 0}, "trainer.steps must be an integer >= 1"),
     ({"generator.urls": ("localhost:30000",)}, "generator.urls must be http(s) URLs"),
+    ({"rollout.rows_per_batch": 12}, "rollout.rows_per_batch=12 is not divisible by "
+                                     "trainer.micro_batch_rows=8"),
+    ({"trainer.num_microbatches": 2}, "exclude each other"),
 ])
 def test_static_config_checks(override, message):
     from rl_jax.orchestrator import RLConfigError, validate
@@ -204,7 +207,8 @@ def test_static_config_checks(override, message):
 ])
 def test_bad_configs_stop_at_start_with_one_line(base_policy, tmp_path, flag, message):
     """From the command line: one line on stderr, no traceback, before any generation."""
-    extra = ("--config.trainer.num_microbatches=2",) if "rows_per_batch" in flag else ()
+    extra = (("--config.trainer.micro_batch_rows=0", "--config.trainer.num_microbatches=2")
+             if "rows_per_batch" in flag else ())
     result = launch(tmp_path / "bad", flag, *extra, base=base_policy, timeout=180)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
