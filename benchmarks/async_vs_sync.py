@@ -47,6 +47,8 @@ _MEASURE = flags.DEFINE_string("measure_decode", "", "Internal: print the decode
                                "curve of this HF checkpoint as JSON and exit.")
 _GROUPS = flags.DEFINE_integer("groups_per_batch", 8, "Prompts per optimizer step.")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per prompt.")
+_LR = flags.DEFINE_float("learning_rate", 1e-4, "Peak learning rate of every run (the recipe's "
+                         "5e-4 is for its 512 samples per step; small batches need less).")
 _SLOTS = 64
 PROMPT_TOKENS = 16  # at most, for the recipe's arithmetic prompts
 
@@ -107,6 +109,7 @@ def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
            f"--config.trainer.steps={steps}", f"--config.rollout.max_lag={_MAX_LAG.value}",
            f"--config.rollout.groups_per_batch={groups}",
            f"--config.rollout.group_size={group_size}",
+           f"--config.optimizer.learning_rate={_LR.value}",
            f"--config.rollout.lengths.median={_MEDIAN.value}",
            f"--config.rollout.lengths.sigma={_SIGMA.value}",
            f"--config.rollout.lengths.max={_MAX_LEN.value}",
