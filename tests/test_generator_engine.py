@@ -171,10 +171,12 @@ def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, rec
 
 
 def test_pause_retract_requeues_and_finishes_identically(weights):
-    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=96))
+    # Long enough that the pause always lands mid-sequence (the engine decodes a token in well
+    # under a millisecond here; 30 tokens could finish before the pause was taken).
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=256))
     try:
-        reference = eng.generate(req([1, 8, 9], max_new_tokens=30, seed=11))[0]
-        fut = eng.submit(req([1, 8, 9], max_new_tokens=30, seed=11))
+        reference = eng.generate(req([1, 8, 9], max_new_tokens=200, seed=11))[0]
+        fut = eng.submit(req([1, 8, 9], max_new_tokens=200, seed=11))
         while eng.stats["generated_tokens"] < reference.completion_tokens + 8:
             time.sleep(0.002)
         eng.pause("retract")
