@@ -8,6 +8,7 @@ Metrics are sums too, except keys ending in ``_max`` (reduced by max) and ``_min
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,17 @@ def split_microbatches(batch: Any, num_micro: int) -> Any:
     return jax.tree.map(split, batch)
 
 
+def _grads_fn(spec: ModelSpec, loss_fn: LossFn):
+    """``grads_of(params, batch) -> (loss_sum, denominator, metrics, grads)``."""
+    def grads_of(params, batch):
+        def micro_loss(p):
+            loss_sum, denom, metrics = loss_fn(spec.merge(p), batch)
+            return loss_sum, (denom, metrics)
+        (loss_sum, (denom, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
+        return loss_sum, denom, metrics, grads
+    return grads_of
+
+
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: LossFn, *,
                     num_microbatches: int = 1, batch_sharding: Any = None, donate: bool = True):
     """A jitted ``step(state, batch) -> (state, metrics)`` with explicit shardings.
@@ -98,12 +110,7 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
     shardings = state_shardings(tx, spec)
     batch_sharding = batch_sharding or default_batch_sharding(spec)
 
-    def grads_of(params, batch):
-        def micro_loss(p):
-            loss_sum, denom, metrics = loss_fn(spec.merge(p), batch)
-            return loss_sum, (denom, metrics)
-        (loss_sum, (denom, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
-        return loss_sum, denom, metrics, grads
+    grads_of = _grads_fn(spec, loss_fn)
 
     def step(state: TrainState, batch):
         params = state.params
@@ -180,13 +187,7 @@ class StreamingTrainStep:
         self._shardings = state_shardings(tx, spec)
         rep = spec.replicated()
 
-        def grads_of(params, batch):
-            def micro_loss(p):
-                loss_sum, denom, metrics = loss_fn(spec.merge(p), batch)
-                return loss_sum, (denom, metrics)
-            (loss_sum, (denom, metrics)), grads = jax.value_and_grad(
-                micro_loss, has_aux=True)(params)
-            return loss_sum, denom, metrics, grads
+        grads_of = _grads_fn(spec, loss_fn)
 
         def accumulate(params, acc, batch):
             loss_sum, denom, metrics, grads = grads_of(params, batch)
@@ -217,10 +218,8 @@ class StreamingTrainStep:
         """Compiles the accumulation, zero-init and update programs for micro-batches shaped like
         ``abstract_micro_batch`` (``ShapeDtypeStruct``s of ``[micro_rows, T]``); returns the
         seconds it took."""
-        import time
         start = time.perf_counter()
-        key = jax.tree.map(lambda s: (s.shape, str(s.dtype)), abstract_micro_batch)
-        key = tuple(jax.tree.leaves(key))
+        key = _shape_key(abstract_micro_batch)
         if key in self._programs:
             return 0.0
         acc = self._acc_shapes(abstract_micro_batch)
@@ -228,8 +227,6 @@ class StreamingTrainStep:
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                             sharding=self.batch_sharding),
                              abstract_micro_batch)
-        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              self.spec.abstract_params, self.spec.param_shardings)
         state = abstract_state(self._tx, self.spec)
 
         def zeros():
@@ -243,7 +240,7 @@ class StreamingTrainStep:
             jax.jit(self._accumulate_fn, in_shardings=(self.spec.param_shardings, acc_shardings,
                                                        self.batch_sharding),
                     out_shardings=acc_shardings, donate_argnums=(1,)).lower(
-                        params, acc, batch).compile(),
+                        state.params, acc, batch).compile(),
             jax.jit(self._apply_fn, in_shardings=(self._shardings, acc_shardings),
                     out_shardings=(self._shardings, self._rep),
                     donate_argnums=(0,)).lower(state, acc).compile())
@@ -260,13 +257,16 @@ class StreamingTrainStep:
         slices = [jax.tree.map(lambda x, i=i: x[i:i + m], batch) for i in range(0, rows, m)]
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), slices[0])
         self.compile(abstract)
-        key = tuple(jax.tree.leaves(jax.tree.map(lambda s: (s.shape, str(s.dtype)), abstract)))
-        zeros, accumulate, apply = self._programs[key]
+        zeros, accumulate, apply = self._programs[_shape_key(abstract)]
         acc = zeros()
         for micro in slices:
             acc = accumulate(state.params, acc, global_batch(micro, self.batch_sharding))
         return apply(state, acc)
 
+
+
+def _shape_key(abstract: Any) -> tuple:
+    return tuple(jax.tree.leaves(jax.tree.map(lambda s: (s.shape, str(s.dtype)), abstract)))
 
 def _metric_identity(name: str, zero: jax.Array) -> jax.Array:
     if name.endswith("_max"):
