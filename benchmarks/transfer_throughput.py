@@ -31,7 +31,7 @@ the decode time lost while the update is pulled and laid out in the background (
 overlap that work, minus the median) is reported as ``background_slowdown_s``.
 Aim: median pause <= 2x the pure copy time.
 
-Usage: python benchmarks/transfer_throughput.py [--quick] [--repeats N]
+Usage: python benchmarks/transfer_throughput.py [--quick] [--repeats N] [--variants=shm,...]
 Writes benchmarks/results/transfer_throughput.json and transfer_throughput.png.
 """
 
@@ -351,6 +351,8 @@ def run(args) -> dict:
             for label, transport, threads in VARIANTS:
                 if transport == "disk" and size == "1GB" and not args.disk_1gb:
                     continue
+                if args.variants and label not in args.variants:
+                    continue
                 setup = trainer.ask(cmd="setup", size=size, transport=transport,
                                     disk_dir=str(disk_dir), threads=threads)
                 nbytes = setup["nbytes"]
@@ -410,7 +412,7 @@ def run(args) -> dict:
                        for r in big if r["size"] == size), key=lambda x: x["ratio"])
             for size in dict.fromkeys(r["size"] for r in big)}
     return {"backend": "cpu", "machine": platform.machine(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(), "quick": args.quick, "repeats": repeats,
+            "load_average": os.getloadavg(), "quick": args.quick, "variants": args.variants or "all", "repeats": repeats,
             "definitions": {
                 "model_bytes": "total bytes of the float32 parameters",
                 "memcpy_s": "np.copyto of model_bytes into a warm destination (best of 3), "
@@ -463,8 +465,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=0)
     parser.add_argument("--disk-dir", default=None)
     parser.add_argument("--disk-1gb", action="store_true", help="also time disk at 1 GB")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated labels to run (default all): "
+                        + ", ".join(label for label, _, _ in VARIANTS))
     parser.add_argument("--role", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - {label for label, _, _ in VARIANTS})
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: "
+                     + ", ".join(label for label, _, _ in VARIANTS))
     if args.role == "trainer":
         return trainer_main()
     if args.role == "generator":

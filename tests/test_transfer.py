@@ -124,23 +124,55 @@ def test_chunks_are_valid_aligned_safetensors():
 
 def test_checksums_catch_single_bit_flips_and_misplaced_shards():
     x = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
-    d = checksum.digest(x)
+    d = checksum.digest(x, "xxh3_64")
     # The GIL-free path computes exactly the xxhash package's XXH3-64 of the C-order bytes.
     assert d == xxhash.xxh3_64(x.tobytes()).hexdigest()
-    assert checksum.digest(x.T) == xxhash.xxh3_64(np.ascontiguousarray(x.T).tobytes()).hexdigest()
-    for threads in (0, 2):
+    assert checksum.digest(x.T, "xxh3_64") == xxhash.xxh3_64(
+        np.ascontiguousarray(x.T).tobytes()).hexdigest()
+    for algorithm in checksum.ALGORITHMS:
+        d = checksum.digest(x, algorithm)
+        for threads in (0, 2):
+            digests = checksum.Digests(algorithm, threads=threads)
+            digests.add("x", x)
+            digests.add("x.T", x.T)
+            assert digests.result() == {"x": d, "x.T": checksum.digest(x.T, algorithm)}
+        flipped = x.copy()
+        flipped.reshape(-1).view(np.uint8)[1234] ^= 0x10
+        assert checksum.digest(flipped, algorithm) != d
+        a, b = ((0, 32), (0, 33)), ((32, 64), (0, 33))
+        da, db = checksum.digest(x[:32], algorithm), checksum.digest(x[32:], algorithm)
+        assert (checksum.combine([(a, da), (b, db)], algorithm)
+                == checksum.combine([(b, db), (a, da)], algorithm))
+        assert (checksum.combine([(a, db), (b, da)], algorithm)
+                != checksum.combine([(a, da), (b, db)], algorithm))
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        checksum.digest(x, "md5")
+
+
+def test_block_checksum_is_the_digest_of_its_blocks_digests_whatever_the_threads():
+    """``xxh3_64_blocks``: XXH3-64 of every 1 MiB block, then of those digests; the same on
+    any number of threads, and a flipped bit in any block (first, middle, short last) shows."""
+    assert checksum.DEFAULT_ALGORITHM == "xxh3_64_blocks"
+    x = np.random.default_rng(1).standard_normal(
+        (5 * checksum.BLOCK_BYTES + 4096) // 4).astype(np.float32).reshape(-1, 8)
+    raw = x.tobytes()
+    blocks = [xxhash.xxh3_64_intdigest(raw[i:i + checksum.BLOCK_BYTES])
+              for i in range(0, len(raw), checksum.BLOCK_BYTES)]
+    assert len(blocks) == 6
+    want = xxhash.xxh3_64(np.array(blocks, "<u8").tobytes()).hexdigest()
+    assert checksum.digest(x) == want
+    big = np.tile(x, (3, 1))  # 16 blocks+: several tasks of UNIT_BLOCKS
+    for threads in (0, 1, 2):
         digests = checksum.Digests(threads=threads)
         digests.add("x", x)
-        digests.add("x.T", x.T)
-        assert digests.result() == {"x": d, "x.T": checksum.digest(x.T)}
-    flipped = x.copy()
-    flipped.reshape(-1).view(np.uint8)[1234] ^= 0x10
-    assert checksum.digest(flipped) != d
-    a, b = ((0, 32), (0, 33)), ((32, 64), (0, 33))
-    da, db = checksum.digest(x[:32]), checksum.digest(x[32:])
-    assert checksum.combine([(a, da), (b, db)]) == checksum.combine([(b, db), (a, da)])
-    assert checksum.combine([(a, db), (b, da)]) != checksum.combine([(a, da), (b, db)])
-    assert checksum.digest(x, "crc32") != checksum.digest(flipped, "crc32")
+        digests.add("big", big)
+        digests.add("empty", np.zeros((0, 4), np.float32))
+        assert digests.result() == {"x": want, "big": checksum.digest(big),
+                                    "empty": checksum.digest(np.zeros(0, np.uint8))}
+    for pos in (0, 3 * checksum.BLOCK_BYTES + 17, len(raw) - 1):
+        flipped = x.copy()
+        flipped.reshape(-1).view(np.uint8)[pos] ^= 0x01
+        assert checksum.digest(flipped) != want
 
 
 def _manifest_for(arrays):
@@ -384,3 +416,54 @@ def test_staging_and_verifying_on_worker_threads_gives_the_same_bytes(tmp_path, 
         pub.publish(random_params(specs["trainer"], 2), 2)
         with pytest.raises(IntegrityError, match="layers.wq"):
             puller.pull(1)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threads):
+    """Multi-block shards staged from 8 FSDP shards into other layouts: row cuts (contiguous
+    runs, copied and hashed block by block, also split across threads), column cuts (strided
+    sources, assembled whole) and a cast; the slot holds exactly the target shards and every
+    digest equals the digest of those bytes."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rl_jax.transfer.staging import HostStaging, _host_shards, _plan_job
+    devices = np.array(jax.devices()[:8])
+    src_mesh = jax.sharding.Mesh(devices.reshape(8, 1), ("fsdp", "tp"))
+    rng = np.random.default_rng(3)
+    values = {"rows": rng.standard_normal((1024, 1030)).astype(np.float32),  # 4 MiB, 8 row cuts
+              "cols": rng.standard_normal((512, 1024)).astype(np.float32),
+              "vec": rng.standard_normal(3 * checksum.BLOCK_BYTES // 4 + 5).astype(np.float32),
+              "odd": rng.standard_normal((8, 3, 5)).astype(np.float32),
+              "stacked": rng.standard_normal((4, 2048, 128)).astype(np.float32)}
+    src_specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "vec": P(), "odd": P("fsdp"),
+                 "stacked": P(None, "fsdp", None)}
+    flat = {n: jax.device_put(v, NamedSharding(src_mesh, src_specs[n])) for n, v in values.items()}
+    layout = Layout(("data", "tensor"), (1, 2),
+                    {"rows": P("tensor", None), "cols": P("tensor", None), "vec": P(),
+                     "odd": P(None, None, None), "stacked": P(None, None, "tensor")},
+                    dtypes={"rows": "float32", "cols": "float32", "vec": "bfloat16",
+                            "odd": "float32", "stacked": "float32"})
+    staging = HostStaging(tmp_path / "slots")
+    infos, description, slot = staging.stage(5, flat, layout, 1 << 20, "xxh3_64_blocks",
+                                             threads)
+    slot_bytes = np.fromfile(description["file"], np.uint8)
+    for info in infos:
+        want_full = values[info.name].astype(ml_dtypes.bfloat16 if info.name == "vec"
+                                             else np.float32)
+        assert info.dtype == want_full.dtype.name
+        for shard in info.shards:
+            want = np.ascontiguousarray(want_full[tuple(slice(a, b) for a, b in shard.index)])
+            got = slot_bytes[shard.offset:shard.offset + shard.nbytes]
+            assert np.array_equal(got, want.reshape(-1).view(np.uint8)), info.name
+            assert shard.checksum == checksum.digest(want), info.name
+    assert {len(i.shards) for i in infos if i.name in ("rows", "cols")} == {2}
+    staging.close()
+    # Which path each took: rows as one run per overlapping source, stacked (cut along its
+    # middle axis) as one run per layer and source, cols (512-byte pieces) in one strided copy.
+    dst = np.empty((512, 1030), np.float32)
+    assert len(_plan_job(dst, ((0, 512), (0, 1030)), _host_shards(flat["rows"])).runs) == 4
+    dst = np.empty((4, 2048, 128), np.float32)
+    assert len(_plan_job(dst, ((0, 4), (0, 2048), (0, 128)),
+                         _host_shards(flat["stacked"])).runs) == 32
+    assert _plan_job(np.empty((256, 1024), np.float32), ((0, 256), (0, 1024)),
+                     _host_shards(flat["cols"])).runs is None

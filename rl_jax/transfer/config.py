@@ -42,9 +42,9 @@ class PublisherConfig:
         unused ticket of a dead generator expires then and frees its hold on the arrays).
       layout_ttl_s: a registered layout whose generators have not asked for a manifest for
         this long is no longer prepared.
-      staging_threads: threads that stage shards in parallel, each copying a shard into place
-        and hashing it right after, while it is partly in cache (0: the publishing thread
-        stages them one by one; the faster choice when no core is idle).
+      staging_threads: threads that stage in parallel, each copying a few checksum blocks of a
+        shard into place and hashing them right after, while they are in cache (0: the
+        publishing thread does it all; the faster choice when no core is idle).
       max_host_slots: staging slots (each the size of one version in that layout) a layout
         may use: ``shm`` pullers hold the slot their live weights alias, so a slot is free for
         the next version only once its pullers moved on; past this many, publishing that
@@ -79,8 +79,8 @@ class PullerConfig:
         publisher's).
       retries: how many times a pull restarts on the newest version when the one it was
         pulling is superseded meanwhile.
-      digest_threads: background threads verifying host-transport shards (0: in the pulling
-        thread; N: up to N shards hashed at once on otherwise idle cores).
+      digest_threads: threads verifying ``shm`` shards (0: the pulling thread; N: the pulling
+        thread and N - 1 others hash blocks of the shards at once, on otherwise idle cores).
       host_buffers: model-sized host buffers the ``socket`` transport keeps for reuse (pulled
         weights alias them on CPU, so one is in use per live version; reusing the others
         avoids page faults). ``shm`` pulls need none: their weights alias the publisher's

@@ -2,9 +2,9 @@
 
 Host staging (``shm`` and ``socket`` transports): the trainer's shards are copied straight into
 the generator's shards inside a reusable staging file (safetensors-format chunks, see
-:mod:`rl_jax.transfer.chunks`), hashing each shard right after it is copied (partly still in
+:mod:`rl_jax.transfer.chunks`), hashing each checksum block right after it is copied (still in
 cache). The copy *is* the reshard: no device work and one copy of each byte. With
-``staging_threads``, several shards are staged at once on otherwise idle cores.
+``staging_threads``, blocks of the same shard are staged at once on otherwise idle cores.
 
 Each layout has a few slot files used in turn: a slot is rewritten only when no puller holds it
 (``flock``: exclusive while the publisher writes, shared while a puller's arrays alias the slot's
@@ -21,9 +21,11 @@ Tensors go one at a time, so the transient replication costs one tensor, not the
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
 import fcntl
+import functools
 import mmap
 import os
 import shutil
@@ -97,23 +99,169 @@ def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
                           f"{target} (parameters not fully addressable in this process?)")
 
 
-def _stage_one(dst: np.ndarray, index: Index, sources: Sequence[tuple[Index, np.ndarray]],
-               algorithm: str) -> str:
-    """Copies one shard into place and returns its digest (hashed while partly in cache)."""
-    _assemble(dst, index, sources)
-    return checksum.digest(dst, algorithm)
+MAX_RUNS = 512  # per source and shard; more runs, or shorter than MIN_RUN_BYTES, are
+MIN_RUN_BYTES = 1 << 16  # left to one strided copy
 
 
-def _stage_shards(jobs: Mapping[Any, tuple[np.ndarray, Index, Sequence[tuple[Index, np.ndarray]]]],
-                  algorithm: str, pool) -> dict[Any, str]:
-    """Runs :func:`_stage_one` for every job, on ``pool``'s threads (largest shards first) or,
-    without a pool, in this thread; returns ``{key: digest}``."""
-    if pool is None:
-        return {key: _stage_one(*job, algorithm) for key, job in jobs.items()}
-    order = sorted(jobs, key=lambda key: -jobs[key][0].nbytes)
-    futures = {key: pool.submit(_stage_one, *jobs[key], algorithm) for key in order}
-    concurrent.futures.wait(futures.values())  # none writes into the slot after we return
-    return {key: futures[key].result() for key in jobs}
+@functools.lru_cache(maxsize=4096)  # the same geometry comes back every version
+def _runs(lo_dst: tuple[int, ...], lo_src: tuple[int, ...], extents: tuple[int, ...],
+          dst_shape: tuple[int, ...], src_shape: tuple[int, ...]
+          ) -> tuple[tuple[int, int, int], ...] | None:
+    """The box of ``extents`` at ``lo_dst`` in a C-order array of ``dst_shape`` and at
+    ``lo_src`` in one of ``src_shape``, as runs of elements contiguous in both:
+    ``[(dst_start, src_start, count)]``; None if that takes more than :data:`MAX_RUNS`.
+
+    A run spans the trailing axes that the box covers whole in both arrays plus the axis before
+    them; the axes further out enumerate the runs (e.g. a stacked ``[layers, d, f]`` weight cut
+    along ``d``: one run per layer)."""
+    n = len(extents)
+    j = n
+    while j > 0 and extents[j - 1] == dst_shape[j - 1] == src_shape[j - 1]:
+        j -= 1
+    outer = max(j - 1, 0)
+    count = int(np.prod(extents[outer:], dtype=np.int64))
+    if int(np.prod(extents[:outer], dtype=np.int64)) > MAX_RUNS:
+        return None
+    dst_strides = np.cumprod((list(dst_shape[1:]) + [1])[::-1])[::-1] if n else np.ones(0)
+    src_strides = np.cumprod((list(src_shape[1:]) + [1])[::-1])[::-1] if n else np.ones(0)
+    out = []
+    for idx in np.ndindex(*extents[:outer]):
+        d = sum((lo_dst[i] + k) * int(dst_strides[i]) for i, k in enumerate(idx))
+        r = sum((lo_src[i] + k) * int(src_strides[i]) for i, k in enumerate(idx))
+        d += sum(lo_dst[i] * int(dst_strides[i]) for i in range(outer, n))
+        r += sum(lo_src[i] * int(src_strides[i]) for i in range(outer, n))
+        out.append((d, r, count))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _ShardJob:
+    """One shard to stage: ``dst`` (its place in the slot) filled from ``sources``.
+
+    ``runs`` lists ``(dst_start, dst_stop, src_flat, src_start)`` element runs, sorted, that
+    are contiguous in both layouts (FSDP and tensor-parallel cuts give one run per source, or
+    one per outer index of a stacked weight), so any byte range of ``dst`` can be copied on its
+    own; None when a source would need too many short runs, and the shard is assembled from
+    strided copies, in slabs of rows."""
+
+    dst: np.ndarray
+    index: Index
+    sources: Sequence[tuple[Index, np.ndarray]]
+    runs: list[tuple[int, int, np.ndarray, int]] | None
+    starts: list[int] = dataclasses.field(default_factory=list)  # dst_start of each run
+
+
+def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
+              ) -> _ShardJob:
+    runs: list | None = []
+    shape = [t1 - t0 for t0, t1 in target]
+    for index, host in sources:
+        lo = [max(s0, t0) for (s0, _), (t0, _) in zip(index, target)]
+        hi = [min(s1, t1) for (_, s1), (_, t1) in zip(index, target)]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        pieces = None
+        if host.flags.c_contiguous:
+            pieces = _runs(tuple(a - t0 for a, (t0, _) in zip(lo, target)),
+                           tuple(a - s0 for a, (s0, _) in zip(lo, index)),
+                           tuple(b - a for a, b in zip(lo, hi)), tuple(shape), host.shape)
+        if pieces is None or (len(pieces) > 1 and pieces[0][2] * host.itemsize < MIN_RUN_BYTES):
+            runs = None
+            break
+        flat = host.reshape(-1)
+        runs += [(d, d + count, flat, r) for d, r, count in pieces]
+    if runs is not None and sum(b - a for a, b, _, _ in runs) != dst.size:
+        runs = None  # let _assemble name the uncovered part
+    if runs is not None:
+        runs.sort(key=lambda run: run[0])
+    return _ShardJob(dst, target, sources, runs,
+                     [run[0] for run in runs] if runs is not None else [])
+
+
+def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
+    """Copies blocks ``[first, stop)`` of ``job.dst`` from the source runs and hashes each one
+    right after, while it is in cache; returns their ``uint64`` digests."""
+    flat = job.dst.reshape(-1)
+    raw = flat.view(np.uint8)
+    per_block = checksum.BLOCK_BYTES // flat.itemsize
+    out = np.empty(stop - first, np.uint64)
+    for k in range(first, stop):
+        e0, e1 = k * per_block, min(flat.size, (k + 1) * per_block)
+        i = max(bisect.bisect_right(job.starts, e0) - 1, 0)
+        while i < len(job.runs) and job.runs[i][0] < e1:
+            start, end, src, src_start = job.runs[i]
+            a, b = max(e0, start), min(e1, end)
+            if a < b:
+                np.copyto(flat[a:b], src[src_start + a - start:src_start + b - start],
+                          casting="unsafe")
+            i += 1
+        out[k - first] = checksum.xxh3(raw[k * checksum.BLOCK_BYTES:
+                                           (k + 1) * checksum.BLOCK_BYTES])
+    return out
+
+
+def _copy_slab_hash(job: _ShardJob, r0: int, r1: int) -> dict[int, int]:
+    """Assembles rows ``[r0, r1)`` (axis 0) of ``job.dst`` from the sources (strided copies)
+    and hashes the checksum blocks that lie wholly inside them; returns ``{block: digest}``."""
+    _assemble(job.dst[r0:r1], ((job.index[0][0] + r0, job.index[0][0] + r1),) + job.index[1:],
+              job.sources)
+    raw = job.dst.reshape(-1).view(np.uint8)
+    row_bytes = job.dst.nbytes // job.dst.shape[0]
+    b0, b1 = r0 * row_bytes, r1 * row_bytes
+    first = -(-b0 // checksum.BLOCK_BYTES)
+    stop = checksum.num_blocks(raw.size) if b1 == raw.size else b1 // checksum.BLOCK_BYTES
+    return {k: int(d) for k, d in zip(range(first, stop),
+                                       checksum.block_digests(raw, first, stop))}
+
+
+def _stage_whole(job: _ShardJob, algorithm: str) -> str:
+    """Copies the whole shard into place and returns its digest."""
+    _assemble(job.dst, job.index, job.sources)
+    return checksum.digest(job.dst, algorithm)
+
+
+def _stage_shards(jobs: Mapping[Any, _ShardJob], algorithm: str, threads: int
+                  ) -> dict[Any, str]:
+    """Stages every shard and returns ``{key: digest}``.
+
+    With ``xxh3_64_blocks`` the work is cut into tasks of about ``checksum.UNIT_BLOCKS`` blocks,
+    spread over ``threads`` threads, so one large shard uses every thread: shards made of
+    contiguous source runs are copied and hashed block by block (each block hashed while in
+    cache); the others are assembled in slabs of rows (strided copies) and each slab's blocks
+    hashed right after, the few blocks straddling two slabs once all are copied. Other
+    algorithms take one task per shard: copied whole, then hashed."""
+    unit = checksum.UNIT_BLOCKS * checksum.BLOCK_BYTES
+    tasks = []  # (key, fn, args)
+    for key, job in jobs.items():
+        if algorithm != "xxh3_64_blocks" or job.dst.ndim == 0 or job.dst.size == 0:
+            tasks.append((key, _stage_whole, (job, algorithm)))
+        elif job.runs is not None:
+            n = checksum.num_blocks(job.dst.nbytes)
+            tasks += [(key, _copy_hash_blocks, (job, k, min(n, k + checksum.UNIT_BLOCKS)))
+                      for k in range(0, n, checksum.UNIT_BLOCKS)]
+        else:
+            rows = job.dst.shape[0]
+            step = max(1, unit // (job.dst.nbytes // rows))
+            tasks += [(key, _copy_slab_hash, (job, r, min(rows, r + step)))
+                      for r in range(0, rows, step)]
+    values = checksum.run_tasks([(fn, *args) for _, fn, args in tasks], threads)
+    results = [(key, value) for (key, _, _), value in zip(tasks, values)]
+    parts: dict[Any, list] = {}
+    for key, value in results:
+        parts.setdefault(key, []).append(value)
+    out = {}
+    for key, values in parts.items():
+        if isinstance(values[0], str):
+            out[key] = values[0]
+        elif isinstance(values[0], dict):  # slabs: hash the blocks no slab held whole
+            raw = jobs[key].dst.reshape(-1).view(np.uint8)
+            found = {k: d for v in values for k, d in v.items()}
+            digests = np.array([found[k] if k in found else checksum.block_digests(raw, k, k + 1)[0]
+                                for k in range(checksum.num_blocks(raw.size))], np.uint64)
+            out[key] = checksum.from_blocks(digests)
+        else:
+            out[key] = checksum.from_blocks(np.concatenate(values))
+    return out
 
 
 class StagingFull(LayoutError):
@@ -232,8 +380,9 @@ class HostStaging:
                     off = offsets[f"{name}#{k}"]
                     nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
                     dst = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
-                    jobs[name, k], placed[name, k] = (dst, index, sources), (nbytes, off)
-            digests = _stage_shards(jobs, algorithm, checksum.worker_pool(threads))
+                    jobs[name, k] = _plan_job(dst, index, sources)
+                    placed[name, k] = (nbytes, off)
+            digests = _stage_shards(jobs, algorithm, threads)
             infos = []
             for name in names:
                 shards = tuple(ShardInfo(index, digests[name, k], *placed[name, k])
