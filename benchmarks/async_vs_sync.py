@@ -49,6 +49,9 @@ _GROUPS = flags.DEFINE_integer("groups_per_batch", 8, "Prompts per optimizer ste
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per prompt.")
 _LR = flags.DEFINE_float("learning_rate", 1e-4, "Peak learning rate of every run (the recipe's "
                          "5e-4 is for its 512 samples per step; small batches need less).")
+_MICRO_ROWS = flags.DEFINE_integer("micro_batch_rows", 0, "Rows per trainer micro-batch (0: "
+                                   "about 256 token slots, the size whose activations stay in a "
+                                   "CPU core's L2 cache).")
 _SLOTS = 64
 PROMPT_TOKENS = 16  # at most, for the recipe's arithmetic prompts
 
@@ -62,6 +65,11 @@ def seq_len() -> int:
     """Rows of the training batch and the servers' context: the longest sample (prompt +
     completion) rounded up to a multiple of 64."""
     return -(-(_MAX_LEN.value + PROMPT_TOKENS) // 64) * 64
+
+
+def micro_rows() -> int:
+    """Trainer micro-batch rows: the flag, or rows of about 256 token slots in all."""
+    return _MICRO_ROWS.value or max(1, 256 // seq_len())
 
 
 def measure_decode_curve(model_dir: str) -> dict[int, float]:
@@ -115,6 +123,7 @@ def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
            f"--config.rollout.lengths.max={_MAX_LEN.value}",
            f"--config.rollout.seq_len={seq_len()}", f"--config.generator.max_seq_len={seq_len()}",
            f"--config.generator.max_slots={_SLOTS}", "--config.eval.examples=128",
+           f"--config.trainer.micro_batch_rows={micro_rows()}",
            f"--config.eval.every={max(steps // 4, 1)}", "--config.checkpoint.every=1000000",
            *[f"--config.{o}" for o in _EXTRA.value]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -170,18 +179,28 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
                          max(sum(r["trainer/step_s"] for r in timed), 1e-9))
     transfer = [r["weights/total_s"] for r in reference["records"]
                 if "weights/total_s" in r][2:]
-    # Per step on the trainer's side beyond the train step: packing the batch, publishing.
-    overhead = [r.get("trainer/pack_s", 0.0) + r.get("weights/publish_s", 0.0)
-                for r in reference["records"] if "trainer/step_s" in r][2:]
-    # Per group between the server's engine and the trainer's side (HTTP, decoding, scoring).
+    # The trainer's own serial work per step beyond the train step (packing the batch,
+    # publishing, metrics and logging): its seconds neither training nor waiting.
     s = reference["summary"]
+    sec, steps_run = s["trainer_seconds"], max(len(timed) + 2, 1)
+    pack = float(np.median([r.get("trainer/pack_s", 0.0) for r in timed])) if timed else 0.0
+    serial = (s["wall_s"] - sec["training"] - sec["waiting"] - sec["syncing"]) / steps_run + pack
+    # The rollout side's CPU work per step in the trainer's process (client, scoring, weight
+    # sync), measured while the sync trainer waited; in the overlapped modes it shares the
+    # trainer's core with the train step.
+    client_cpu = max(sec.get("cpu_while_idle", 0.0) / steps_run - pack, 0.0)
+    # Per group between the server's engine and the trainer's side (HTTP, decoding, scoring).
     group_overhead = s.get("rollout/client_overhead_s", 0.0) / max(
         s.get("rollout/timed_groups", 0.0), 1.0)
-    step_overhead = float(np.median(overhead)) if overhead else 0.0
+    # Before the first batch, beyond generating it: connections and first requests.
+    waits = [r["trainer/wait_s"] for r in reference["records"] if "trainer/wait_s" in r]
+    startup = max(waits[0] - float(np.median(waits)), 0.0) if waits else 0.0
     print(f"measured in the {'sync' if 'sync' in runs else 'first'} run: trainer "
-          f"{trainer_rate:.0f} tokens/s + {np.median(overhead) * 1e3:.1f} ms per step, weights "
+          f"{trainer_rate:.0f} tokens/s + {serial * 1e3:.1f} ms serial work per step, rollout "
+          f"client {client_cpu * 1e3:.1f} ms CPU per step, weights "
           f"{np.median(transfer) * 1e3 if transfer else 0:.1f} ms to reach the server, "
-          f"{group_overhead * 1e3:.1f} ms per group outside the engine")
+          f"{group_overhead * 1e3:.1f} ms per group outside the engine, start-up "
+          f"{startup:.2f} s")
     predictions = {}
     print(f"\n{'mode':<13}{'measured tok/s':>15}{'predicted':>11}{'error':>8}"
           f"{'stale max meas/pred':>21}")
@@ -192,11 +211,11 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
                         groups_per_batch=batch_shape()[0], max_lag=s["max_lag"], mode=mode,
                         num_servers=1, slots_per_server=_SLOTS, num_steps=steps,
                         weight_transfer_s=float(np.median(transfer)) if transfer else 0.0,
-                        trainer_step_overhead_s=step_overhead + (
+                        trainer_step_overhead_s=serial + (
                             # the rollout client runs in the trainer's process, on its core:
                             # overlapped with training, its work per batch slows each step
-                            batch_shape()[0] * group_overhead if mode != "sync" else 0.0),
-                        group_overhead_s=group_overhead)
+                            client_cpu if mode != "sync" else 0.0),
+                        group_overhead_s=group_overhead, startup_s=startup)
         error = p.tokens_per_s / s["trained_tokens_per_s"] - 1
         predictions[mode] = {**p.to_dict(), "measured_tokens_per_s": s["trained_tokens_per_s"],
                              "relative_error": error,
@@ -272,6 +291,7 @@ def main(argv):
               "lengths": {"median": _MEDIAN.value, "sigma": _SIGMA.value,
                           "max": _MAX_LEN.value, **lengths},
               "target_accuracy": target, "overrides": list(_EXTRA.value),
+              "micro_batch_rows": micro_rows(),
               "batch": {"groups_per_batch": batch_shape()[0], "group_size": batch_shape()[1]},
               "rows": rows, "overlap_bound_vs_sync": bound, "machine": {
                   "cpus": os.cpu_count(), "python": platform.python_version(),

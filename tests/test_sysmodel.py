@@ -257,6 +257,21 @@ def test_predict_run_matches_the_closed_form():
     assert p.staleness_max == 0 and p.staleness_mean == 0
     assert p.estimate["tokens_per_s"] == pytest.approx(240 / 0.34)
     assert json.dumps(p.to_dict())
+    # A start-up cost lengthens the whole run (same tokens over a longer wall), not the steady
+    # state; the pools' busy seconds are unchanged.
+    late = predict_run(decode_latency={1: 0.01, 64: 0.01}, trainer_tokens_per_s=1000.0,
+                       response_lengths=[10] * 8, prompt_len=5, group_size=4,
+                       groups_per_batch=4, max_lag=0, mode="sync", num_servers=2,
+                       slots_per_server=8, num_steps=6, startup_s=1.0)
+    assert late.wall_s == pytest.approx(p.wall_s + 1.0)
+    assert late.tokens_per_s * late.wall_s == pytest.approx(p.tokens_per_s * p.wall_s)
+    assert late.steady_tokens_per_s == p.steady_tokens_per_s
+    assert (1 - late.trainer_idle_fraction) * late.wall_s == pytest.approx(
+        (1 - p.trainer_idle_fraction) * p.wall_s)
+    with pytest.raises(ValueError, match="startup_s"):
+        predict_run(decode_latency={1: 0.01}, trainer_tokens_per_s=1000.0,
+                    response_lengths=[10], prompt_len=5, group_size=1, groups_per_batch=1,
+                    max_lag=0, mode="sync", num_servers=1, slots_per_server=1, startup_s=-1)
 
 
 def test_steady_state_async_staleness_bound():

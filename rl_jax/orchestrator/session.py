@@ -58,6 +58,9 @@ class _Clock:
     training_s: float = 0.0
     publishing_s: float = 0.0
     syncing_s: float = 0.0  # waiting for generators to take new weights (sync mode)
+    # CPU seconds this process spent while the trainer waited (waiting + syncing): the rollout
+    # client, scoring, packing and weight sync, i.e. the work that shares the trainer's cores.
+    idle_cpu_s: float = 0.0
 
     @property
     def elapsed(self) -> float:
@@ -371,7 +374,7 @@ class Session:
                    unit="step", dynamic_ncols=True, disable=not self.primary)
         window = _Window(self.rollout.metrics()) if self.primary else None
         for i in range(start_iter, c.trainer.steps):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             groups, host = None, None
             stop = bool(c.trainer.time_limit_s and clock.elapsed > c.trainer.time_limit_s)
             if self.primary and not stop:
@@ -385,7 +388,7 @@ class Session:
                 log.warning("time limit of %.0f s reached after %d steps",
                             c.trainer.time_limit_s, i)
                 break
-            t1 = time.perf_counter()
+            t1, cpu1 = time.perf_counter(), time.process_time()
             batch = PolicyBatch.from_numpy(host)
             if not isinstance(self.train_step, StreamingTrainStep):
                 batch = global_batch(batch, self.batch_sharding)
@@ -394,14 +397,15 @@ class Session:
             version = int(self.state.step)
             t2 = time.perf_counter()
             self._publish(version)
-            t3 = time.perf_counter()
+            t3, cpu3 = time.perf_counter(), time.process_time()
             if self.primary and self.settings.wait_for_update:
                 self.weights.wait_applied(version)
-            t4 = time.perf_counter()
+            t4, cpu4 = time.perf_counter(), time.process_time()
             clock.waiting_s += t1 - t0
             clock.training_s += t2 - t1
             clock.publishing_s += t3 - t2
             clock.syncing_s += t4 - t3
+            clock.idle_cpu_s += (cpu1 - cpu0) + (cpu4 - cpu3)
             trained = float(np.sum(host["segment_ids"] > 0))
             totals["trained_tokens"] += trained
             done = i + 1
@@ -537,7 +541,8 @@ class Session:
             "completion_tokens": totals["completion_tokens"],
             "trainer_idle_fraction": (clock.waiting_s + clock.syncing_s) / elapsed,
             "trainer_seconds": {"waiting": clock.waiting_s, "training": clock.training_s,
-                                "publishing": clock.publishing_s, "syncing": clock.syncing_s},
+                                "publishing": clock.publishing_s, "syncing": clock.syncing_s,
+                                "cpu_while_idle": clock.idle_cpu_s},
             "staleness_histogram": {str(k): v for k, v in sorted(
                 self.rollout.gate.staleness_histogram.items())},
             **{k: v for k, v in rollout_metrics.items()},

@@ -44,7 +44,7 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                 num_servers: int, slots_per_server: int, num_steps: int = 20,
                 weight_transfer_s: float = 0.0, trainer_step_overhead_s: float = 0.0,
                 prefill_s_per_token: float = 0.0, swap_pause_s: float = 0.0,
-                group_overhead_s: float = 0.0,
+                group_overhead_s: float = 0.0, startup_s: float = 0.0,
                 warmup_steps: int | None = None, seed: int = 0) -> RunPrediction:
     """Predicts throughput, idle fractions and staleness of a run from measurements.
 
@@ -67,6 +67,9 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
       swap_pause_s: decode pause of a server applying weights in flight (async).
       group_overhead_s: seconds from a group's last sample leaving the server until the
         trainer's side has it (client, HTTP, scoring).
+      startup_s: seconds a real run spends before its first batch beyond generating it
+        (connections, first requests); added to the whole run's wall time, not to the steady
+        state.
       warmup_steps: steps left out of ``steady_tokens_per_s`` (default: automatic).
       seed: seed of the length resampling.
     """
@@ -87,12 +90,16 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                             weight_transfer_s=weight_transfer_s,
                             prefill_s_per_token=prefill_s_per_token,
                             run_samples=num_steps * workload.samples_per_batch)
+    if startup_s < 0:
+        raise ValueError(f"startup_s must be >= 0, got {startup_s}")
+    wall = sim.wall_s + startup_s
+    stretch = sim.wall_s / wall if wall > 0 else 1.0  # rates and busy shares over the longer wall
     return RunPrediction(
-        tokens_per_s=sim.tokens_per_s, steady_tokens_per_s=sim.steady_tokens_per_s,
-        completion_tokens_per_s=sim.completion_tokens_per_s,
-        trainer_idle_fraction=sim.trainer_idle_fraction,
-        generator_idle_fraction=sim.generator_idle_fraction,
-        generator_slot_utilisation=sim.generator_slot_utilisation,
+        tokens_per_s=sim.tokens_per_s * stretch, steady_tokens_per_s=sim.steady_tokens_per_s,
+        completion_tokens_per_s=sim.completion_tokens_per_s * stretch,
+        trainer_idle_fraction=1 - (1 - sim.trainer_idle_fraction) * stretch,
+        generator_idle_fraction=1 - (1 - sim.generator_idle_fraction) * stretch,
+        generator_slot_utilisation=sim.generator_slot_utilisation * stretch,
         staleness_max=sim.staleness_max, staleness_mean=sim.staleness_mean,
-        staleness_histogram=sim.staleness_histogram, wall_s=sim.wall_s, estimate=estimate,
+        staleness_histogram=sim.staleness_histogram, wall_s=wall, estimate=estimate,
         sim=sim)
