@@ -182,8 +182,8 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"loss.options": ConfigDict({"epsilon": 0.1})}, "loss.options"),
     ({"trainer.steps": 0}, "trainer.steps must be an integer >= 1"),
     ({"generator.urls": ("localhost:30000",)}, "generator.urls must be http(s) URLs"),
-    ({"rollout.rows_per_batch": 12}, "rollout.rows_per_batch=12 is not divisible by "
-                                     "trainer.micro_batch_rows=8"),
+    ({"rollout.rows_per_batch": 12, "trainer.micro_batch_rows": 8},
+     "rollout.rows_per_batch=12 is not divisible by trainer.micro_batch_rows=8"),
     ({"trainer.num_microbatches": 2}, "exclude each other"),
 ])
 def test_static_config_checks(override, message):
@@ -272,7 +272,8 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
              f"--workdir={workdir}", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
              f"--process_id={i}", f"--generator_urls={url}", *SMALL,
              f"--config.base.checkpoint={base_policy}", "--config.trainer.steps=3",
-             "--config.mesh.fsdp=8", "--config.mesh.tensor=1"],
+             "--config.mesh.fsdp=8", "--config.mesh.tensor=1",
+             "--config.trainer.micro_batch_rows=8"],
             cwd=ROOT, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
