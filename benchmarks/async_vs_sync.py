@@ -52,6 +52,7 @@ _LR = flags.DEFINE_float("learning_rate", 1e-4, "Peak learning rate of every run
 _MICRO_ROWS = flags.DEFINE_integer("micro_batch_rows", 0, "Rows per trainer micro-batch (0: "
                                    "about 256 token slots, the size whose activations stay in a "
                                    "CPU core's L2 cache).")
+_RESULTS_DIR = flags.DEFINE_string("results_dir", str(RESULTS), "Where the JSON and PNG go.")
 _SLOTS = 64
 PROMPT_TOKENS = 16  # at most, for the recipe's arithmetic prompts
 
@@ -170,8 +171,10 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
     curve = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
     print("decode step latency (s) by batch: " +
           ", ".join(f"{b}: {t * 1e3:.2f} ms" for b, t in sorted(curve.items())))
-    response = [LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)(i)
-                for i in range(4096)]
+    # The completion lengths the runs were given: one per prompt, by stream position, replayed
+    # in that order (enough positions for every batch and the groups admitted ahead of it).
+    length_of = LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
+    response = [length_of(i) for i in range((steps + _MAX_LAG.value + 2) * batch_shape()[0])]
     reference = runs.get("sync") or next(iter(runs.values()))
     # Trained tokens over seconds in train steps, past the first two steps (compilation).
     timed = [r for r in reference["records"] if "trainer/step_s" in r][2:]
@@ -215,7 +218,8 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
                             # the rollout client runs in the trainer's process, on its core:
                             # overlapped with training, its work per batch slows each step
                             client_cpu if mode != "sync" else 0.0),
-                        group_overhead_s=group_overhead, startup_s=startup)
+                        group_overhead_s=group_overhead, startup_s=startup,
+                        ordered_lengths=True, shared_group_length=True)
         error = p.tokens_per_s / s["trained_tokens_per_s"] - 1
         predictions[mode] = {**p.to_dict(), "measured_tokens_per_s": s["trained_tokens_per_s"],
                              "relative_error": error,
@@ -298,11 +302,12 @@ def main(argv):
                   "load_average": os.getloadavg()}}
     predictions = predict(runs, base, steps, lengths)
     result["predictions"] = predictions
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = Path(_RESULTS_DIR.value)
+    results.mkdir(parents=True, exist_ok=True)
     name = "async_vs_sync_quick" if _QUICK.value else "async_vs_sync"
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot(runs, rows, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / name}.json and .png")
+    (results / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(runs, rows, results / f"{name}.png")
+    print(f"wrote {results / name}.json and .png")
 
 
 def plot(runs: dict, rows: list[dict], path: Path):

@@ -10,7 +10,10 @@ One command runs, in this order (each part reuses the existing benchmark's funct
    micro-batch sizes (``trainer_throughput.py``);
 3. transfer: weight publication + pull GB/s between a trainer process and a generator process
    (``transfer_throughput.py --quick``; CPU hosts only, its workers force host devices);
-4. ahead-of-time compile check: the sharded train step of a realistic target (default Qwen2-1.5B
+4. end to end: trained tokens/s of the tiny RL recipe in ``sync``, ``one_step_off`` and ``async``
+   (``async_vs_sync.py --steps=20``, ``--steps=8`` with ``--quick``: trainer and generator
+   server as separate processes), with the systems model's prediction of each mode beside it;
+5. ahead-of-time compile check: the sharded train step of a realistic target (default Qwen2-1.5B
    shape, bf16 compute, f32 parameters, AdamW) lowered and compiled from ``ShapeDtypeStruct``s
    only, on 8 host CPU devices forced in a subprocess (``XLA_FLAGS`` set before jax is
    imported), for each requested ``data,fsdp,tensor`` mesh; reports the compiled per-device
@@ -42,7 +45,7 @@ from types import SimpleNamespace
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results" / "pools"
-PARTS = ("generator", "trainer", "transfer", "aot")
+PARTS = ("generator", "trainer", "transfer", "e2e", "aot")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
 # AOT targets: published config.json shapes (vocabulary, hidden, MLP, layers, heads, KV heads,
@@ -157,7 +160,32 @@ def measure_transfer(env: dict) -> dict | None:
         log("transfer: skipped (the transfer benchmark's workers run on host CPU devices)")
         return None
     transfer = sibling("transfer_throughput")
-    return transfer.run(SimpleNamespace(quick=True, repeats=0, disk_dir=None, disk_1gb=False))
+    return transfer.run(SimpleNamespace(quick=True, repeats=0, disk_dir=None, disk_1gb=False,
+                                        variants=[]))
+
+
+def measure_e2e(quick: bool) -> dict | None:
+    """The three RL modes end to end (``async_vs_sync.py``, 20 steps or 8 when quick), in a
+    scratch work directory; returns that benchmark's result (rows per mode, predictions)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="pools-e2e-") as tmp:
+        cmd = [sys.executable, str(BENCH_DIR / "async_vs_sync.py"),
+               f"--steps={8 if quick else 20}",
+               f"--workdir={tmp}", f"--results_dir={tmp}"]
+        log("e2e: " + " ".join(cmd[1:]))
+        done = subprocess.run(cmd, cwd=BENCH_DIR.parent, capture_output=True, text=True,
+                              env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+        if done.returncode != 0:
+            log(f"e2e FAILED:\n{done.stderr[-3000:]}")
+            return {"error": done.stderr[-3000:]}
+        result = json.loads((Path(tmp) / "async_vs_sync.json").read_text())
+    for row in result["rows"]:
+        pred = result.get("predictions", {}).get("modes", {}).get(row["mode"], {})
+        log(f"e2e {row['mode']:<13} {row['trained_tokens_per_s']:,.0f} trained tok/s "
+            f"({row['vs_sync']:.2f}x sync), staleness max {row['staleness_max']:.0f}"
+            + (f", predicted {pred['tokens_per_s']:,.0f} ({pred['relative_error']:+.0%})"
+               if pred else ""))
+    return result
 
 
 # ---- ahead-of-time compile check ------------------------------------------------------------------
@@ -245,7 +273,8 @@ def run_aot(args) -> list[dict]:
 
 def measured_accelerator(env: dict, ceilings: dict, transfer: dict | None) -> dict:
     """An accelerator description (``rl_jax.sysmodel.Accelerator``) from this run's numbers."""
-    link = transfer["memcpy_bytes_per_s"]["warm"] if transfer else ceilings["bandwidth"]
+    rows = (transfer or {}).get("rows") or []
+    link = (max(r["memcpy_gbps"] for r in rows) * 1e9 if rows else ceilings["bandwidth"])
     try:
         import jax
         capacity = jax.devices()[0].memory_stats()["bytes_limit"]
@@ -255,7 +284,7 @@ def measured_accelerator(env: dict, ceilings: dict, transfer: dict | None) -> di
             if env["backend"] == "cpu" else env["device_kind"],
             "peak_flops": {"float32": ceilings["peak_flops"]},
             "memory_bandwidth": ceilings["bandwidth"], "memory_capacity": float(capacity),
-            "interconnect_bandwidth": 2 * link, "interconnect": "memcpy" if transfer else
+            "interconnect_bandwidth": 2 * link, "interconnect": "memcpy" if rows else
             "memory (unmeasured link)", "collective_latency_s": 20e-6,
             "source": f"measured by benchmarks/pools.py on {env['date']}"}
 
@@ -280,6 +309,12 @@ def summary_row(result: dict) -> dict:
         if big:
             best = max(big, key=lambda r: r["end_to_end_gbps"])
             row.update(transfer_gbps=best["end_to_end_gbps"], transfer_via=best["transport"])
+    e2e = result.get("e2e") or {}
+    by_mode = {r["mode"]: r for r in e2e.get("rows", [])}
+    if "async" in by_mode and "sync" in by_mode:
+        row.update(e2e_sync_tok_s=by_mode["sync"]["trained_tokens_per_s"],
+                   e2e_async_tok_s=by_mode["async"]["trained_tokens_per_s"],
+                   e2e_async_vs_sync=by_mode["async"]["vs_sync"])
     if result.get("aot"):
         row["aot"] = "; ".join(
             (f"{a['target']} ({a['mesh']['data']},{a['mesh']['fsdp']},{a['mesh']['tensor']}): "
@@ -297,11 +332,13 @@ def comparison_markdown(results: list[dict]) -> str:
              "Written by `benchmarks/pools.py` from `results/pools/*.json`. Decode: the engine "
              "end to end on the 7M-parameter `small` model at its best batch; train: the same "
              "model, T=128, best micro-batch; MFU against the measured matmul peak; transfer: "
-             "fastest publish+pull at >= 100 MB; AOT: compiled per-device peak of the train "
-             "step target.", "",
+             "fastest publish+pull at >= 100 MB; e2e: trained tokens/s of the tiny RL recipe, "
+             "sync and async (20 steps); AOT: compiled per-device peak of the train step "
+             "target.", "",
              "| device | backend | date | jax | matmul TFLOP/s | read GB/s | decode tok/s (B) | "
-             "decode / roofline | train tok/s (micro) | MFU | transfer GB/s | AOT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode / roofline | train tok/s (micro) | MFU | transfer GB/s | "
+             "e2e tok/s sync / async | AOT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         r = summary_row(result)
         lines.append(
@@ -311,7 +348,8 @@ def comparison_markdown(results: list[dict]) -> str:
             f"{fmt(r.get('decode_vs_roofline'), '.2f')} | {fmt(r.get('train_tok_s'), ',.0f')} "
             f"({r.get('train_micro', '-')}) | {fmt(r.get('train_mfu'), '.2f')} | "
             f"{fmt(r.get('transfer_gbps'), '.2f')} {r.get('transfer_via', '')} | "
-            f"{r.get('aot', '-')} |")
+            f"{fmt(r.get('e2e_sync_tok_s'), ',.0f')} / {fmt(r.get('e2e_async_tok_s'), ',.0f')} "
+            f"({fmt(r.get('e2e_async_vs_sync'), '.2f')}x) | {r.get('aot', '-')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -346,6 +384,23 @@ def run_markdown(result: dict) -> str:
         for r in result["transfer"]["rows"]:
             lines.append(f"| {r['size']} | {r['transport']} | {r['publish_gbps']:.2f} | "
                          f"{r['pull_gbps']:.2f} | {r['end_to_end_gbps']:.2f} |")
+        lines.append("")
+    e2e = result.get("e2e") or {}
+    if e2e.get("rows"):
+        predictions = e2e.get("predictions", {}).get("modes", {})
+        lines += ["## End to end: the tiny RL recipe in each mode", "",
+                  f"{e2e['steps']} steps of {e2e['batch']['groups_per_batch']} x "
+                  f"{e2e['batch']['group_size']} samples, lognormal completion lengths "
+                  f"(p99/p50 {e2e['lengths']['p99_over_p50']:.1f}).", "",
+                  "| mode | trained tok/s | vs sync | staleness max | trainer idle | "
+                  "generator idle | predicted tok/s | error |", "|---|---|---|---|---|---|---|---|"]
+        for r in e2e["rows"]:
+            p = predictions.get(r["mode"], {})
+            lines.append(f"| {r['mode']} | {r['trained_tokens_per_s']:,.0f} | "
+                         f"{r['vs_sync']:.2f} | {r['staleness_max']:.0f} | "
+                         f"{r['trainer_idle_fraction']:.2f} | {r['generator_idle_fraction']:.2f} | "
+                         f"{fmt(p.get('tokens_per_s'), ',.0f')} | "
+                         f"{fmt(p.get('relative_error'), '+.0%')} |")
         lines.append("")
     if result.get("aot"):
         lines += ["## Ahead-of-time compile check of the train step", "",
@@ -420,6 +475,8 @@ def main():
         result["trainer"] = measure_trainer(args.quick, ceilings["peak_flops"])
     if "transfer" not in skip:
         result["transfer"] = measure_transfer(env)
+    if "e2e" not in skip:
+        result["e2e"] = measure_e2e(args.quick)
     if "aot" not in skip:
         result["aot"] = run_aot(args)
     env["load_average_after"] = list(os.getloadavg())

@@ -412,7 +412,8 @@ def run(args) -> dict:
                        for r in big if r["size"] == size), key=lambda x: x["ratio"])
             for size in dict.fromkeys(r["size"] for r in big)}
     return {"backend": "cpu", "machine": platform.machine(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(), "quick": args.quick, "variants": args.variants or "all", "repeats": repeats,
+            "load_average": os.getloadavg(), "quick": args.quick,
+            "variants": args.variants or "all", "repeats": repeats,
             "definitions": {
                 "model_bytes": "total bytes of the float32 parameters",
                 "memcpy_s": "np.copyto of model_bytes into a warm destination (best of 3), "

@@ -15,7 +15,8 @@ from rl_jax.sysmodel import (CATALOGUE, Accelerator, ConstantLengths, EmpiricalL
                              LogNormalLengths, MeasuredLatency, ModelShape, RooflineLatency,
                              SimConfig, SweepOptions, SysModelError, TrainerModel, Workload,
                              balance, get_accelerator, max_staleness_estimate, predict_run,
-                             simulate, steady_state, sweep, weight_transfer_seconds)
+                             SequenceLengths, simulate, steady_state, sweep,
+                             weight_transfer_seconds)
 from rl_jax.sysmodel.recipe import model_shape, rollout_settings
 from rl_jax.sysmodel.shape import QWEN2_1_5B
 
@@ -272,6 +273,22 @@ def test_predict_run_matches_the_closed_form():
         predict_run(decode_latency={1: 0.01}, trainer_tokens_per_s=1000.0,
                     response_lengths=[10], prompt_len=5, group_size=1, groups_per_batch=1,
                     max_lag=0, mode="sync", num_servers=1, slots_per_server=1, startup_s=-1)
+
+
+def test_replayed_per_prompt_lengths_give_the_sync_closed_form():
+    """Lengths replayed in order, one per group: sync waits for each batch's own longest
+    sample, then trains its tokens (decode 10 ms per step at any batch, 1000 tokens/s)."""
+    seq = SequenceLengths([5, 20, 40])
+    assert list(seq.sample(None, 4)) == [5, 20, 40, 5] and seq.max_length == 40
+    assert seq.restart().sample(None, 1)[0] == 5
+    p = predict_run(decode_latency={1: 0.01, 64: 0.01}, trainer_tokens_per_s=1000.0,
+                    response_lengths=[5, 20, 40], prompt_len=2, group_size=4,
+                    groups_per_batch=1, max_lag=0, mode="sync", num_servers=1,
+                    slots_per_server=8, num_steps=3, ordered_lengths=True,
+                    shared_group_length=True)
+    want = sum(n * 0.01 + 4 * (n + 2) / 1000 for n in (5, 20, 40))
+    assert p.wall_s == pytest.approx(want, rel=1e-6)
+    assert p.tokens_per_s == pytest.approx(4 * (65 + 6) / want, rel=1e-6)
 
 
 def test_steady_state_async_staleness_bound():

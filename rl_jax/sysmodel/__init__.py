@@ -55,7 +55,7 @@ from rl_jax.sysmodel.invariants import (Workload, balance, max_staleness_estimat
                                         weight_transfer_seconds)
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
 from rl_jax.sysmodel.lengths import (ConstantLengths, EmpiricalLengths, LengthDistribution,
-                                     LogNormalLengths)
+                                     LogNormalLengths, SequenceLengths)
 from rl_jax.sysmodel.predict import RunPrediction, predict_run
 from rl_jax.sysmodel.shape import ModelShape
 from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
@@ -67,6 +67,7 @@ __all__ = [
     "SysModelError", "Workload", "balance", "max_staleness_estimate", "steady_state",
     "weight_transfer_seconds", "MeasuredLatency", "RooflineLatency", "TrainerModel",
     "ConstantLengths", "EmpiricalLengths", "LengthDistribution", "LogNormalLengths",
+    "SequenceLengths",
     "RunPrediction", "predict_run", "ModelShape", "MODES", "SimConfig", "SimResult", "simulate",
     "Layout", "LayoutResult", "SweepOptions", "SweepResult", "format_table", "sweep",
 ]

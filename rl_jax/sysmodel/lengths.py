@@ -7,7 +7,8 @@ carries the whole distribution, not a mean:
 - :class:`EmpiricalLengths`: measured lengths (a histogram), resampled with replacement;
 - :class:`LogNormalLengths`: ``median · exp(sigma · z)`` clipped to ``[1, max_length]`` (the
   clipped mass is the share of responses stopped by the length limit);
-- :class:`ConstantLengths`: every response has the same length (closed-form checks).
+- :class:`ConstantLengths`: every response has the same length (closed-form checks);
+- :class:`SequenceLengths`: given lengths drawn in their order (replaying a run's prompts).
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ class EmpiricalLengths(LengthDistribution):
 
     def second_moment(self) -> float:
         return float(np.mean(np.asarray(self.lengths, float) ** 2))
+
+
+class SequenceLengths(EmpiricalLengths):
+    """Lengths in the order a run meets them (e.g. the forced length of each prompt of a
+    benchmark's stream): :meth:`sample` returns the next ones, starting over after the last;
+    the statistics are those of all of them. :meth:`restart` gives a copy at the first."""
+
+    def __init__(self, values: Iterable[int]):
+        ordered = tuple(int(v) for v in values)
+        super().__init__(ordered)  # sorted copy: quantiles, mean, max
+        object.__setattr__(self, "order", np.asarray(ordered, np.int64))
+        object.__setattr__(self, "_next", 0)
+
+    def restart(self) -> "SequenceLengths":
+        return SequenceLengths(self.order)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        index = (self._next + np.arange(n)) % len(self.order)
+        object.__setattr__(self, "_next", int((self._next + n) % len(self.order)))
+        return self.order[index]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from rl_jax.sysmodel.invariants import Workload, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, TrainerModel
-from rl_jax.sysmodel.lengths import EmpiricalLengths
+from rl_jax.sysmodel.lengths import EmpiricalLengths, SequenceLengths
 from rl_jax.sysmodel.simulator import SimConfig, SimResult, simulate
 
 
@@ -45,6 +45,7 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                 weight_transfer_s: float = 0.0, trainer_step_overhead_s: float = 0.0,
                 prefill_s_per_token: float = 0.0, swap_pause_s: float = 0.0,
                 group_overhead_s: float = 0.0, startup_s: float = 0.0,
+                ordered_lengths: bool = False, shared_group_length: bool = False,
                 warmup_steps: int | None = None, seed: int = 0) -> RunPrediction:
     """Predicts throughput, idle fractions and staleness of a run from measurements.
 
@@ -53,7 +54,8 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
         ``{batch: seconds}`` or ``[(batch, seconds), ...]``.
       trainer_tokens_per_s: measured trainer throughput (whole trainer pool) on the tokens of a
         batch (prompt + completion of every sample).
-      response_lengths: measured completion lengths in tokens (resampled with replacement).
+      response_lengths: measured completion lengths in tokens (resampled with replacement, or
+        with ``ordered_lengths`` drawn in this order: a run's prompts replayed).
       prompt_len: prompt tokens per sample.
       group_size, groups_per_batch: samples per prompt, prompts per optimizer step.
       max_lag: staleness bound (versions); async admission obeys it.
@@ -70,18 +72,22 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
       startup_s: seconds a real run spends before its first batch beyond generating it
         (connections, first requests); added to the whole run's wall time, not to the steady
         state.
+      ordered_lengths: draw ``response_lengths`` in order instead of resampling them.
+      shared_group_length: one length per group (per prompt) instead of one per sample.
       warmup_steps: steps left out of ``steady_tokens_per_s`` (default: automatic).
       seed: seed of the length resampling.
     """
     latency = MeasuredLatency.from_points(decode_latency, source="measured")
     trainer = TrainerModel(trainer_tokens_per_s, trainer_step_overhead_s, source="measured")
-    lengths = EmpiricalLengths.from_values(response_lengths)
+    lengths = (SequenceLengths(response_lengths) if ordered_lengths
+               else EmpiricalLengths.from_values(response_lengths))
     cfg = SimConfig(mode=mode, prompt_len=prompt_len, group_size=group_size,
                     groups_per_batch=groups_per_batch, max_lag=max_lag, num_servers=num_servers,
                     slots_per_server=slots_per_server, num_steps=num_steps,
                     weight_transfer_s=weight_transfer_s, swap_pause_s=swap_pause_s,
                     prefill_s_per_token=prefill_s_per_token,
                     group_overhead_s=group_overhead_s, warmup_steps=warmup_steps,
+                    shared_group_length=shared_group_length,
                     seed=seed)
     sim = simulate(cfg, latency, trainer, lengths)
     workload = Workload(prompt_len, group_size, groups_per_batch, lengths, max_lag)

@@ -41,7 +41,7 @@ import numpy as np
 
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.latency import DecodeLatency, TrainerModel
-from rl_jax.sysmodel.lengths import LengthDistribution
+from rl_jax.sysmodel.lengths import LengthDistribution, SequenceLengths
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -62,6 +62,7 @@ class SimConfig:
     swap_pause_s: float = 0.0
     prefill_s_per_token: float = 0.0
     group_overhead_s: float = 0.0
+    shared_group_length: bool = False  # every sample of a group has one length (per prompt)
     warmup_steps: int | None = None  # steps left out of the steady-state rate; None: auto
     seed: int = 0
     timeline_bins: int = 200
@@ -178,6 +179,8 @@ class _Simulation:
         if cap is not None and cfg.slots_per_server > cap:
             raise SysModelError(f"slots_per_server={cfg.slots_per_server} exceeds what the KV "
                                 f"cache holds ({cap} sequences)")
+        if isinstance(lengths, SequenceLengths):
+            lengths = lengths.restart()  # every simulation replays from the first
         self.cfg, self.latency, self.trainer, self.lengths = cfg, latency, trainer, lengths
         self.rng = np.random.default_rng(cfg.seed)
         self.servers = [_Server(i) for i in range(cfg.num_servers)]
@@ -329,7 +332,8 @@ class _Simulation:
         cfg = self.cfg
         kicked = set()
         for _ in range(count):
-            lengths = self.lengths.sample(self.rng, cfg.group_size)
+            lengths = (np.repeat(self.lengths.sample(self.rng, 1), cfg.group_size)
+                       if cfg.shared_group_length else self.lengths.sample(self.rng, cfg.group_size))
             group = _Group(next(self.group_order), self.batches_admitted, deadline, lengths,
                            cfg.prompt_len)
             self.unconsumed[group.order] = group
