@@ -91,6 +91,34 @@ def test_seed_reproducible_and_independent_of_batch(engine):
     assert other[0].output_ids != alone[0].output_ids
 
 
+def test_a_sequence_left_in_a_high_slot_moves_down_and_continues_identically(spec, weights):
+    """Twenty short samples take slots 0..19, a long one slot 20; once the short ones finish,
+    the long one moves to slot 0 (decode batch 8 instead of 32) with its cache and state, and
+    its tokens and log-probs equal those of the same request run alone."""
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=32, max_seq_len=96),
+                 eos_token_ids=(EOS,))
+    try:
+        long_req = lambda: req([1, 6, 2, 8], max_new_tokens=40, seed=7)  # noqa: E731
+        alone = eng.generate(long_req())[0]
+        assert eng.stats["compactions"] == 0
+        eng.pause("in_place")  # admit both in one scheduler pass: the long one gets slot 20
+        deadline = time.monotonic() + 60
+        while not eng.paused and time.monotonic() < deadline:
+            time.sleep(0.001)
+        short = eng.submit(req([1, 3], max_new_tokens=3, seed=1, n=20))
+        long_ = eng.submit(long_req())
+        eng.resume()
+        short.result(timeout=120)
+        moved = long_.result(timeout=120)[0]
+        assert eng.stats["compactions"] >= 1
+        assert moved.output_ids == alone.output_ids
+        np.testing.assert_allclose(moved.output_logprobs, alone.output_logprobs, atol=1e-5)
+        ref = trainer_logprobs(spec, weights[0], [1, 6, 2, 8], moved.output_ids)
+        np.testing.assert_allclose(moved.output_logprobs, ref, atol=1e-4)
+    finally:
+        eng.shutdown()
+
+
 def test_n_samples_share_one_prefill(engine):
     before = engine.stats["prefills"]
     outs = engine.generate(req([1, 4, 5, 6, 7], max_new_tokens=4, seed=1, n=4))

@@ -481,8 +481,30 @@ class Engine:
         self.stats["prefills"] += 1
         self._release_fully_dispatched(seqs)
 
+    def _compact(self):
+        """Moves the sequences of the highest slots into free lower ones when the running
+        sequences would then fit a smaller decode batch (a long sample left alone in slot 40
+        would otherwise be decoded in a batch of 64)."""
+        slots = self.engine_config.max_slots
+        target = batch_bucket(len(self._running), slots)
+        if batch_bucket(max(self._running) + 1, slots) <= target:
+            return
+        with self._lock:
+            movers = sorted((s for s in self._running if s >= target), reverse=True)
+            free = sorted(s for s in self._free_slots if s < target)[:len(movers)]
+            for src, dst in zip(movers, free):
+                seq = self._running.pop(src)
+                seq.slot = dst
+                self._running[dst] = seq
+            taken = set(free)
+            self._free_slots = [s for s in self._free_slots if s not in taken] + movers
+            heapq.heapify(self._free_slots)
+        self.runner.move(np.asarray(movers, np.int32), np.asarray(free, np.int32))
+        self.stats["compactions"] += 1
+
     def _decode_step(self):
         """Queues one decode step of every running sequence (slots ``0..batch-1``)."""
+        self._compact()
         seqs = list(self._running.values())
         batch = batch_bucket(max(self._running) + 1, self.engine_config.max_slots)
         kv_needed = max(seq.kv_needed for seq in seqs)

@@ -356,6 +356,17 @@ def install_state(state: SlotState, slots, values, fresh, tokens) -> SlotState:
                                             mode="drop") for name in state}
 
 
+def move_slots(k_cache, v_cache, state: SlotState, src, dst):
+    """Moves sequences from slots ``src [N]`` to slots ``dst [N]``: their keys, values and slot
+    state (pairs whose ``dst`` is past the cache, the padding, are dropped). Everything is read
+    before anything is written."""
+    def move(a):
+        return a.at[dst].set(a[src], mode="drop")
+
+    return (tuple(map(move, k_cache)), tuple(map(move, v_cache)),
+            {name: move(a) for name, a in state.items()})
+
+
 # ---- sampling -------------------------------------------------------------------------------------
 
 def _threefry2x32(k1, k2, x1, x2):
@@ -594,6 +605,7 @@ class ModelRunner:
         self._first_tokens = jax.jit(first_tokens, static_argnames=("filtered",))
         self._install_kv = jax.jit(install_kv, donate_argnums=(0, 1))
         self._install_state = jax.jit(install_state, donate_argnums=(0,))
+        self._move = jax.jit(move_slots, donate_argnums=(0, 1, 2))
         prepare_kw = {} if mesh is None else {"out_shardings": self._weight_shardings()}
         self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
                                 **prepare_kw)
@@ -659,6 +671,25 @@ class ModelRunner:
             self._compile_ahead(weights, batch, kv_bucket(self.kv_len + 1, self.max_seq_len),
                                 filtered)
         return out
+
+    def move(self, src: np.ndarray, dst: np.ndarray):
+        """Moves the sequences of slots ``src`` into the free slots ``dst`` (see
+        :func:`move_slots`), so that the running ones fit a smaller decode batch."""
+        n = self.max_slots
+        s, d = np.zeros(n, np.int32), np.full(n, n, np.int32)
+        s[:len(src)], d[:len(dst)] = src, dst
+        self.k_cache, self.v_cache, self.state = self._move(
+            self.k_cache, self.v_cache, self.state, jnp.asarray(s), jnp.asarray(d))
+
+    def compile_move(self, length: int):
+        """Compiles :meth:`move` for caches of ``length`` positions (without running it)."""
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
+        caches = tuple((jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding),)
+                       * self.config.num_layers
+                       for shape, sharding in zip(self._cache_shapes(length),
+                                                  self._cache_shardings(length)))
+        index = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
+        self._move.lower(*caches, jax.tree.map(abstract, self.state), index, index).compile()
 
     def _compile_ahead(self, weights, batch: int, length: int, filtered: bool):
         """Compiles, in a background thread, the decode step for caches of ``length`` positions

@@ -247,6 +247,8 @@ class GeneratorServer:
                     self._burst(prompts, n, tag=f"{prompts}x{n}")
         lengths = sorted({kv_bucket(n, self.config.max_seq_len)
                           for n in range(1, self.config.max_seq_len + 1)})
+        for length in lengths:  # moving sequences to lower slots (see Engine._compact)
+            self.engine.runner.compile_move(length)
         for length in lengths[1:]:
             for n in sizes:
                 if n >= MIN_ADMIT or n == slots:
