@@ -28,7 +28,7 @@ def get_config() -> ConfigDict:
     c.base = ConfigDict(dict(checkpoint="checkpoints/qwen2.5-1.5b", lm_config="",
                             lm_overrides=()))
     c.model = ConfigDict(dict(
-        dtype="bfloat16", param_dtype="float32", remat="full",
+        dtype="bfloat16", param_dtype="float32", remat="full", scan_layers=True,
         # For planning (python -m launch.plan) without the checkpoint at hand.
         shape=ConfigDict(dict(hidden_size=1536, intermediate_size=8960, num_layers=28,
                               num_heads=12, num_kv_heads=2, head_dim=128, vocab_size=151936,

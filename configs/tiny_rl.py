@@ -24,7 +24,9 @@ def get_config() -> ConfigDict:
     # of 300 steps (held-out exact match about 0.25), a policy with room to improve.
     c.base = ConfigDict(dict(checkpoint="", lm_config="configs/tiny_lm.py", lm_overrides=(
         "task.num_digits=2", "trainer.steps=300", "trainer.stop_after=175")))
-    c.model = ConfigDict(dict(dtype="float32", param_dtype="float32", remat="none"))
+    # scan_layers=False: the 3 layers unrolled (see configs/tiny_lm.py).
+    c.model = ConfigDict(dict(dtype="float32", param_dtype="float32", remat="none",
+                              scan_layers=False))
     c.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
     # The reward environment (rl_jax.envs.get(name, **kwargs)); train prompts come from its

@@ -1,4 +1,5 @@
-"""The model layer on one device: blockwise log-probs, packing, padding, bf16, remat, configs."""
+"""The model layer on one device: blockwise log-probs, packing, padding, bf16, remat, unrolled
+layers, configs."""
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,23 @@ def test_remat_gives_same_loss_and_gradients(remat):
     # differently. The float32 gradients without remat are themselves ~1.5e-6 (relative to each
     # parameter's largest gradient) off a float64 computation, so "equal" means equal to the
     # float32 standard of this suite: 1e-5 of the scale.
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    ref_grads = dict(iter_params(ref_grads))
+    assert set(dict(iter_params(grads))) == set(ref_grads)
+    for name, g in iter_params(grads):
+        ref = np.asarray(ref_grads[name][...])
+        scale = float(np.max(np.abs(ref)))
+        assert scale > 0, name
+        np.testing.assert_allclose(g[...], ref, rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_give_same_loss_and_gradients(remat):
+    """``scan_layers=False`` runs the same layers unrolled: loss and gradients of the stacked
+    parameters equal the rolled scan's to the float32 standard above."""
+    _, batch = padded_batch()
+    ref_loss, ref_grads = masked_loss_and_grads(random_model(remat=remat), *batch)
+    loss, grads = masked_loss_and_grads(random_model(remat=remat, scan_layers=False), *batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=0)
     ref_grads = dict(iter_params(ref_grads))
     assert set(dict(iter_params(grads))) == set(ref_grads)

@@ -27,11 +27,12 @@ def iter_params(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
 
 def abstract_model(config: ModelConfig, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
-                   rules: ShardingRules | None = None, remat: str = "none") -> Transformer:
+                   rules: ShardingRules | None = None, remat: str = "none",
+                   scan_layers: bool = True) -> Transformer:
     """The model with ``ShapeDtypeStruct`` parameters: costs no memory."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
-        remat=remat))
+        remat=remat, scan_layers=scan_layers))
 
 
 def param_shardings(state: nnx.State, mesh: Mesh | None,
@@ -55,17 +56,18 @@ def param_shardings(state: nnx.State, mesh: Mesh | None,
 
 def create_model(config: ModelConfig, *, seed: int = 0, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
-                 rules: ShardingRules | None = None, remat: str = "none") -> Transformer:
+                 rules: ShardingRules | None = None, remat: str = "none",
+                 scan_layers: bool = True) -> Transformer:
     """A randomly initialised model whose parameters are created in their sharded layout."""
     rules = rules or ShardingRules.default()
     abstract = abstract_model(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
-                              rules=rules, remat=remat)
+                              rules=rules, remat=remat, scan_layers=scan_layers)
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh, rules)
 
     def init():
         model = Transformer(config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype,
-                            mesh=mesh, rules=rules, remat=remat)
+                            mesh=mesh, rules=rules, remat=remat, scan_layers=scan_layers)
         return nnx.state(model)
 
     state = jax.jit(init, out_shardings=shardings)()

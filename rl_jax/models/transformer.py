@@ -1,7 +1,9 @@
 """Decoder-only transformer (Llama, Qwen2, Qwen3 families) in Flax NNX.
 
 Layers are stacked: every per-layer weight has a leading ``layers`` axis and the forward pass is a
-``lax.scan`` over layers, so compile time does not grow with depth. Every parameter is an
+``lax.scan`` over layers, so compile time does not grow with depth (``scan_layers=False`` unrolls
+it: code per layer and no ``[L, ...]`` stacks of the activations saved for the backward pass,
+faster steps for shallow models). Every parameter is an
 ``nnx.Param`` carrying ``logical_axes`` metadata that :class:`rl_jax.sharding.ShardingRules` maps
 onto a mesh.
 
@@ -84,11 +86,16 @@ class Transformer(nnx.Module):
       param_dtype: storage dtype of parameters.
       mesh, rules: when given, activations are constrained to ``rules`` on ``mesh``.
       remat: rematerialise each layer in the backward pass (``"none"``, ``"full"``, ``"dots"``).
+      scan_layers: run the layers as a rolled ``lax.scan`` (compile time independent of depth)
+        or unrolled (every layer its own code, and the activations the backward pass keeps are
+        not written into and read back from ``[L, ...]`` stacks: on a CPU a 3-layer model's
+        gradient on 320-token rows takes about two thirds of the time unrolled).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
-                 rules: ShardingRules | None = None, remat: str = "none"):
+                 rules: ShardingRules | None = None, remat: str = "none",
+                 scan_layers: bool = True):
         if remat not in ("none", "full", "dots"):
             raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
         self.config = config
@@ -96,6 +103,7 @@ class Transformer(nnx.Module):
         self.mesh = mesh
         self.rules = rules or ShardingRules.default()
         self.remat = remat
+        self.scan_layers = bool(scan_layers)
         d, v = config.hidden_size, config.vocab_size
         normal = nnx.initializers.normal(0.02)
         self.embed = nnx.Param(normal(rngs.params(), (v, d), param_dtype),
@@ -148,7 +156,8 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(
                 layer, prevent_cse=False,
                 policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-        x, _ = jax.lax.scan(layer, x, self.layers.weights())
+        x, _ = jax.lax.scan(layer, x, self.layers.weights(),
+                            unroll=1 if self.scan_layers else cfg.num_layers)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
 
     def unembedding(self) -> jax.Array:
@@ -241,16 +250,13 @@ def attention_mask(q_index: jax.Array, q_segment: jax.Array, kv_index: jax.Array
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention. ``q [B,T,H,Dh]``, ``k, v [B,S,K,Dh]``, ``mask [B,T,S]`` →
-    ``[B,T,H,Dh]``. Scores and softmax in float32."""
-    b, t, h, hd = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, hd)
+    ``[B,T,H,Dh]``. Scores and softmax in float32.
+
+    ``jax.nn.dot_product_attention``: on a CPU its XLA lowering keeps the ``[T, S]`` score
+    matrices in the layouts its products want (about a third less time for a 320-token row's
+    forward and backward than grouped einsums whose scores need transposing); on GPUs it can pick
+    cuDNN's fused kernels."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
 
 
 def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array,

@@ -186,7 +186,8 @@ class Session:
                 raise RLConfigError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
         self.mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
         self.spec = ModelSpec(self.model_config, mesh=self.mesh, dtype=DTYPES[c.model.dtype],
-                              param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat)
+                              param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat,
+                              scan_layers=bool(c.model.get("scan_layers", True)))
         self.env = envs.get(c.env.name, **c.env.kwargs.to_dict())
         self.prompt_source = prompt_source(c, self.env)
         if c.eval.path:

@@ -97,7 +97,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     else:
         cfg = model_config(c, tokenizer.get_vocab_size(), special)
     spec = ModelSpec(cfg, mesh=mesh, dtype=_dtype(c.model.dtype),
-                     param_dtype=_dtype(c.model.param_dtype), remat=c.model.remat)
+                     param_dtype=_dtype(c.model.param_dtype), remat=c.model.remat,
+                     scan_layers=bool(c.model.get("scan_layers", True)))
     opt_cfg = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
     tx = make_optimizer(opt_cfg)
     schedule = learning_rate_schedule(opt_cfg)

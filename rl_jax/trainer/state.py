@@ -83,14 +83,14 @@ class ModelSpec:
 
     def __init__(self, config: ModelConfig, *, mesh: Mesh | None, rules: ShardingRules | None =
                  None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat: str = "none"):
+                 remat: str = "none", scan_layers: bool = True):
         self.config = config
         self.mesh = mesh
         self.rules = rules or ShardingRules.default()
         self.dtype = dtype
         self.param_dtype = param_dtype
         abstract = abstract_model(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
-                                  rules=self.rules, remat=remat)
+                                  rules=self.rules, remat=remat, scan_layers=scan_layers)
         self.graphdef, self._template = nnx.split(abstract)
         self.abstract_params: Params = nnx.to_pure_dict(self._template)
         self.param_shardings: Params = nnx.to_pure_dict(
