@@ -9,13 +9,16 @@ per-token field aligned with ``targets`` (the token predicted at that position).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from rl_jax.data.packing import pack_sequences
 from rl_jax.losses import get_advantage_estimator
+from rl_jax.losses.advantages import check_groups
 
 
 @dataclasses.dataclass
@@ -79,6 +82,26 @@ def bucket_rows(needed: int, multiple: int = 1, power_of_two: bool = True) -> in
     return multiple * ((1 << (units - 1).bit_length()) if power_of_two else units)
 
 
+@functools.lru_cache(maxsize=64)
+def _compiled_estimator(name: str, num_groups: int, kwargs: tuple) -> Callable:
+    return jax.jit(functools.partial(get_advantage_estimator(name), num_groups=num_groups,
+                                     **dict(kwargs)))
+
+
+def host_advantages(name: str, rewards: np.ndarray, group_ids: np.ndarray, num_groups: int,
+                    **kwargs) -> np.ndarray:
+    """The advantage estimator ``name`` on host arrays, as one compiled call on the host's CPU.
+
+    Run eagerly, an estimator is a couple of dozen dispatched operations (several milliseconds
+    of the trainer's thread per batch); compiled, one call per batch (one compilation per number
+    of samples). The group ids are checked first, on the host, with the estimators' own errors.
+    """
+    check_groups(group_ids, num_groups)
+    fn = _compiled_estimator(name, int(num_groups), tuple(sorted(kwargs.items())))
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return np.asarray(fn(rewards, group_ids), np.float32)
+
+
 def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: str = "grpo",
                 pad_id: int = 0, row_multiple: int = 1, power_of_two: bool = True,
                 **advantage_kwargs
@@ -99,9 +122,7 @@ def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: 
         raise PackingError("no samples to pack")
     rewards = np.asarray([s.reward for s in samples], np.float32)
     group_ids = np.concatenate([np.full(len(g.samples), i) for i, g in enumerate(groups)])
-    estimator = get_advantage_estimator(advantage)
-    adv = np.asarray(estimator(rewards, group_ids, num_groups=len(groups), **advantage_kwargs),
-                     np.float32)
+    adv = host_advantages(advantage, rewards, group_ids, len(groups), **advantage_kwargs)
     seqs, masks = [], []
     for s in samples:
         if s.num_tokens > seq_len:
