@@ -4,7 +4,8 @@ Everything is measured side by side in one run, so ratios are meaningful even on
 machine:
 
 1. ceiling: dense matmul FLOP/s of this backend (the best a train step could reach);
-2. train step: tokens/s and model FLOP/s (6·params·tokens + attention) → MFU against (1);
+2. train step: tokens/s and model FLOP/s (6·params·tokens + attention) → MFU against (1), with
+   the layers as a rolled ``lax.scan`` and unrolled (``scan_layers``), side by side;
 3. log-probs over a large vocabulary: blockwise vs full logits, compiled temporary memory and time
    for forward+backward.
 
@@ -60,8 +61,8 @@ def train_step_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
     return float(dense + unembed + attention)
 
 
-def bench_train_step(cfg: ModelConfig, batch: int, seq: int) -> dict:
-    spec = ModelSpec(cfg, mesh=None)
+def bench_train_step(cfg: ModelConfig, batch: int, seq: int, scan_layers: bool = True) -> dict:
+    spec = ModelSpec(cfg, mesh=None, scan_layers=scan_layers)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-4, warmup_steps=1, total_steps=1000))
     state = init_state(tx, spec, spec.init_params(seed=0))
     step = make_train_step(spec, tx, causal_lm_loss, donate=False)
@@ -74,8 +75,9 @@ def bench_train_step(cfg: ModelConfig, batch: int, seq: int) -> dict:
     data = jax.device_put(data)
     seconds = timed(lambda: step(state, data)[1]["loss"])
     flops = train_step_flops(cfg, batch, seq)
-    return {"params": cfg.num_params(), "batch": batch, "seq": seq, "step_s": seconds,
-            "tokens_per_s": batch * seq / seconds, "flops_per_s": flops / seconds}
+    return {"params": cfg.num_params(), "batch": batch, "seq": seq, "scan_layers": scan_layers,
+            "step_s": seconds, "tokens_per_s": batch * seq / seconds,
+            "flops_per_s": flops / seconds}
 
 
 def bench_logprobs(tokens: int, hidden: int, vocab: int, block: int) -> dict:
@@ -115,17 +117,24 @@ def main():
         "small (6M)": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=768,
                                   num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32),
     }
-    shapes = [(16, 128)] if args.quick else [(16, 128), (32, 256)]
+    # (1, 320): the async-vs-sync benchmark's micro-batch (one packed row, 256 + 16 tokens).
+    shapes = [(1, 320), (16, 128)] if args.quick else [(1, 320), (16, 128), (32, 256)]
     train = []
     for name, cfg in models.items():
         for batch, seq in shapes:
-            r = bench_train_step(cfg, batch, seq)
-            r["model"] = name
-            r["mfu_vs_matmul_ceiling"] = r["flops_per_s"] / ceiling
-            train.append(r)
-            print(f"train step {name:>15} B={batch:<3} T={seq:<4} {r['tokens_per_s']:>9.0f} tok/s "
-                  f"{r['flops_per_s'] / 1e9:6.2f} GFLOP/s  MFU vs ceiling "
-                  f"{r['mfu_vs_matmul_ceiling']:.2f}")
+            pair = {}
+            for scan in (True, False):
+                r = bench_train_step(cfg, batch, seq, scan_layers=scan)
+                r["model"] = name
+                r["mfu_vs_matmul_ceiling"] = r["flops_per_s"] / ceiling
+                train.append(r)
+                pair[scan] = r
+                print(f"train step {name:>15} B={batch:<3} T={seq:<4} "
+                      f"{'scan    ' if scan else 'unrolled'} {r['tokens_per_s']:>9.0f} tok/s "
+                      f"{r['flops_per_s'] / 1e9:6.2f} GFLOP/s  MFU vs ceiling "
+                      f"{r['mfu_vs_matmul_ceiling']:.2f}")
+            pair[False]["unrolled_over_scan"] = pair[True]["step_s"] / pair[False]["step_s"]
+            print(f"{'':>26} unrolled / scan tokens/s: {pair[False]['unrolled_over_scan']:.2f}")
 
     lp = bench_logprobs(tokens=1024 if args.quick else 2048, hidden=256,
                         vocab=32768 if args.quick else 65536, block=4096)
