@@ -216,15 +216,17 @@ def test_bfloat16_forward_is_close_to_float32():
         assert np.max(np.abs(lp - ref)) < max_tol
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
-def test_remat_gives_same_loss_and_gradients(remat):
+def assert_same_loss_and_grads(kwargs: dict, ref_kwargs: dict):
+    """Masked loss and gradients of ``random_model(**kwargs)`` equal those of
+    ``random_model(**ref_kwargs)`` to the float32 standard of this suite.
+
+    Equivalent programs (rematerialised, unrolled) compute the same operations; XLA may fuse
+    (and so round) them differently. The float32 gradients are themselves ~1.5e-6 (relative to
+    each parameter's largest gradient) off a float64 computation, so "equal" means: loss to
+    1e-6 relative, every gradient to 1e-5 of its parameter's largest one."""
     _, batch = padded_batch()
-    ref_loss, ref_grads = masked_loss_and_grads(random_model(remat="none"), *batch)
-    loss, grads = masked_loss_and_grads(random_model(remat=remat), *batch)
-    # Rematerialisation recomputes the same operations; XLA may fuse (and so round) them
-    # differently. The float32 gradients without remat are themselves ~1.5e-6 (relative to each
-    # parameter's largest gradient) off a float64 computation, so "equal" means equal to the
-    # float32 standard of this suite: 1e-5 of the scale.
+    ref_loss, ref_grads = masked_loss_and_grads(random_model(**ref_kwargs), *batch)
+    loss, grads = masked_loss_and_grads(random_model(**kwargs), *batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=0)
     ref_grads = dict(iter_params(ref_grads))
     assert set(dict(iter_params(grads))) == set(ref_grads)
@@ -233,23 +235,17 @@ def test_remat_gives_same_loss_and_gradients(remat):
         scale = float(np.max(np.abs(ref)))
         assert scale > 0, name
         np.testing.assert_allclose(g[...], ref, rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_same_loss_and_gradients(remat):
+    assert_same_loss_and_grads(dict(remat=remat), dict(remat="none"))
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_unrolled_layers_give_same_loss_and_gradients(remat):
-    """``scan_layers=False`` runs the same layers unrolled: loss and gradients of the stacked
-    parameters equal the rolled scan's to the float32 standard above."""
-    _, batch = padded_batch()
-    ref_loss, ref_grads = masked_loss_and_grads(random_model(remat=remat), *batch)
-    loss, grads = masked_loss_and_grads(random_model(remat=remat, scan_layers=False), *batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=0)
-    ref_grads = dict(iter_params(ref_grads))
-    assert set(dict(iter_params(grads))) == set(ref_grads)
-    for name, g in iter_params(grads):
-        ref = np.asarray(ref_grads[name][...])
-        scale = float(np.max(np.abs(ref)))
-        assert scale > 0, name
-        np.testing.assert_allclose(g[...], ref, rtol=0, atol=1e-5 * scale, err_msg=name)
+    """``scan_layers=False`` runs the same layers unrolled."""
+    assert_same_loss_and_grads(dict(remat=remat, scan_layers=False), dict(remat=remat))
 
 
 def test_unknown_remat_is_refused():

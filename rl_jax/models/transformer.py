@@ -2,8 +2,8 @@
 
 Layers are stacked: every per-layer weight has a leading ``layers`` axis and the forward pass is a
 ``lax.scan`` over layers, so compile time does not grow with depth (``scan_layers=False`` unrolls
-it: code per layer and no ``[L, ...]`` stacks of the activations saved for the backward pass,
-faster steps for shallow models). Every parameter is an
+it: code per layer and no ``[L, ...]`` stacks of the activations saved for the backward pass;
+see :class:`Transformer`). Every parameter is an
 ``nnx.Param`` carrying ``logical_axes`` metadata that :class:`rl_jax.sharding.ShardingRules` maps
 onto a mesh.
 
