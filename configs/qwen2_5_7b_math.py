@@ -64,7 +64,7 @@ def get_config() -> ConfigDict:
     c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",
                                  port=0, timeout_s=600.0))
     c.eval = ConfigDict(dict(examples=500, every=25, max_new_tokens=3072,
-                             path="data/math500.jsonl"))
+                             path="data/math500.jsonl", concurrency=64))
     c.checkpoint = ConfigDict(dict(every=25, keep=3, use_async=True))
     c.logging = ConfigDict(dict(every=1, tensorboard=True))
     c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))

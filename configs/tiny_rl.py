@@ -88,8 +88,9 @@ def get_config() -> ConfigDict:
                                  port=0, timeout_s=120.0))
 
     # Held-out greedy evaluation: the first `examples` prompts of the environment's eval split,
-    # or of the file `path` (same format as data.path).
-    c.eval = ConfigDict(dict(examples=256, every=10, max_new_tokens=8, path=""))
+    # or of the file `path` (same format as data.path). The periodic ones run beside the rollout
+    # with at most `concurrency` requests at a time, leaving it the other slots.
+    c.eval = ConfigDict(dict(examples=256, every=10, max_new_tokens=8, path="", concurrency=16))
     c.checkpoint = ConfigDict(dict(every=10, keep=2, use_async=True))
     c.logging = ConfigDict(dict(every=1, tensorboard=True))
     c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))

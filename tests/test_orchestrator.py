@@ -181,6 +181,7 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"loss.name": "ppo2"}, "loss.name must be one of"),
     ({"loss.options": ConfigDict({"epsilon": 0.1})}, "loss.options"),
     ({"trainer.steps": 0}, "trainer.steps must be an integer >= 1"),
+    ({"eval.concurrency": 0}, "eval.concurrency must be an integer >= 1"),
     ({"generator.urls": ("localhost:30000",)}, "generator.urls must be http(s) URLs"),
     ({"rollout.rows_per_batch": 12, "trainer.micro_batch_rows": 8},
      "rollout.rows_per_batch=12 is not divisible by trainer.micro_batch_rows=8"),

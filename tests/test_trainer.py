@@ -171,6 +171,32 @@ def test_streaming_step_takes_any_multiple_of_the_micro_batch():
         step(state, jax.tree.map(np.asarray, random_batch(5, batch=6)))
 
 
+def test_streaming_step_warm_up_changes_nothing():
+    # warm() runs the compiled programs once on zeros: the state is untouched, and the steps
+    # after it are bit-for-bit those of a step that was never warmed.
+    spec = ModelSpec(TINY, mesh=None)
+    hosts = [jax.tree.map(np.asarray, random_batch(seed, batch=8)) for seed in (1, 2)]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, *x.shape[1:]), x.dtype), hosts[0])
+    results = []
+    for warm in (False, True):
+        step = StreamingTrainStep(spec, TX, causal_lm_loss, micro_rows=4)
+        state = init_state(TX, spec, spec.init_params(seed=0))
+        if warm:
+            before = _params(state)
+            assert step.warm(state.params, abstract) > 0
+            assert int(state.step) == 0
+            for a, b in zip(_params(state), before):
+                np.testing.assert_array_equal(a, b)
+        losses = []
+        for host in hosts:
+            state, metrics = step(state, host)
+            losses.append(float(metrics["loss"]))
+        results.append((losses, _params(state)))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_streaming_step_skips_a_non_finite_update():
     spec = ModelSpec(TINY, mesh=None)
     step = StreamingTrainStep(spec, TX, causal_lm_loss, micro_rows=4)

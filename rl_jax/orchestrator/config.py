@@ -133,6 +133,8 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     _int("generator.max_slots", g.max_slots, 1)
     _int("eval.examples", c.eval.examples, 0)
     _int("eval.every", c.eval.every, 0)
+    if "concurrency" in c.eval:
+        _int("eval.concurrency", c.eval.concurrency, 1)
     _int("checkpoint.every", c.checkpoint.every, 1)
     _int("logging.every", c.logging.every, 1)
     if c.loss.name not in _loss_names():

@@ -212,7 +212,10 @@ class Session:
                 f"({self.max_prompt_tokens} tokens) plus the completion limit "
                 f"({max_new_tokens(c)} tokens)")
         opt = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
-        self.schedule = learning_rate_schedule(opt)
+        # Compiled once and called here: evaluated eagerly, the schedule's first call dispatches
+        # (and compiles) a few dozen small operations, about 0.3 s of the trainer's thread.
+        self.schedule = jax.jit(learning_rate_schedule(opt))
+        jax.block_until_ready(self.schedule(0))
         self.tx = make_optimizer(opt)
         self.batch_sharding = default_batch_sharding(self.spec)
         loss_fn = make_policy_loss(c.loss.name, c.loss.options.to_dict(),
@@ -246,6 +249,10 @@ class Session:
                 rules=self.spec.rules))
             self.state = init_state(self.tx, self.spec, params)
         self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        if micro_rows:
+            seconds = self.train_step.warm(self.state.params,
+                                           PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
+            log.info("train step warmed up in %.2f s", seconds)
 
     def _setup_generators(self):
         c = self.c
@@ -329,14 +336,21 @@ class Session:
                                       pad_id=self.model_config.pad_token_id or 0,
                                       row_multiple=self.row_multiple,
                                       power_of_two=not c.trainer.micro_batch_rows)
+        self.to_batch.warm(r.groups_per_batch, r.group_size)
 
 
     # ---- evaluation -----------------------------------------------------------------------------
 
-    def _evaluate(self, tag: str):
+    def _evaluate(self, tag: str, background: bool = False):
+        """Held-out evaluation. A ``background`` one (periodic, while the rollout goes on)
+        keeps at most ``eval.concurrency`` requests on the servers, so that it does not take the
+        slots the rollout's next batches need; the others (before and after the run, when
+        nothing else generates) use every slot."""
+        slots = self.c.generator.max_slots * max(len(self.pool.urls), 1)
+        concurrency = int(self.c.eval.get("concurrency", slots)) if background else slots
         return evaluate(self.control, self.env, self.eval_prompts, encode=self.codec.encode,
                         decode=self.codec.decode, max_new_tokens=self.c.eval.max_new_tokens,
-                        tag=tag)
+                        tag=tag, concurrency=concurrency)
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -425,7 +439,8 @@ class Session:
                 if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
                         pending_eval is None and self.eval_prompts:
                     pending_eval = (done,
-                                    self.control_loop.submit(self._evaluate(f"eval-{done}")))
+                                    self.control_loop.submit(
+                                        self._evaluate(f"eval-{done}", background=True)))
                 correct = np.mean([bool(s.info.get("correct")) for g in groups
                                    for s in g.samples])
                 record = {

@@ -38,7 +38,7 @@ from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
 from rl_jax.generator.client import GeneratorUnavailable
 from rl_jax.generator.types import GenerateRequest, SamplingParams
-from rl_jax.rollout.records import Group, Sample, pack_groups
+from rl_jax.rollout.records import Group, Sample, host_advantages, pack_groups
 from rl_jax.rollout.staleness import GateConfig, StalenessGate
 
 log = logging.getLogger(__name__)
@@ -502,6 +502,14 @@ class GroupsToBatch:
     pad_id: int = 0
     row_multiple: int = 1  # rows=0: a multiple of this (batch shards × micro-batches)
     power_of_two: bool = True  # rows=0: row_multiple · 2^k rows (else any multiple)
+
+    def warm(self, num_groups: int, group_size: int):
+        """Compiles the advantage estimator for batches of ``num_groups`` groups of
+        ``group_size`` samples (see :func:`records.host_advantages`), so that the first batch
+        does not wait for it."""
+        group_ids = np.repeat(np.arange(num_groups), group_size)
+        host_advantages(self.advantage, np.zeros(len(group_ids), np.float32), group_ids,
+                        num_groups)
 
     def __call__(self, groups: list[Group]) -> dict[str, Any]:
         # Prompt-stream order, not completion order: the same groups always pack the same way.

@@ -247,6 +247,19 @@ class StreamingTrainStep:
         self._programs[key] = programs
         return time.perf_counter() - start
 
+    def warm(self, params: Any, abstract_micro_batch: Any) -> float:
+        """Runs the zero-init and accumulation programs once on an all-zero micro-batch shaped
+        like ``abstract_micro_batch`` and discards the result (the state is untouched), so that
+        the first real step does not pay their first execution (buffer allocation, first-touch
+        page faults: about as long as a step again on a CPU). Returns the seconds it took."""
+        start = time.perf_counter()
+        self.compile(abstract_micro_batch)
+        zeros, accumulate, _ = self._programs[_shape_key(abstract_micro_batch)]
+        micro = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_micro_batch)
+        jax.block_until_ready(accumulate(params, zeros(), global_batch(micro,
+                                                                      self.batch_sharding)))
+        return time.perf_counter() - start
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         leaves = jax.tree.leaves(batch)
         rows = leaves[0].shape[0]
