@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from rl_jax.losses.configs import LOG_RATIO_CLAMP, LossConfigError, PolicyLossConfig
@@ -182,6 +183,13 @@ def safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return jnp.where(positive, numerator / jnp.where(positive, denominator, 1.0), 0.0)
 
 
+def _np_safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """:func:`safe_divide` on host arrays."""
+    positive = denominator > 0
+    return np.where(positive, numerator / np.where(positive, denominator, 1.0), 0.0).astype(
+        np.float32)
+
+
 def clamped_log_ratio(logp: jax.Array, logq: jax.Array, valid: jax.Array,
                       clamp: float = LOG_RATIO_CLAMP) -> jax.Array:
     """``clip(log p − log q, −clamp, clamp)``, 0 at invalid tokens; safe to ``exp``."""
@@ -235,20 +243,23 @@ def finalize_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     tokens = metrics.get("tokens")
+    # Host values (the train loop's, every step) stay in NumPy: eager JAX would dispatch a few
+    # dozen tiny device operations per call.
+    traced = any(isinstance(v, jax.Array) for v in metrics.values())
+    asarray = jnp.asarray if traced else (lambda x: np.asarray(x, np.float32))
+    divide = safe_divide if traced else _np_safe_divide
     for key, value in metrics.items():
         if tokens is not None and key.endswith("_sq_sum"):
             continue
         if tokens is not None and key.endswith("_tokens"):
-            out[key[:-len("_tokens")] + "_fraction"] = safe_divide(jnp.asarray(value),
-                                                                   jnp.asarray(tokens))
+            out[key[:-len("_tokens")] + "_fraction"] = divide(asarray(value), asarray(tokens))
         elif tokens is not None and key.endswith("_sum"):
             name = key[:-len("_sum")]
-            out[name + "_mean"] = safe_divide(jnp.asarray(value), jnp.asarray(tokens))
+            out[name + "_mean"] = divide(asarray(value), asarray(tokens))
             sq = metrics.get(name + "_sq_sum")
             if sq is not None:
-                total = jnp.asarray(value)
-                out[name + "_ess"] = safe_divide(total * total,
-                                                 jnp.asarray(tokens) * jnp.asarray(sq))
+                total = asarray(value)
+                out[name + "_ess"] = divide(total * total, asarray(tokens) * asarray(sq))
         else:
             out[key] = value
     return out
