@@ -82,8 +82,11 @@ def get_config() -> ConfigDict:
         # Compile every decode shape before serving (a slower start, no stalls later).
         warmup_shapes=True,
     ))
-    # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1".
-    c.cpus = ConfigDict(dict(trainer="0", generators="1"))
+    # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1". `rollout`:
+    # the trainer process's host threads (rollout client, evaluation, weight sync); "" = the
+    # trainer's cores. Here either core, wherever the OS finds one idle: on the trainer's core
+    # alone they take ~10% of it from training; on the generator's alone they slow generation.
+    c.cpus = ConfigDict(dict(trainer="0", generators="1", rollout="0,1"))
     c.transfer = ConfigDict(dict(transports=("shm",), transport="auto", host="127.0.0.1",
                                  port=0, timeout_s=120.0))
 

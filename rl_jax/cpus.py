@@ -4,6 +4,7 @@ compete for the same cores. No JAX import: call :func:`pin` before JAX starts it
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 
 def parse_cores(text: str) -> set[int]:
@@ -26,15 +27,35 @@ def parse_cores(text: str) -> set[int]:
     return cores
 
 
-def pin(text: str) -> set[int]:
-    """Restricts this process to the cores ``text`` names; returns them. Raises ``ValueError``
-    for a bad list or cores this machine does not have."""
+def existing_cores(text: str) -> set[int]:
+    """:func:`parse_cores`, and a ``ValueError`` for cores this machine does not have."""
     cores = parse_cores(text)
     available = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
     missing = sorted(cores - available)
     if missing:
         raise ValueError(f"CPU cores {missing} do not exist here (this machine has "
                          f"{os.cpu_count()})")
+    return cores
+
+
+def pin_threads(text: str, native_ids: Iterable[int]) -> set[int]:
+    """Restricts the threads ``native_ids`` of this process (``threading.Thread.native_id``) to
+    the cores ``text`` names; threads they start later inherit it. Returns the cores. On Linux
+    CPU affinity is per thread, so a process pinned to one core can still run its host-side
+    threads (an HTTP client, a scorer) on another."""
+    cores = existing_cores(text)
+    for tid in native_ids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # a thread that just ended
+            pass
+    return cores
+
+
+def pin(text: str) -> set[int]:
+    """Restricts this process to the cores ``text`` names; returns them. Raises ``ValueError``
+    for a bad list or cores this machine does not have."""
+    cores = existing_cores(text)
     # Every thread of the process (a thread pool may already exist), and threads started later
     # inherit it from the calling thread.
     try:

@@ -28,6 +28,7 @@ SMALL = [
     "--config.rollout.groups_per_batch=16", "--config.rollout.group_size=4",
     "--config.eval.examples=64", "--config.eval.every=0", "--config.generator.max_slots=32",
     "--config.checkpoint.every=2", "--config.cpus.trainer=", "--config.cpus.generators=",
+    "--config.cpus.rollout=",
     "--config.generator.warmup_shapes=False",
 ]
 
@@ -205,6 +206,7 @@ def test_static_config_checks(override, message):
     ("--config.rollout.seq_len=8", "rollout.seq_len=8 is shorter than the longest sample"),
     ("--config.generator.urls=('http://127.0.0.1:9',)", "unreachable"),
     ("--config.rollout.nonsense=1", "nonsense"),
+    ("--config.cpus.rollout=99", "cpus.rollout='99': CPU cores [99] do not exist here"),
 ])
 def test_bad_configs_stop_at_start_with_one_line(base_policy, tmp_path, flag, message):
     """From the command line: one line on stderr, no traceback, before any generation."""

@@ -86,6 +86,12 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             cpus.parse_cores(c.cpus.generators)
         except ValueError as e:
             raise RLConfigError(f"cpus.generators={c.cpus.generators!r}: {e}") from None
+    if c.cpus.get("rollout"):
+        from rl_jax import cpus
+        try:
+            cpus.existing_cores(c.cpus.rollout)
+        except ValueError as e:
+            raise RLConfigError(f"cpus.rollout={c.cpus.rollout!r}: {e}") from None
     from rl_jax.orchestrator.session import Session
     with Session(c, settings, workdir_path, base_dir) as session:
         return session.run()

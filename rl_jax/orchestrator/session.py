@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from rl_jax import distributed, envs
+from rl_jax import cpus, distributed, envs
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
 from rl_jax.generator.client import ClientConfig, GeneratorClient
@@ -388,6 +388,8 @@ class Session:
         bar = tqdm(total=c.trainer.steps, initial=start_iter, desc=f"rl {self.settings.mode}",
                    unit="step", dynamic_ncols=True, disable=not self.primary)
         window = _Window(self.rollout.metrics()) if self.primary else None
+        if self.primary and c.cpus.get("rollout"):
+            self._pin_host_threads(c.cpus.rollout)
         for i in range(start_iter, c.trainer.steps):
             t0, cpu0 = time.perf_counter(), time.process_time()
             groups, host = None, None
@@ -477,6 +479,18 @@ class Session:
             self.checkpointer.save(done, self.state, meta, force=done == c.trainer.steps)
         bar.close()
         return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval)
+
+    def _pin_host_threads(self, cores: str):
+        """Moves this process's Python threads other than the main one (the rollout client,
+        generator control and evaluation, weight sync, the publisher's control server) to
+        ``cores``: the trainer's cores are left to the train step and the loop itself. XLA's
+        own threads are not Python threads and stay where they are."""
+        self.rollout.start()
+        threads = [t for t in threading.enumerate()
+                   if t is not threading.main_thread() and t.native_id is not None]
+        pinned = cpus.pin_threads(cores, [t.native_id for t in threads])
+        log.info("host threads %s pinned to cores %s", sorted(t.name for t in threads),
+                 sorted(pinned))
 
     def _share_batch(self, host: dict | None, stop: bool) -> tuple[dict | None, bool]:
         """Multi-process runs: process 0's batch (and its decision to stop) to every process."""

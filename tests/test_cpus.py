@@ -1,0 +1,48 @@
+"""CPU pinning of processes and of single threads (Linux affinity is per thread)."""
+
+import os
+import threading
+
+import pytest
+
+from rl_jax import cpus
+
+
+def test_parse_cores():
+    assert cpus.parse_cores("0,2-3") == {0, 2, 3}
+    for bad in ("", "a", "3-1"):
+        with pytest.raises(ValueError):
+            cpus.parse_cores(bad)
+
+
+def test_pin_threads_moves_only_the_given_threads_and_their_children():
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    seen, ready, go = {}, threading.Event(), threading.Event()
+
+    def child():
+        seen["child"] = os.sched_getaffinity(0)
+
+    def worker():
+        seen["id"] = threading.get_native_id()
+        ready.set()
+        go.wait(10)
+        seen["worker"] = os.sched_getaffinity(0)
+        t = threading.Thread(target=child)  # started after the pin: inherits it
+        t.start()
+        t.join()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert ready.wait(10)
+    assert cpus.pin_threads(str(core), [seen["id"]]) == {core}
+    go.set()
+    thread.join(10)
+    assert seen["worker"] == {core} and seen["child"] == {core}
+    assert os.sched_getaffinity(0) == before  # the calling thread is untouched
+
+
+def test_pin_threads_rejects_cores_the_machine_lacks():
+    missing = (os.cpu_count() or 1) + 5
+    with pytest.raises(ValueError, match=rf"CPU cores \[{missing}\] do not exist here"):
+        cpus.pin_threads(str(missing), [threading.get_native_id()])
