@@ -55,17 +55,12 @@ def pin_threads(text: str, native_ids: Iterable[int]) -> set[int]:
 def pin(text: str) -> set[int]:
     """Restricts this process to the cores ``text`` names; returns them. Raises ``ValueError``
     for a bad list or cores this machine does not have."""
-    cores = existing_cores(text)
     # Every thread of the process (a thread pool may already exist), and threads started later
     # inherit it from the calling thread.
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         threads = []
-    for tid in threads:
-        try:
-            os.sched_setaffinity(tid, cores)
-        except OSError:  # a thread that just ended
-            pass
+    cores = pin_threads(text, threads)
     os.sched_setaffinity(0, cores)
     return cores

@@ -46,3 +46,16 @@ def test_pin_threads_rejects_cores_the_machine_lacks():
     missing = (os.cpu_count() or 1) + 5
     with pytest.raises(ValueError, match=rf"CPU cores \[{missing}\] do not exist here"):
         cpus.pin_threads(str(missing), [threading.get_native_id()])
+
+
+def test_pin_restricts_every_thread_of_the_process():
+    # In a child process: pinning this one would bind the rest of the test session.
+    import subprocess
+    import sys
+    code = ("import os, threading; from rl_jax import cpus\n"
+            "ev = threading.Event(); t = threading.Thread(target=ev.wait); t.start()\n"
+            "core = max(os.sched_getaffinity(0)); assert cpus.pin(str(core)) == {core}\n"
+            "assert os.sched_getaffinity(t.native_id) == {core}, 'existing thread'\n"
+            "ev.set(); t.join(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
