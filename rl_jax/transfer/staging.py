@@ -149,6 +149,32 @@ class _ShardJob:
     sources: Sequence[tuple[Index, np.ndarray]]
     runs: list[tuple[int, int, np.ndarray, int]] | None
     starts: list[int] = dataclasses.field(default_factory=list)  # dst_start of each run
+    # without runs: (dst_row0, dst_row1, src_row0, dst slices, src slices of the other axes,
+    # source) per source overlapping the shard
+    boxes: list[tuple[int, int, int, tuple, tuple, np.ndarray]] = dataclasses.field(
+        default_factory=list)
+
+
+def _boxes(target: Index, sources: Sequence[tuple[Index, np.ndarray]]) -> list[tuple]:
+    """The part of each source that lands in the shard ``target``, as a row range (axis 0) and
+    slices of the other axes; raises :class:`LayoutError` if they do not cover the shard."""
+    out, covered = [], 0
+    for index, host in sources:
+        lo = [max(s0, t0) for (s0, _), (t0, _) in zip(index, target)]
+        hi = [min(s1, t1) for (_, s1), (_, t1) in zip(index, target)]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        out.append((lo[0] - target[0][0], hi[0] - target[0][0], lo[0] - index[0][0],
+                    tuple(slice(a - t0, b - t0) for a, b, (t0, _) in
+                          zip(lo[1:], hi[1:], target[1:])),
+                    tuple(slice(a - s0, b - s0) for a, b, (s0, _) in
+                          zip(lo[1:], hi[1:], index[1:])), host))
+        covered += int(np.prod([b - a for a, b in zip(lo, hi)]))
+    size = int(np.prod([b - a for a, b in target]))
+    if covered != size:
+        raise LayoutError(f"source shards cover {covered} of {size} elements of shard "
+                          f"{target} (parameters not fully addressable in this process?)")
+    return out
 
 
 def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
@@ -174,44 +200,79 @@ def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
         runs = None  # let _assemble name the uncovered part
     if runs is not None:
         runs.sort(key=lambda run: run[0])
-    return _ShardJob(dst, target, sources, runs,
-                     [run[0] for run in runs] if runs is not None else [])
+    if runs is None:
+        return _ShardJob(dst, target, sources, None,
+                         boxes=_boxes(target, sources) if dst.ndim else [])
+    return _ShardJob(dst, target, sources, runs, [run[0] for run in runs])
+
+
+SUB_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in the core's cache
+# Strided copies go in larger slabs: a numpy call per source and slab costs more than
+# hashing a slab back from the (shared) L3 cache.
+SLAB_BYTES = 2 << 20
 
 
 def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
-    """Copies blocks ``[first, stop)`` of ``job.dst`` from the source runs and hashes each one
-    right after, while it is in cache; returns their ``uint64`` digests."""
+    """Copies blocks ``[first, stop)`` of ``job.dst`` from the source runs and hashes them as
+    they go, :data:`SUB_BLOCK_BYTES` at a time (a whole 1 MiB block, once copied, is no longer
+    in a 1 MiB L2 cache: hashing it would read it back from memory); returns their ``uint64``
+    digests."""
     flat = job.dst.reshape(-1)
     raw = flat.view(np.uint8)
-    per_block = checksum.BLOCK_BYTES // flat.itemsize
+    item = flat.itemsize
+    per_block, per_sub = checksum.BLOCK_BYTES // item, SUB_BLOCK_BYTES // item
     out = np.empty(stop - first, np.uint64)
     for k in range(first, stop):
-        e0, e1 = k * per_block, min(flat.size, (k + 1) * per_block)
-        i = max(bisect.bisect_right(job.starts, e0) - 1, 0)
-        while i < len(job.runs) and job.runs[i][0] < e1:
-            start, end, src, src_start = job.runs[i]
-            a, b = max(e0, start), min(e1, end)
-            if a < b:
-                np.copyto(flat[a:b], src[src_start + a - start:src_start + b - start],
-                          casting="unsafe")
-            i += 1
-        out[k - first] = checksum.xxh3(raw[k * checksum.BLOCK_BYTES:
-                                           (k + 1) * checksum.BLOCK_BYTES])
+        e1 = min(flat.size, (k + 1) * per_block)
+        hasher = checksum.block_hasher()
+        for a0 in range(k * per_block, e1, per_sub):
+            a1 = min(e1, a0 + per_sub)
+            i = max(bisect.bisect_right(job.starts, a0) - 1, 0)
+            while i < len(job.runs) and job.runs[i][0] < a1:
+                start, end, src, src_start = job.runs[i]
+                a, b = max(a0, start), min(a1, end)
+                if a < b:
+                    np.copyto(flat[a:b], src[src_start + a - start:src_start + b - start],
+                              casting="unsafe")
+                i += 1
+            hasher.update(memoryview(raw[a0 * item:a1 * item]))
+        out[k - first] = hasher.intdigest()
     return out
 
 
+def _copy_rows(job: _ShardJob, r0: int, r1: int) -> None:
+    """Copies rows ``[r0, r1)`` (axis 0) of ``job.dst`` from the sources (strided copies)."""
+    for d0, d1, src0, dst_rest, src_rest, host in job.boxes:
+        a, b = max(r0, d0), min(r1, d1)
+        if a < b:
+            np.copyto(job.dst[(slice(a, b),) + dst_rest],
+                      host[(slice(src0 + a - d0, src0 + b - d0),) + src_rest], casting="unsafe")
+
+
 def _copy_slab_hash(job: _ShardJob, r0: int, r1: int) -> dict[int, int]:
-    """Assembles rows ``[r0, r1)`` (axis 0) of ``job.dst`` from the sources (strided copies)
-    and hashes the checksum blocks that lie wholly inside them; returns ``{block: digest}``."""
-    _assemble(job.dst[r0:r1], ((job.index[0][0] + r0, job.index[0][0] + r1),) + job.index[1:],
-              job.sources)
+    """Assembles rows ``[r0, r1)`` (axis 0) of ``job.dst`` from the sources (strided copies),
+    :data:`SLAB_BYTES` of rows at a time, hashing each slab right after it is copied;
+    returns ``{block: digest}`` for the checksum blocks that lie wholly inside the rows (the
+    few straddling two slabs are hashed once every slab is copied)."""
     raw = job.dst.reshape(-1).view(np.uint8)
     row_bytes = job.dst.nbytes // job.dst.shape[0]
-    b0, b1 = r0 * row_bytes, r1 * row_bytes
-    first = -(-b0 // checksum.BLOCK_BYTES)
-    stop = checksum.num_blocks(raw.size) if b1 == raw.size else b1 // checksum.BLOCK_BYTES
-    return {k: int(d) for k, d in zip(range(first, stop),
-                                       checksum.block_digests(raw, first, stop))}
+    block = checksum.BLOCK_BYTES
+    k = -(-r0 * row_bytes // block)  # the first block that starts inside the rows
+    stop = checksum.num_blocks(raw.size) if r1 * row_bytes == raw.size \
+        else r1 * row_bytes // block  # past the last block that ends inside them
+    fed, hasher, out = k * block, checksum.block_hasher(), {}
+    step = max(1, SLAB_BYTES // max(row_bytes, 1))
+    for s0 in range(r0, r1, step):
+        s1 = min(r1, s0 + step)
+        _copy_rows(job, s0, s1)
+        copied = s1 * row_bytes
+        while k < stop and fed < copied:
+            end = min(copied, (k + 1) * block, raw.size)
+            hasher.update(memoryview(raw[fed:end]))
+            fed = end
+            if fed == min((k + 1) * block, raw.size):
+                out[k], hasher, k = hasher.intdigest(), checksum.block_hasher(), k + 1
+    return out
 
 
 def _stage_whole(job: _ShardJob, algorithm: str) -> str:
