@@ -467,3 +467,140 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
                          _host_shards(flat["stacked"])).runs) == 32
     assert _plan_job(np.empty((256, 1024), np.float32), ((0, 256), (0, 1024)),
                      _host_shards(flat["cols"])).runs is None
+
+
+# ---- streamed versions (shm): verified while they are written -----------------------------------
+
+# Shards of several 1 MiB checksum blocks, FSDP-cut on their last axis (strided copies) and on
+# their first (contiguous runs).
+STREAM_CONFIG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def streaming(tmp_path):
+    devices = jax.devices()
+    trainer = ModelSpec(STREAM_CONFIG, mesh=make_mesh(data=1, fsdp=4, tensor=1,
+                                                      devices=devices[:4]))
+    single = ModelSpec(STREAM_CONFIG, mesh=None, rules=generator_rules())
+    pub = Publisher(PublisherConfig(transports=("shm",), staging_dir=str(tmp_path / "staging"),
+                                    staging_threads=2))
+    puller = Puller(pub.url, target_of(single), transports=["shm"],
+                    config=PullerConfig(timeout_s=30))
+    puller.register()
+    yield pub, puller, trainer
+    pub.close()
+
+
+def _pull_in_background(puller, after):
+    box = {}
+
+    def run():
+        try:
+            box["update"] = puller.pull(after, wait_s=30)
+        except Exception as e:  # re-raised by the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box
+
+
+def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(streaming):
+    """A puller already waiting gets the version announced before it is staged, verifies each
+    checksum block as the publisher marks it written, and ends with the very bytes and
+    checksums of a pull made after the publish."""
+    pub, puller, trainer = streaming
+    started = threading.Event()
+    puller.hooks["stream_start"] = started.set
+    seen = []
+
+    def after_announce(version):  # nothing of the version is copied yet
+        seen.append(puller.poll(version - 1).tensors[0].checksum)
+        assert started.wait(10), "the puller did not start on the announced version"
+
+    pub.hooks["after_announce"] = after_announce
+    for version in (1, 2, 3):
+        started.clear()
+        params = random_params(trainer, version)
+        thread, box = _pull_in_background(puller, version - 1)
+        time.sleep(0.05)
+        pub.publish(params, version)
+        thread.join(30)
+        update = box["update"]
+        assert update.version == version and update.metrics.attempts == 1
+        got, want = host(update.params), host(params)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        final = puller.poll(version - 1)  # the manifest once staged: checksums in it
+        assert "progress" not in final.transports["shm"]
+        assert [t.checksum for t in update.manifest.tensors] == \
+            [t.checksum for t in final.tensors]
+        del update, box
+    assert seen == ["pending"] * 3
+
+
+def test_streamed_block_corrupted_after_hashing_is_refused(streaming):
+    pub, puller, trainer = streaming
+    pub.publish(random_params(trainer, 1), 1)
+    first = puller.pull(0)
+    started = threading.Event()
+    puller.hooks["stream_start"] = started.set
+    pub.hooks["after_announce"] = lambda v: started.wait(10)
+    pub.faults["corrupt"] = {"version": 2, "tensor": "embed"}
+    thread, box = _pull_in_background(puller, 1)
+    time.sleep(0.05)
+    pub.publish(random_params(trainer, 2), 2)
+    thread.join(30)
+    assert started.is_set()
+    error = box.get("error")
+    assert isinstance(error, IntegrityError), box
+    assert "version 2" in str(error) and "embed" in str(error)
+    got, want = host(first.params), host(random_params(trainer, 1))  # the old weights intact
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    pub.faults.clear()
+    pub.publish(random_params(trainer, 3), 3)
+    assert puller.pull(2).version == 3
+
+
+def test_streamed_pull_restarts_when_superseded_and_times_out_on_a_stalled_publisher(
+        streaming):
+    pub, puller, trainer = streaming
+    started, go = threading.Event(), threading.Event()
+
+    def stream_start():  # holds the streamed version 1 while 2 and 3 supersede it
+        started.set()
+        assert go.wait(30)
+
+    puller.hooks["stream_start"] = stream_start
+    pub.hooks["after_announce"] = lambda v: started.wait(10)
+    thread, box = _pull_in_background(puller, 0)
+    time.sleep(0.05)
+    pub.publish(random_params(trainer, 1), 1)
+    assert started.is_set()
+    pub.hooks.clear()
+    puller.hooks.clear()
+    pub.publish(random_params(trainer, 2), 2)
+    newest = random_params(trainer, 3)
+    pub.publish(newest, 3)
+    go.set()
+    thread.join(30)
+    update = box["update"]
+    assert update.version == 3 and update.metrics.attempts == 2
+    got, want = host(update.params), host(newest)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    del update, box
+    # A publisher that announces and never writes: the pull gives up at its deadline.
+    slow = Puller(pub.url, target_of(ModelSpec(STREAM_CONFIG, mesh=None,
+                                               rules=generator_rules())),
+                  transports=["shm"], config=PullerConfig(timeout_s=1.0))
+    slow.register()
+    release = threading.Event()
+    pub.hooks["after_announce"] = lambda v: release.wait(30)
+    thread, box = _pull_in_background(slow, 3)
+    time.sleep(0.05)
+    publisher_thread = threading.Thread(target=pub.publish, args=(random_params(trainer, 4), 4))
+    publisher_thread.start()
+    thread.join(30)
+    release.set()
+    publisher_thread.join(30)
+    assert isinstance(box.get("error"), TransferTimeout), box

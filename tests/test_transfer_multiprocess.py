@@ -22,8 +22,10 @@ def trainer(transports, disk="-", name="trainer"):
     return Worker("trainer", 8, ",".join(transports), disk, CHUNK, name=name)
 
 
-def generator(url, devices, timeout=60.0, connections=2, name="generator"):
-    return Worker("generator", devices, devices, url, timeout, connections, name=name)
+def generator(url, devices, timeout=60.0, connections=2, name="generator",
+              transports=",".join(TRANSPORTS)):
+    return Worker("generator", devices, devices, url, timeout, connections, transports,
+                  name=name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,6 +151,33 @@ def test_publisher_killed_mid_publish_keeps_generators_on_old_version(tmp_path):
         assert trainer_k.wait_exit(60) == -9
         out = gen.ask(cmd="pull", transport="socket", wait=1.0)
         assert out["version"] == 1 and out["error"].startswith("PublisherUnavailable"), out
+        assert gen.ask(cmd="hashes")["hashes"] == v1
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_publisher_killed_while_streaming_a_version_keeps_generators_on_old_version():
+    """shm-only layouts get a version announced before it is written; a generator streaming
+    it sees the publisher's process gone and keeps its weights."""
+    trainer_k = trainer(["shm"], name="trainer-k")
+    workers = [trainer_k]
+    try:
+        url = trainer_k.reply()["url"]
+        gen = generator(url, 1, timeout=30.0, name="gen-k", transports="shm")
+        workers.append(gen)
+        gen.reply()
+        v1 = trainer_k.ask(cmd="publish", version=1)["hashes"]
+        assert gen.ask(cmd="pull")["hashes"] == v1
+        gen.send(cmd="pull", wait=30.0)  # waiting for version 2 when it is announced
+        time.sleep(0.5)
+        trainer_k.send(cmd="publish", version=2, die_after_announce=True)
+        assert trainer_k.wait_exit(60) == -9
+        start = time.monotonic()
+        out = gen.reply(timeout=60)
+        assert out["version"] == 1 and out["error"].startswith("PublisherUnavailable"), out
+        assert "exited while writing version 2" in out["error"], out
+        assert time.monotonic() - start < 20  # noticed, not left to the deadline
         assert gen.ask(cmd="hashes")["hashes"] == v1
     finally:
         for w in workers:

@@ -2,7 +2,7 @@
 
 Usage:
   python transfer_worker.py trainer DEVICES TRANSPORTS DISK_DIR|- CHUNK_BYTES
-  python transfer_worker.py generator DEVICES TENSOR_PARALLEL URL TIMEOUT_S CONNECTIONS
+  python transfer_worker.py generator DEVICES TENSOR_PARALLEL URL TIMEOUT_S CONNECTIONS [TRANSPORTS]
 
 Driven over stdin/stdout: one JSON command per input line, one ``@@ {json}`` reply per command
 (other output is noise). Parameters of version ``v`` are random with seed ``v``,
@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
 role = sys.argv[1]
@@ -66,6 +67,8 @@ def trainer():
                     publisher.faults["corrupt"] = {"version": version, "tensor": cmd["corrupt"]}
                 if cmd.get("die_before_announce"):
                     publisher.hooks["before_announce"] = lambda v: die()
+                if cmd.get("die_after_announce"):  # once waiting pullers got the manifest
+                    publisher.hooks["after_announce"] = lambda v: (time.sleep(1.0), die())
                 stats = publisher.publish(params, version)
                 sharded = {n: str(v.sharding.spec) for n, v in flatten(params).items()}
                 reply(version=version, hashes=hashes(params), seconds=stats.seconds,
@@ -86,12 +89,14 @@ def generator():
 
     tp, url = int(sys.argv[3]), sys.argv[4]
     timeout, connections = float(sys.argv[5]), int(sys.argv[6])
+    transports = sys.argv[7].split(",") if len(sys.argv) > 7 else ALL
     mesh = make_mesh(data=1, fsdp=1, tensor=tp, devices=jax.devices()[:tp]) if tp > 1 else None
     spec = ModelSpec(CONFIG, mesh=mesh, rules=generator_rules())
     engine = Engine(CONFIG, make_params(spec, 0), version=0, mesh=mesh,
                     rules=generator_rules())
     puller = GeneratorPuller(url, config=PullerConfig(timeout_s=timeout,
-                                                      socket_connections=connections), transports=ALL)
+                                                      socket_connections=connections),
+                             transports=transports)
     puller.puller(engine.params).register()
     reply(ready=True, layout=puller.puller(engine.params).layout_key)
     for line in sys.stdin:

@@ -49,6 +49,10 @@ class PublisherConfig:
         may use: ``shm`` pullers hold the slot their live weights alias, so a slot is free for
         the next version only once its pullers moved on; past this many, publishing that
         layout fails with an error its pullers see.
+      stream: announce a version to layouts pulled only over ``shm`` before staging it, and
+        mark each checksum block in the slot's progress table once it is copied and hashed:
+        pullers verify the version while it is written (reading it from cache), so a pull
+        ends about when the publish does instead of starting after it.
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +66,7 @@ class PublisherConfig:
     layout_ttl_s: float = 600.0
     staging_threads: int = 0
     max_host_slots: int = 8
+    stream: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,9 @@ from rl_jax.transfer.errors import IntegrityError
 from rl_jax.transfer.layout import Index, normalize_index
 
 
+PENDING = "pending"  # the checksum of a streamed version's shard: in its progress table
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
     index: Index

@@ -45,8 +45,10 @@ from rl_jax.transfer.config import HOST_TRANSPORTS, TRANSPORTS, PublisherConfig,
 from rl_jax.transfer.control import ControlServer, FileSlice, HTTPStatus, host_id
 from rl_jax.transfer.errors import LayoutError, TransferError
 from rl_jax.transfer.layout import Layout, flatten, index_slices
-from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo, canonical_digests
-from rl_jax.transfer.staging import DeviceStaging, HostStaging, check_layout, target_dtype
+from rl_jax.transfer.manifest import PENDING, Manifest, ShardInfo, TensorInfo, \
+    canonical_digests
+from rl_jax.transfer.staging import DeviceStaging, HostStaging, StagedVersion, check_layout, \
+    target_dtype
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,8 @@ class Publisher:
         self.history: collections.deque[PublishStats] = collections.deque(maxlen=256)
         # Test seams: {"corrupt": {"version": v, "tensor": name}} flips one bit of that tensor
         # after its checksum is taken; hooks["before_announce"](version) runs just before a
-        # version is announced, hooks["after_ticket"](version) after a pull ticket is issued.
+        # version is announced, hooks["after_announce"](version) right after (before streamed
+        # layouts are staged), hooks["after_ticket"](version) after a pull ticket is issued.
         self.faults: dict[str, Any] = {}
         self.hooks: dict[str, Callable[[int], None]] = {}
         self._transfer_server = None
@@ -231,9 +234,15 @@ class Publisher:
                 fault = self.faults.get("corrupt")
                 if fault and int(fault.get("version", -1)) == version:
                     _corrupt_hf_tensor(Path(disk_path), fault["tensor"], self.spec.config)
+            streams: dict[str, StagedVersion] = {}
             for key, reg in active.items():
                 try:
-                    prepared[key] = self._prepare(key, reg, flat, version, nbytes, host_full)
+                    if self._streamed(reg):
+                        prepared[key], streams[key] = self._begin_stream(key, reg, flat,
+                                                                         version, nbytes)
+                    else:
+                        prepared[key] = self._prepare(key, reg, flat, version, nbytes,
+                                                      host_full)
                 except (LayoutError, TransferError) as e:
                     log.warning("layout %s cannot be published: %s", key, e)
                     prepared[key] = _Prepared(error=str(e))
@@ -248,6 +257,11 @@ class Publisher:
                 self._cond.notify_all()
             if previous is not None:
                 self._release(previous)
+            hook = self.hooks.get("after_announce")
+            if hook is not None:
+                hook(version)
+            for key, staged in streams.items():
+                self._finish_stream(key, staged, prepared[key])
         stats = PublishStats(version, time.perf_counter() - start, len(prepared), dict(nbytes),
                              {k: p.error for k, p in prepared.items() if p.error})
         self.history.append(stats)
@@ -317,6 +331,65 @@ class Publisher:
         prep.manifest = Manifest(version, key, self.algorithm, self.host_id,
                                  tuple(infos[n] for n in sorted(infos)), transports)
         return prep
+
+    def _streamed(self, reg: _Registration) -> bool:
+        return (self.config.stream and self.algorithm == "xxh3_64_blocks"
+                and reg.transports & set(self.config.transports) == {"shm"})
+
+    def _begin_stream(self, key: str, reg: _Registration, flat: Mapping[str, jax.Array],
+                      version: int, nbytes: collections.Counter
+                      ) -> tuple[_Prepared, StagedVersion]:
+        """Lays ``version`` out in a slot and returns the manifest to announce before it is
+        copied: shard checksums pending, the slot's progress table named (see
+        :meth:`HostStaging.begin`)."""
+        layout = reg.layout
+        check_layout(layout, flat)
+        if key not in self._host:
+            self._host[key] = HostStaging(self._staging_root / key, self.config.max_host_slots)
+        staged = self._host[key].begin(version, flat, layout, self.config.chunk_bytes,
+                                       stream=True)
+        nbytes["host"] += sum(n for n, _ in staged.placed.values())
+        tensors = tuple(TensorInfo(name, shape, dtype.name, PENDING, tuple(
+            ShardInfo(index, PENDING, *staged.placed[name, k]) for k, index in
+            enumerate(indices))) for name, shape, dtype, indices in staged.tensors)
+        fault = self.faults.get("corrupt")
+        if fault and int(fault.get("version", -1)) == version:
+            staged.jobs[fault["tensor"], 0].progress = None  # announced once corrupted
+        description = staged.description
+        transports = {"shm": {"file": description["file"], "stamp": description["stamp"],
+                              "progress": description["progress"], "pid": os.getpid()},
+                      "staging": {"nbytes": description["nbytes"],
+                                  "chunks": description["chunks"]}}
+        prep = _Prepared(manifest=Manifest(version, key, self.algorithm, self.host_id, tensors,
+                                           transports),
+                         staging={"slot": staged.slot, **description})
+        return prep, staged
+
+    def _finish_stream(self, key: str, staged: StagedVersion, prep: _Prepared) -> None:
+        """Copies and hashes a streamed version; its manifest then carries the checksums."""
+        def corrupt(staged: StagedVersion) -> None:
+            fault = self.faults.get("corrupt")
+            if fault and int(fault.get("version", -1)) == staged.version:
+                self._host[key].corrupt(staged.placed[fault["tensor"], 0][1])
+                log.warning("fault injection: corrupted %s of version %d", fault["tensor"],
+                            staged.version)
+
+        try:
+            infos = self._host[key].finish(staged, self.algorithm, self.config.staging_threads,
+                                           before_done=corrupt)
+        except (LayoutError, TransferError) as e:
+            log.warning("layout %s cannot be published: %s", key, e)
+            with self._cond:
+                prep.error, prep.manifest = str(e), None
+                self._cond.notify_all()
+            return
+        shm = {k: v for k, v in prep.manifest.transports["shm"].items()
+               if k in ("file", "stamp")}
+        manifest = dataclasses.replace(prep.manifest, tensors=tuple(infos),
+                                       transports={**prep.manifest.transports, "shm": shm})
+        with self._cond:
+            prep.manifest = manifest
+            self._cond.notify_all()
 
     def _host_infos(self, name: str, full: np.ndarray, layout: Layout) -> TensorInfo:
         dtype = target_dtype(layout, name, full)

@@ -41,7 +41,8 @@ from rl_jax.transfer.errors import (IntegrityError, LayoutError, PublisherUnavai
                                     VersionGone)
 from rl_jax.transfer.layout import (Index, Layout, flatten, index_shape, normalize_index,
                                     unflatten)
-from rl_jax.transfer.manifest import Manifest, verify
+from rl_jax.transfer.manifest import PENDING, Manifest, verify
+from rl_jax.transfer.staging import STAMP_SUPERSEDED, STAMP_WRITING
 
 log = logging.getLogger(__name__)
 
@@ -156,17 +157,31 @@ class _SourceMaps:
         self._lock = threading.Lock()
 
     def stamp(self, path: str) -> int:
-        """The ``int64`` in the stamp file ``path`` (read through a kept mapping)."""
+        """The stamp (first ``int64``) in the stamp file ``path``."""
+        return self.stamps(path)[0]
+
+    def stamps(self, path: str) -> tuple[int, int]:
+        """The stamp file ``path``: ``(stamp, version being written)``, read through a kept
+        mapping."""
+        table = self.table(path, np.int64)
+        if table.size < 2:
+            raise VersionGone(f"stamp file {path} is too short")
+        return int(table[0]), int(table[1])
+
+    def table(self, path: str, dtype: Any) -> np.ndarray:
+        """The whole file ``path`` as a read-only array of ``dtype`` (a kept mapping, remade
+        when the file is replaced or grows)."""
         with self._lock:
-            ino = os.stat(path).st_ino
+            st = os.stat(path)
             entry = self._maps.get(path)
-            if entry is None or entry[0] != ino:
+            if entry is None or entry[0] != st.st_ino or entry[1] != st.st_size:
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    entry = self._maps[path] = (ino, 8, mmap.mmap(fd, 8, prot=mmap.PROT_READ))
+                    entry = self._maps[path] = (st.st_ino, st.st_size,
+                                                mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ))
                 finally:
                     os.close(fd)
-            return int(np.frombuffer(entry[2], np.int64, count=1)[0])
+            return np.frombuffer(entry[2], dtype, count=entry[1] // np.dtype(dtype).itemsize)
 
     def view(self, path: str, fd: int, nbytes: int) -> np.ndarray:
         """A new array over the first ``nbytes`` of the file open as ``fd`` (whose ``path``
@@ -188,6 +203,26 @@ class _SourceMaps:
                     os.close(own)
                 entry = self._maps[path] = (st.st_ino, st.st_size, m)
             return np.frombuffer(entry[2], np.uint8, count=nbytes)
+
+
+STREAM_POLL_S = 100e-6  # how often a streamed pull looks for newly written blocks
+
+
+def _streamed(manifest: Manifest) -> bool:
+    """Whether ``manifest`` was announced before its version was staged (checksums pending,
+    in the slot's progress table)."""
+    return "progress" in manifest.transports.get("shm", {})
+
+
+def _completed(manifest: Manifest, digests: Mapping[str, Mapping[Index, str]]) -> Manifest:
+    """A streamed manifest with the shard digests verified block by block filled in."""
+    tensors = []
+    for t in manifest.tensors:
+        shards = tuple(dataclasses.replace(sh, checksum=digests.get(t.name, {}).get(
+            sh.index, PENDING)) for sh in t.shards)
+        tensors.append(dataclasses.replace(t, shards=shards, checksum=checksum.combine(
+            [(sh.index, sh.checksum) for sh in shards], manifest.algorithm)))
+    return dataclasses.replace(manifest, tensors=tuple(tensors))
 
 
 def _hold_slot(path: str) -> int:
@@ -238,7 +273,7 @@ class Puller:
         self._transports = list(transports) if transports else None
         self._registered = False
         self._transfer_host = "127.0.0.1" if _is_loopback(self.client.host) else "0.0.0.0"
-        self.hooks: dict[str, Callable[[], None]] = {}  # test seam: "mid_pull"
+        self.hooks: dict[str, Callable[[], None]] = {}  # test seams: "mid_pull", "stream_start"
         self._buffers = HostBufferPool(config.host_buffers)
         self._sources = _SourceMaps()
 
@@ -312,6 +347,8 @@ class Puller:
             try:
                 arrays, nbytes, *digests = self._fetch(chosen, manifest, deadline)
                 fetched = time.perf_counter()
+                if _streamed(manifest):  # checksums came through the progress table
+                    manifest = _completed(manifest, digests[0])
                 verify(manifest, arrays, digests=digests[0] if digests else None)
             except (VersionGone, IntegrityError) as e:
                 if attempts > self.config.retries or not self._superseded(manifest, e):
@@ -376,8 +413,11 @@ class Puller:
         try:
             if transport == "jax_transfer":
                 return self._fetch_jax(manifest, remaining)
-            fn = {"shm": self._fetch_shm, "socket": self._fetch_socket,
-                  "disk": self._fetch_disk}[transport]
+            if transport == "shm":
+                def fn(m):
+                    return self._fetch_shm(m, deadline)
+            else:
+                fn = {"socket": self._fetch_socket, "disk": self._fetch_disk}[transport]
             return run_with_deadline(lambda: fn(manifest), remaining, f"{transport} pull")
         except TransferError:
             raise
@@ -387,24 +427,29 @@ class Puller:
 
     # ---- host transports ------------------------------------------------------------------------
 
-    def _fetch_shm(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
+    def _fetch_shm(self, manifest: Manifest, deadline: float
+                   ) -> tuple[dict[str, jax.Array], int, dict]:
         """Zero-copy: the arrays alias the publisher's staging slot (mapped read-only), whose
-        shared lock lives as long as they do. Each shard is hashed where it lies."""
+        shared lock lives as long as they do. Each shard is hashed where it lies; a streamed
+        version is verified block by block as the publisher writes it."""
         if manifest.host_id != host_id():
             raise TransportUnavailable("the publisher is on another host: shm is unusable")
         info, staging = manifest.transports["shm"], manifest.transports["staging"]
         total = int(staging["nbytes"])
+        streamed = _streamed(manifest)
 
-        def stamp() -> int:
+        def stamps() -> tuple[int, int]:
             try:
-                return self._sources.stamp(info["stamp"])
+                return self._sources.stamps(info["stamp"])
             except (OSError, ValueError) as e:
                 raise VersionGone(f"staging of version {manifest.version} is gone: {e}") from e
 
         fd = _hold_slot(info["file"])
         release = None
         try:
-            if stamp() != manifest.version:
+            stamp, writing = stamps()
+            if stamp != manifest.version and not (streamed and writing == manifest.version
+                                                  and stamp == STAMP_WRITING):
                 raise VersionGone(f"version {manifest.version} was superseded")
             try:
                 base = self._sources.view(info["file"], fd, total)
@@ -412,17 +457,20 @@ class Puller:
                 raise VersionGone(f"staging file of version {manifest.version} is gone: "
                                   f"{e}") from e
             release = weakref.finalize(base, os.close, fd)  # unlocks when no array aliases it
-            hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
-            for k, tensor in enumerate(manifest.tensors):
-                if k == len(manifest.tensors) // 2 and "mid_pull" in self.hooks:
-                    self.hooks["mid_pull"]()
-                for shard in tensor.shards:
-                    hashed.add((tensor.name, shard.index),
-                               base[shard.offset:shard.offset + shard.nbytes])
-            digests: dict[str, dict[Index, str]] = {}
-            for (name, index), value in hashed.result().items():
-                digests.setdefault(name, {})[index] = value
-            if stamp() != manifest.version:
+            if streamed:
+                digests = self._verify_streamed(manifest, base, stamps, deadline)
+            else:
+                hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
+                for k, tensor in enumerate(manifest.tensors):
+                    if k == len(manifest.tensors) // 2 and "mid_pull" in self.hooks:
+                        self.hooks["mid_pull"]()
+                    for shard in tensor.shards:
+                        hashed.add((tensor.name, shard.index),
+                                   base[shard.offset:shard.offset + shard.nbytes])
+                digests: dict[str, dict[Index, str]] = {}
+                for (name, index), value in hashed.result().items():
+                    digests.setdefault(name, {})[index] = value
+            if stamps()[0] != manifest.version:
                 raise VersionGone(f"version {manifest.version} was superseded while read")
             return self._arrays_from_chunks(manifest, base), total, digests
         except BaseException:
@@ -431,6 +479,93 @@ class Puller:
             else:
                 os.close(fd)
             raise
+
+    def _verify_streamed(self, manifest: Manifest, base: np.ndarray,
+                         stamps: Callable[[], tuple[int, int]], deadline: float
+                         ) -> dict[str, dict[Index, str]]:
+        """Hashes each checksum block of a streamed version as soon as the publisher marks it
+        written in the slot's progress table (so it is read while still in cache) and checks
+        it against the digest there; returns the shard digests once every block matched and
+        the publisher finished the version."""
+        info = manifest.transports["shm"]
+        if manifest.algorithm != "xxh3_64_blocks":
+            raise IntegrityError(f"a streamed version needs xxh3_64_blocks checksums, not "
+                                 f"{manifest.algorithm}")
+        blocks = []  # (tensor name, shard index, shard offset, start, stop) per table row
+        for tensor in manifest.tensors:
+            for shard in tensor.shards:
+                for k in range(checksum.num_blocks(shard.nbytes)):
+                    start = shard.offset + k * checksum.BLOCK_BYTES
+                    stop = min(shard.offset + shard.nbytes, start + checksum.BLOCK_BYTES)
+                    blocks.append((tensor.name, shard.index, shard.offset, start, stop))
+        try:
+            table = self._sources.table(info["progress"], np.uint64)
+        except OSError as e:
+            raise VersionGone(f"progress table of version {manifest.version} is gone: "
+                              f"{e}") from e
+        if table.size < 2 * len(blocks):
+            raise VersionGone(f"progress table of version {manifest.version} is too short")
+        table = table[:2 * len(blocks)].reshape(-1, 2)
+        if "stream_start" in self.hooks:
+            self.hooks["stream_start"]()
+        version = np.uint64(manifest.version)
+        got = np.zeros(len(blocks), np.uint64)
+        pending, bad = list(range(len(blocks))), []
+        mid_pull = len(blocks) // 2 if "mid_pull" in self.hooks else -1
+        while pending:
+            waiting = []
+            for i in pending:
+                if table[i, 1] != version:
+                    waiting.append(i)
+                    continue
+                if i == mid_pull:
+                    self.hooks["mid_pull"]()
+                _, _, _, start, stop = blocks[i]
+                got[i] = checksum.xxh3(base[start:stop])
+                if got[i] != table[i, 0]:
+                    bad.append(i)
+            if waiting and len(waiting) == len(pending):
+                self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
+            pending = waiting
+        while stamps()[0] == STAMP_WRITING:  # every block is marked: the publisher is ending
+            self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
+        for i in bad:  # read once more now that the publisher is done
+            name, index, offset, start, stop = blocks[i]
+            got[i] = checksum.xxh3(base[start:stop])
+            if got[i] != table[i, 0] or table[i, 1] != version:
+                raise IntegrityError(
+                    f"pulled weights (version {manifest.version}) refused: {name}: checksum "
+                    f"mismatch in the shard at index {[list(p) for p in index]}, block at byte "
+                    f"{start - offset} of it (got {int(got[i]):016x}, "
+                    f"publisher {int(table[i, 0]):016x})")
+        rows: dict[tuple[str, Index], list[int]] = {}
+        for i, (name, index, *_) in enumerate(blocks):
+            rows.setdefault((name, index), []).append(i)
+        digests: dict[str, dict[Index, str]] = {}
+        for (name, index), idx in rows.items():
+            digests.setdefault(name, {})[index] = checksum.from_blocks(got[idx])
+        return digests
+
+    def _wait_for_publisher(self, manifest: Manifest, stamps: Callable[[], tuple[int, int]],
+                            deadline: float, pid: int | None) -> None:
+        """A short wait for the publisher to write more of a streamed version; raises when it
+        was superseded, the publisher died, or the pull's deadline passed."""
+        stamp, writing = stamps()
+        if stamp == STAMP_SUPERSEDED or (stamp != manifest.version
+                                         and writing != manifest.version):
+            raise VersionGone(f"version {manifest.version} was superseded while streamed")
+        if pid is not None:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                raise PublisherUnavailable(f"the publisher (pid {pid}) exited while writing "
+                                           f"version {manifest.version}") from None
+            except PermissionError:
+                pass
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"version {manifest.version} was not fully written before "
+                                  "the pull's deadline")
+        time.sleep(STREAM_POLL_S)
 
     def _fetch_socket(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
         staging = manifest.transports["staging"]

@@ -153,6 +153,17 @@ class _ShardJob:
     # source) per source overlapping the shard
     boxes: list[tuple[int, int, int, tuple, tuple, np.ndarray]] = dataclasses.field(
         default_factory=list)
+    # streamed versions: this shard's rows of the slot's progress table (``uint64 [blocks,
+    # 2]``: digest, then the version once the digest is valid) and that version
+    progress: np.ndarray | None = None
+    version: int = 0
+    rows: np.ndarray | None = None  # the same rows, also when held back (``progress`` None)
+
+    def done(self, k: int, digest: int) -> None:
+        """Block ``k`` is copied and hashed: tells pullers streaming the version."""
+        if self.progress is not None:
+            self.progress[k, 0] = digest  # the digest is stored before the flag that
+            self.progress[k, 1] = self.version  # makes it valid
 
 
 def _boxes(target: Index, sources: Sequence[tuple[Index, np.ndarray]]) -> list[tuple]:
@@ -236,7 +247,8 @@ def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
                               casting="unsafe")
                 i += 1
             hasher.update(memoryview(raw[a0 * item:a1 * item]))
-        out[k - first] = hasher.intdigest()
+        out[k - first] = digest = hasher.intdigest()
+        job.done(k, digest)
     return out
 
 
@@ -271,7 +283,9 @@ def _copy_slab_hash(job: _ShardJob, r0: int, r1: int) -> dict[int, int]:
             hasher.update(memoryview(raw[fed:end]))
             fed = end
             if fed == min((k + 1) * block, raw.size):
-                out[k], hasher, k = hasher.intdigest(), checksum.block_hasher(), k + 1
+                out[k] = digest = hasher.intdigest()
+                job.done(k, digest)
+                hasher, k = checksum.block_hasher(), k + 1
     return out
 
 
@@ -312,13 +326,21 @@ def _stage_shards(jobs: Mapping[Any, _ShardJob], algorithm: str, threads: int
         parts.setdefault(key, []).append(value)
     out = {}
     for key, values in parts.items():
+        job = jobs[key]
         if isinstance(values[0], str):
             out[key] = values[0]
+            if job.progress is not None:  # a 0-d or empty shard: its one block
+                job.done(0, int(checksum.block_digests(job.dst.reshape(-1).view(np.uint8))[0]))
         elif isinstance(values[0], dict):  # slabs: hash the blocks no slab held whole
-            raw = jobs[key].dst.reshape(-1).view(np.uint8)
+            raw = job.dst.reshape(-1).view(np.uint8)
             found = {k: d for v in values for k, d in v.items()}
-            digests = np.array([found[k] if k in found else checksum.block_digests(raw, k, k + 1)[0]
-                                for k in range(checksum.num_blocks(raw.size))], np.uint64)
+            digests = np.empty(checksum.num_blocks(raw.size), np.uint64)
+            for k in range(digests.size):
+                if k in found:
+                    digests[k] = found[k]
+                else:
+                    digests[k] = checksum.block_digests(raw, k, k + 1)[0]
+                    job.done(k, int(digests[k]))
             out[key] = checksum.from_blocks(digests)
         else:
             out[key] = checksum.from_blocks(np.concatenate(values))
@@ -336,7 +358,24 @@ class _Slot:
     size: int
     stamp_fd: int
     stamp_map: mmap.mmap
-    stamp: np.ndarray  # int64[1], a view of stamp_map
+    stamp: np.ndarray  # int64[2], a view of stamp_map: the stamp, the version being written
+    progress_fd: int | None = None
+    progress_map: mmap.mmap | None = None
+    progress_size: int = 0
+
+
+@dataclasses.dataclass
+class StagedVersion:
+    """A version laid out in a slot (headers written, shards planned), not yet copied: what
+    :meth:`HostStaging.begin` returns and :meth:`HostStaging.finish` completes."""
+
+    version: int
+    slot: int
+    tensors: list[tuple[str, tuple[int, ...], np.dtype, list[Index]]]  # name, shape, dtype
+    jobs: dict[tuple[str, int], _ShardJob]
+    placed: dict[tuple[str, int], tuple[int, int]]  # (nbytes, offset) of each shard
+    description: dict[str, Any]
+    streamed: bool
 
 
 class HostStaging:
@@ -362,15 +401,34 @@ class HostStaging:
     def stamp_path(self, slot: int) -> Path:
         return self.dir / f"slot{slot}.version"
 
+    def progress_path(self, slot: int) -> Path:
+        return self.dir / f"slot{slot}.progress"
+
     def _new_slot(self, slot: int) -> _Slot:
         fd = os.open(self.slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
         stamp_fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(stamp_fd, 8)
-        stamp_map = mmap.mmap(stamp_fd, 8)
+        os.ftruncate(stamp_fd, 16)
+        stamp_map = mmap.mmap(stamp_fd, 16)
         entry = _Slot(fd, None, 0, stamp_fd, stamp_map, np.frombuffer(stamp_map, np.int64))
-        entry.stamp[0] = STAMP_WRITING
+        entry.stamp[:] = (STAMP_WRITING, STAMP_WRITING)
         self._slots[slot] = entry
         return entry
+
+    def _progress(self, entry: _Slot, slot: int, blocks: int) -> np.ndarray:
+        """The slot's progress table, ``uint64 [blocks, 2]`` (see :class:`_ShardJob`)."""
+        size = 16 * max(blocks, 1)
+        if entry.progress_map is None or entry.progress_size < size:
+            if entry.progress_fd is None:
+                entry.progress_fd = os.open(self.progress_path(slot), os.O_RDWR | os.O_CREAT,
+                                            0o600)
+            if entry.progress_map is not None:
+                try:
+                    entry.progress_map.close()
+                except BufferError:
+                    pass
+            os.ftruncate(entry.progress_fd, size)
+            entry.progress_map, entry.progress_size = mmap.mmap(entry.progress_fd, size), size
+        return np.frombuffer(entry.progress_map, np.uint64, count=2 * blocks).reshape(blocks, 2)
 
     def _acquire(self) -> int:
         """A slot locked exclusively for writing: a free existing one, else a new one."""
@@ -414,12 +472,24 @@ class HostStaging:
         Returns ``(tensor infos with offsets, staging description, slot)``; call
         :meth:`commit` once the version is announced.
         """
+        staged = self.begin(version, flat, layout, chunk_bytes)
+        return self.finish(staged, algorithm, threads), staged.description, staged.slot
+
+    def begin(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
+              chunk_bytes: int, *, stream: bool = False) -> StagedVersion:
+        """Takes a slot nobody holds (never the current version's), writes the chunk headers
+        and plans every shard's copy; :meth:`finish` copies and hashes.
+
+        With ``stream``, pullers may hold the slot while it is written (the publisher's lock on
+        it becomes a shared one) and each checksum block is announced in the slot's progress
+        table as soon as it is copied and hashed, so they verify the version as it is written.
+        """
         names = sorted(flat)
-        entries, shard_lists = [], {}
+        entries, tensors = [], []
         for name in names:
             dtype = target_dtype(layout, name, flat[name])
             indices = layout.indices(name, flat[name].shape)
-            shard_lists[name] = indices
+            tensors.append((name, tuple(flat[name].shape), dtype, indices))
             entries += [Entry(f"{name}#{k}", dtype, index_shape(i)) for k, i in enumerate(indices)]
         plans = plan_chunks(entries, chunk_bytes, {"format": "rl_jax.transfer",
                                                    "version": str(version), "layout": layout.key})
@@ -427,39 +497,72 @@ class HostStaging:
         slot = self._acquire()
         entry = self._slots[slot]
         try:
-            entry.stamp[0] = STAMP_WRITING
+            entry.stamp[:] = (STAMP_WRITING, version)
             buf = np.frombuffer(self._map(entry, size), np.uint8, count=size)
             offsets = {}
             for p in plans:
                 buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
                 offsets.update(p.entries)
-            jobs, placed = {}, {}  # (name, k) -> (dst, index, sources), (nbytes, offset)
-            for name in names:
-                dtype = target_dtype(layout, name, flat[name])
+            jobs, placed = {}, {}
+            for name, _, dtype, indices in tensors:
                 sources = _host_shards(flat[name])
-                for k, index in enumerate(shard_lists[name]):
+                for k, index in enumerate(indices):
                     off = offsets[f"{name}#{k}"]
                     nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
                     dst = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
                     jobs[name, k] = _plan_job(dst, index, sources)
                     placed[name, k] = (nbytes, off)
-            digests = _stage_shards(jobs, algorithm, threads)
+            description = {"file": str(self.slot_path(slot)),
+                           "stamp": str(self.stamp_path(slot)), "slot": slot, "nbytes": size,
+                           "chunks": [{"offset": p.offset, "nbytes": p.nbytes} for p in plans]}
+            if stream:
+                blocks = sum(checksum.num_blocks(n) for n, _ in placed.values())
+                progress = self._progress(entry, slot, blocks)
+                base = 0
+                for key, job in jobs.items():  # manifest order: names sorted, shards in order
+                    n = checksum.num_blocks(placed[key][0])
+                    job.progress = job.rows = progress[base:base + n]
+                    job.version = version
+                    base += n
+                description["progress"] = str(self.progress_path(slot))
+                fcntl.flock(entry.fd, fcntl.LOCK_SH)  # pullers may hold it from now on
+        except BaseException:
+            entry.stamp[0] = STAMP_SUPERSEDED
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)
+            raise
+        self._staged_slot = slot
+        return StagedVersion(version, slot, tensors, jobs, placed, description, stream)
+
+    def finish(self, staged: StagedVersion, algorithm: str, threads: int = 0,
+               before_done: Any = None) -> list[TensorInfo]:
+        """Copies and hashes a :meth:`begin`-ed version into its slot; returns the tensor
+        infos (with checksums and offsets). ``before_done(staged)`` runs once every shard is
+        copied, before the shards held back from the progress table (``progress`` set to
+        None after :meth:`begin`) are announced in it (fault injection)."""
+        entry = self._slots[staged.slot]
+        try:
+            held = {key: job for key, job in staged.jobs.items() if job.progress is None}
+            digests = _stage_shards(staged.jobs, algorithm, threads)
+            blocks = {key: checksum.block_digests(job.dst.reshape(-1).view(np.uint8))
+                      for key, job in held.items() if job.rows is not None}
+            if before_done is not None:
+                before_done(staged)
+            for key, values in blocks.items():
+                held[key].rows[:, 0] = values
+                held[key].rows[:, 1] = staged.version
             infos = []
-            for name in names:
-                shards = tuple(ShardInfo(index, digests[name, k], *placed[name, k])
-                               for k, index in enumerate(shard_lists[name]))
-                infos.append(TensorInfo(name, tuple(flat[name].shape),
-                                        target_dtype(layout, name, flat[name]).name,
-                                        checksum.combine([(s.index, s.checksum) for s in shards],
-                                                         algorithm), shards))
-            entry.stamp[0] = version
+            for name, shape, dtype, indices in staged.tensors:
+                shards = tuple(ShardInfo(index, digests[name, k], *staged.placed[name, k])
+                               for k, index in enumerate(indices))
+                infos.append(TensorInfo(name, shape, dtype.name, checksum.combine(
+                    [(s.index, s.checksum) for s in shards], algorithm), shards))
+            entry.stamp[0] = staged.version
+        except BaseException:
+            entry.stamp[0] = STAMP_SUPERSEDED  # pullers streaming it give up on it
+            raise
         finally:
             fcntl.flock(entry.fd, fcntl.LOCK_UN)
-        self._staged_slot = slot
-        description = {"file": str(self.slot_path(slot)), "stamp": str(self.stamp_path(slot)),
-                       "slot": slot, "nbytes": size,
-                       "chunks": [{"offset": p.offset, "nbytes": p.nbytes} for p in plans]}
-        return infos, description, slot
+        return infos
 
     def commit(self, slot: int) -> None:
         """``slot`` holds the announced version; the previous one's stamp says superseded, so
@@ -475,7 +578,7 @@ class HostStaging:
 
     def close(self) -> None:
         for entry in self._slots.values():
-            for m in (entry.map, entry.stamp_map):
+            for m in (entry.map, entry.stamp_map, entry.progress_map):
                 try:
                     if m is not None:
                         m.close()
@@ -483,6 +586,8 @@ class HostStaging:
                     pass
             os.close(entry.fd)
             os.close(entry.stamp_fd)
+            if entry.progress_fd is not None:
+                os.close(entry.progress_fd)
         self._slots.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
 
