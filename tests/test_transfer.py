@@ -469,6 +469,48 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
                      _host_shards(flat["cols"])).runs is None
 
 
+def test_staging_plans_once_per_layout_and_rewrites_only_the_version(tmp_path):
+    """A layout's chunk headers, shard places and copy geometry are planned once: later versions
+    (in any slot) rewrite only the header's version digits and the shards' bytes, and a slot
+    that held another layout gets that layout's headers back."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rl_jax.transfer.chunks import parse_chunk
+    from rl_jax.transfer.staging import HostStaging, header_version
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(4), ("fsdp",))
+    rng = np.random.default_rng(7)
+
+    def model(shapes, seed):
+        values = {n: np.random.default_rng(seed + k).standard_normal(s).astype(np.float32)
+                  for k, (n, s) in enumerate(sorted(shapes.items()))}
+        specs = {n: P(None, "fsdp") if v.ndim == 2 else P() for n, v in values.items()}
+        return values, {n: jax.device_put(v, NamedSharding(mesh, specs[n]))
+                        for n, v in values.items()}
+
+    small = {"a": (64, 256), "b": (300,)}
+    large = {"a": (512, 1024), "b": (300,), "c": (8, 4096)}
+    layouts = {id(small): Layout((), (), {n: P() for n in small}),
+               id(large): Layout((), (), {n: P() for n in large})}
+    staging = HostStaging(tmp_path / "slots")
+    for version, shapes in enumerate([small, small, large, small, large, small, small], 1):
+        values, flat = model(shapes, int(rng.integers(1 << 30)))
+        infos, description, slot = staging.stage(version, flat, layouts[id(shapes)], 1 << 16,
+                                                 "xxh3_64_blocks", 2)
+        staging.commit(slot)
+        data = np.fromfile(description["file"], np.uint8)
+        for chunk in description["chunks"]:
+            _, meta = parse_chunk(data[chunk["offset"]:chunk["offset"] + chunk["nbytes"]])
+            assert meta["version"] == header_version(version)
+        for info in infos:
+            (shard,) = info.shards
+            got = data[shard.offset:shard.offset + shard.nbytes]
+            assert np.array_equal(got, values[info.name].reshape(-1).view(np.uint8))
+            assert shard.checksum == checksum.digest(values[info.name])
+    assert len(description["chunks"]) > 1
+    assert len(staging._plans) == 2  # one per layout, reused by every later version and slot
+    staging.close()
+
+
 # ---- streamed versions (shm): verified while they are written -----------------------------------
 
 # Shards of several 1 MiB checksum blocks, FSDP-cut on their last axis (strided copies) and on

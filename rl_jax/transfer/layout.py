@@ -11,6 +11,7 @@ is the same on both sides whatever the devices are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -173,9 +174,9 @@ class Layout:
                                           f"{names}")
         return cls(names, sizes, specs, dtypes)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """A short stable identifier of this layout (a hash of its JSON)."""
+        """A short stable identifier of this layout (a hash of its JSON; computed once)."""
         text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 

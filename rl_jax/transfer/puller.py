@@ -621,8 +621,9 @@ class Puller:
         for c in manifest.transports["staging"]["chunks"]:
             offset, nbytes = int(c["offset"]), int(c["nbytes"])
             found, meta = parse_chunk(buf[offset:offset + nbytes])
-            if meta.get("version") != str(manifest.version):
-                raise IntegrityError(f"chunk at {offset} holds version {meta.get('version')}, "
+            found_version = str(meta.get("version", ""))
+            if not found_version.isdigit() or int(found_version) != manifest.version:
+                raise IntegrityError(f"chunk at {offset} holds version {found_version!r}, "
                                      f"expected {manifest.version}")
             for name, (dtype, shape, start, stop) in found.items():
                 entries[name] = (dtype, shape, offset + start, offset + stop)

@@ -39,18 +39,46 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from rl_jax.transfer import checksum
-from rl_jax.transfer.chunks import Entry, numpy_dtype, plan_chunks
+from rl_jax.transfer.chunks import ChunkPlan, Entry, numpy_dtype, plan_chunks
 from rl_jax.transfer.errors import LayoutError
 from rl_jax.transfer.layout import Index, Layout, index_shape, index_slices, normalize_index
 from rl_jax.transfer.manifest import ShardInfo, TensorInfo
 
 STAMP_WRITING = -1  # the slot is being written
 STAMP_SUPERSEDED = -2  # the slot holds a version that is no longer offered
+# The version in a chunk header's metadata: zero-padded to a fixed width, so a slot's headers
+# stay in place from version to version and only these digits are rewritten.
+VERSION_DIGITS = 20
+_VERSION_PLACEHOLDER = "#" * VERSION_DIGITS
 
 
-def check_layout(layout: Layout, flat: Mapping[str, Any]) -> None:
+def header_version(version: int) -> str:
+    """The version as chunk headers write it."""
+    return f"{int(version):0{VERSION_DIGITS}d}"
+
+
+def flat_signature(flat: Mapping[str, Any]) -> tuple:
+    """Names, shapes and dtypes of the published tensors: what a layout's plan depends on."""
+    return tuple((name, tuple(flat[name].shape), str(flat[name].dtype)) for name in sorted(flat))
+
+
+_CHECKED: dict[tuple, None] = {}  # (layout key, flat signature) pairs already checked
+
+
+def check_layout(layout: Layout, flat: Mapping[str, Any], signature: tuple | None = None
+                 ) -> None:
     """Raises :class:`LayoutError` unless ``layout`` names exactly the published tensors and
-    cuts each into whole shards."""
+    cuts each into whole shards (checked once per layout and set of tensor shapes)."""
+    key = (layout.key, signature if signature is not None else flat_signature(flat))
+    if key in _CHECKED:
+        return
+    _check_layout(layout, flat)
+    if len(_CHECKED) >= 256:
+        _CHECKED.clear()
+    _CHECKED[key] = None
+
+
+def _check_layout(layout: Layout, flat: Mapping[str, Any]) -> None:
     missing = sorted(set(flat) - set(layout.specs))
     extra = sorted(set(layout.specs) - set(flat))
     if missing or extra:
@@ -68,11 +96,21 @@ def target_dtype(layout: Layout, name: str, value: Any) -> np.dtype:
     return np.dtype(value.dtype)
 
 
+@functools.lru_cache(maxsize=1024)
+def _shard_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, Index]:
+    return {device: normalize_index(index, shape)
+            for device, index in sharding.addressable_devices_indices_map(shape).items()}
+
+
 def _host_shards(array: jax.Array) -> list[tuple[Index, np.ndarray]]:
     """The distinct addressable shards of ``array`` as host arrays (views on CPU)."""
+    shape = tuple(array.shape)
+    if len(array.sharding.device_set) == 1 and array.is_fully_addressable:
+        return [(tuple((0, n) for n in shape), np.asarray(array))]
+    indices = _shard_indices(array.sharding, shape)
     seen: dict[Index, np.ndarray] = {}
     for shard in array.addressable_shards:
-        index = normalize_index(shard.index, array.shape)
+        index = indices[shard.device]
         if index not in seen:
             seen[index] = np.asarray(shard.data)
     if not seen:
@@ -188,11 +226,32 @@ def _boxes(target: Index, sources: Sequence[tuple[Index, np.ndarray]]) -> list[t
     return out
 
 
-def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
-              ) -> _ShardJob:
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """How one shard is filled from its sources, with the sources by position (so that it can
+    be planned once and bound to each version's arrays): ``runs`` as ``(dst_start, dst_stop,
+    source, src_start)``, or, when None, ``boxes`` as in :func:`_boxes` with the source's
+    position last."""
+
+    runs: tuple[tuple[int, int, int, int], ...] | None
+    boxes: tuple[tuple[int, int, int, tuple, tuple, int], ...] = ()
+
+    def bind(self, dst: np.ndarray, target: Index,
+             sources: Sequence[tuple[Index, np.ndarray]]) -> _ShardJob:
+        if self.runs is None:
+            return _ShardJob(dst, target, sources, None, boxes=[
+                (d0, d1, s0, dst_rest, src_rest, sources[k][1])
+                for d0, d1, s0, dst_rest, src_rest, k in self.boxes])
+        flats = {k: sources[k][1].reshape(-1) for k in {run[2] for run in self.runs}}
+        runs = [(d0, d1, flats[k], r) for d0, d1, k, r in self.runs]
+        return _ShardJob(dst, target, sources, runs, [run[0] for run in runs])
+
+
+def _geometry(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
+              ) -> _Geometry:
     runs: list | None = []
     shape = [t1 - t0 for t0, t1 in target]
-    for index, host in sources:
+    for k, (index, host) in enumerate(sources):
         lo = [max(s0, t0) for (s0, _), (t0, _) in zip(index, target)]
         hi = [min(s1, t1) for (_, s1), (_, t1) in zip(index, target)]
         if any(a >= b for a, b in zip(lo, hi)):
@@ -205,16 +264,21 @@ def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
         if pieces is None or (len(pieces) > 1 and pieces[0][2] * host.itemsize < MIN_RUN_BYTES):
             runs = None
             break
-        flat = host.reshape(-1)
-        runs += [(d, d + count, flat, r) for d, r, count in pieces]
+        runs += [(d, d + count, k, r) for d, r, count in pieces]
     if runs is not None and sum(b - a for a, b, _, _ in runs) != dst.size:
-        runs = None  # let _assemble name the uncovered part
+        runs = None  # let _boxes name the uncovered part
     if runs is not None:
-        runs.sort(key=lambda run: run[0])
-    if runs is None:
-        return _ShardJob(dst, target, sources, None,
-                         boxes=_boxes(target, sources) if dst.ndim else [])
-    return _ShardJob(dst, target, sources, runs, [run[0] for run in runs])
+        return _Geometry(tuple(sorted(runs, key=lambda run: run[0])))
+    if not dst.ndim:
+        return _Geometry(None)
+    positions = {id(host): k for k, (_, host) in enumerate(sources)}
+    return _Geometry(None, tuple(box[:5] + (positions[id(box[5])],)
+                                 for box in _boxes(target, sources)))
+
+
+def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
+              ) -> _ShardJob:
+    return _geometry(dst, target, sources).bind(dst, target, sources)
 
 
 SUB_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in the core's cache
@@ -362,6 +426,38 @@ class _Slot:
     progress_fd: int | None = None
     progress_map: mmap.mmap | None = None
     progress_size: int = 0
+    plan: "_LayoutPlan | None" = None  # whose chunk headers the slot holds
+    views: dict[tuple[str, int], np.ndarray] | None = None  # each shard's place in the slot
+    paths: tuple[str, str, str] = ("", "", "")  # data, stamp and progress files
+
+
+@dataclasses.dataclass
+class _LayoutPlan:
+    """What staging a version needs that depends only on the layout and the tensors' shapes,
+    computed once (:meth:`HostStaging._layout_plan`): the chunk layout (headers rendered with the
+    version left as a placeholder), every shard's place, and each shard's copy geometry."""
+
+    tensors: list[tuple[str, tuple[int, ...], np.dtype, list[Index]]]  # name, shape, dtype
+    chunks: list[ChunkPlan]
+    size: int
+    placed: dict[tuple[str, int], tuple[int, int]]  # (nbytes, offset) of each shard
+    version_at: list[int]  # where each header's version digits are
+    blocks: dict[tuple[str, int], tuple[int, int]]  # each shard's rows of the progress table
+    num_blocks: int
+    geometry: dict[tuple, _Geometry] = dataclasses.field(default_factory=dict)
+
+    def job(self, name: str, k: int, dst: np.ndarray, index: Index,
+            sources: Sequence[tuple[Index, np.ndarray]], source_key: tuple | None
+            ) -> _ShardJob:
+        """Shard ``k`` of ``name`` filled from ``sources``, whose indices are ``source_key``
+        (None: not cached, e.g. non-contiguous sources)."""
+        key = (name, k, source_key)
+        geometry = self.geometry.get(key) if source_key is not None else None
+        if geometry is None:
+            geometry = _geometry(dst, index, sources)
+            if source_key is not None:
+                self.geometry[key] = geometry
+        return geometry.bind(dst, index, sources)
 
 
 @dataclasses.dataclass
@@ -392,6 +488,7 @@ class HostStaging:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_slots = max_slots
         self._slots: dict[int, _Slot] = {}
+        self._plans: dict[tuple, _LayoutPlan] = {}
         self.current_slot: int | None = None
         self._staged_slot: int | None = None
 
@@ -409,7 +506,9 @@ class HostStaging:
         stamp_fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(stamp_fd, 16)
         stamp_map = mmap.mmap(stamp_fd, 16)
-        entry = _Slot(fd, None, 0, stamp_fd, stamp_map, np.frombuffer(stamp_map, np.int64))
+        entry = _Slot(fd, None, 0, stamp_fd, stamp_map, np.frombuffer(stamp_map, np.int64),
+                      paths=(str(self.slot_path(slot)), str(self.stamp_path(slot)),
+                             str(self.progress_path(slot))))
         entry.stamp[:] = (STAMP_WRITING, STAMP_WRITING)
         self._slots[slot] = entry
         return entry
@@ -449,6 +548,7 @@ class HostStaging:
 
     def _map(self, entry: _Slot, size: int) -> mmap.mmap:
         if entry.map is None or entry.size < size:
+            entry.plan = entry.views = None  # headers rewritten, views remade on the new map
             if entry.map is not None:
                 try:
                     entry.map.close()
@@ -484,54 +584,101 @@ class HostStaging:
         it becomes a shared one) and each checksum block is announced in the slot's progress
         table as soon as it is copied and hashed, so they verify the version as it is written.
         """
-        names = sorted(flat)
-        entries, tensors = [], []
-        for name in names:
-            dtype = target_dtype(layout, name, flat[name])
-            indices = layout.indices(name, flat[name].shape)
-            tensors.append((name, tuple(flat[name].shape), dtype, indices))
-            entries += [Entry(f"{name}#{k}", dtype, index_shape(i)) for k, i in enumerate(indices)]
-        plans = plan_chunks(entries, chunk_bytes, {"format": "rl_jax.transfer",
-                                                   "version": str(version), "layout": layout.key})
-        size = max(p.offset + p.nbytes for p in plans)
+        plan = self._layout_plan(flat, layout, chunk_bytes)
         slot = self._acquire()
         entry = self._slots[slot]
         try:
             entry.stamp[:] = (STAMP_WRITING, version)
-            buf = np.frombuffer(self._map(entry, size), np.uint8, count=size)
-            offsets = {}
-            for p in plans:
-                buf[p.offset:p.offset + len(p.header)] = np.frombuffer(p.header, np.uint8)
-                offsets.update(p.entries)
-            jobs, placed = {}, {}
-            for name, _, dtype, indices in tensors:
+            views = self._views(entry, plan)
+            buf = np.frombuffer(entry.map, np.uint8, count=plan.size)
+            digits = np.frombuffer(header_version(version).encode(), np.uint8)
+            for at in plan.version_at:
+                buf[at:at + VERSION_DIGITS] = digits
+            jobs = {}
+            for name, _, _, indices in plan.tensors:
                 sources = _host_shards(flat[name])
+                source_key = (tuple(i for i, _ in sources)
+                              if all(h.flags.c_contiguous for _, h in sources) else None)
                 for k, index in enumerate(indices):
-                    off = offsets[f"{name}#{k}"]
-                    nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
-                    dst = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
-                    jobs[name, k] = _plan_job(dst, index, sources)
-                    placed[name, k] = (nbytes, off)
-            description = {"file": str(self.slot_path(slot)),
-                           "stamp": str(self.stamp_path(slot)), "slot": slot, "nbytes": size,
-                           "chunks": [{"offset": p.offset, "nbytes": p.nbytes} for p in plans]}
+                    jobs[name, k] = plan.job(name, k, views[name, k], index, sources,
+                                             source_key)
+            data_path, stamp_path, progress_path = entry.paths
+            description = {"file": data_path, "stamp": stamp_path, "slot": slot,
+                           "nbytes": plan.size,
+                           "chunks": [{"offset": p.offset, "nbytes": p.nbytes}
+                                      for p in plan.chunks]}
             if stream:
-                blocks = sum(checksum.num_blocks(n) for n, _ in placed.values())
-                progress = self._progress(entry, slot, blocks)
-                base = 0
-                for key, job in jobs.items():  # manifest order: names sorted, shards in order
-                    n = checksum.num_blocks(placed[key][0])
-                    job.progress = job.rows = progress[base:base + n]
+                progress = self._progress(entry, slot, plan.num_blocks)
+                for key, job in jobs.items():
+                    first, stop = plan.blocks[key]
+                    job.progress = job.rows = progress[first:stop]
                     job.version = version
-                    base += n
-                description["progress"] = str(self.progress_path(slot))
+                description["progress"] = progress_path
                 fcntl.flock(entry.fd, fcntl.LOCK_SH)  # pullers may hold it from now on
         except BaseException:
             entry.stamp[0] = STAMP_SUPERSEDED
             fcntl.flock(entry.fd, fcntl.LOCK_UN)
             raise
         self._staged_slot = slot
-        return StagedVersion(version, slot, tensors, jobs, placed, description, stream)
+        return StagedVersion(version, slot, plan.tensors, jobs, plan.placed, description,
+                             stream)
+
+    def _layout_plan(self, flat: Mapping[str, jax.Array], layout: Layout,
+                     chunk_bytes: int) -> _LayoutPlan:
+        """The plan of ``layout`` for tensors shaped like ``flat``'s (made on first use)."""
+        signature = flat_signature(flat)
+        key = (layout.key, chunk_bytes, signature)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        check_layout(layout, flat, signature)
+        entries, tensors = [], []
+        for name, shape, _ in signature:
+            dtype = target_dtype(layout, name, flat[name])
+            indices = layout.indices(name, shape)
+            tensors.append((name, shape, dtype, indices))
+            entries += [Entry(f"{name}#{k}", dtype, index_shape(i)) for k, i in enumerate(indices)]
+        chunks = plan_chunks(entries, chunk_bytes, {"format": "rl_jax.transfer",
+                                                    "version": _VERSION_PLACEHOLDER,
+                                                    "layout": layout.key})
+        marker = b'"version":"' + _VERSION_PLACEHOLDER.encode()
+        version_at = []
+        for c in chunks:
+            at = c.header.find(marker)
+            if at < 0:
+                raise AssertionError("chunk header without its version field")
+            version_at.append(c.offset + at + len(marker) - VERSION_DIGITS)
+        offsets = {name: off for c in chunks for name, off in c.entries.items()}
+        placed, blocks, first = {}, {}, 0
+        for name, _, dtype, indices in tensors:  # manifest order: names sorted, shards in order
+            for k, index in enumerate(indices):
+                nbytes = int(np.prod(index_shape(index), dtype=np.int64)) * dtype.itemsize
+                placed[name, k] = (nbytes, offsets[f"{name}#{k}"])
+                n = checksum.num_blocks(nbytes)
+                blocks[name, k] = (first, first + n)
+                first += n
+        plan = _LayoutPlan(tensors, chunks, max(c.offset + c.nbytes for c in chunks), placed,
+                           version_at, blocks, first)
+        if len(self._plans) >= 4:  # layouts come and go rarely; keep the recent ones
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        return plan
+
+    def _views(self, entry: _Slot, plan: _LayoutPlan) -> dict[tuple[str, int], np.ndarray]:
+        """Maps the slot for ``plan`` (writing its chunk headers unless the slot holds them
+        already) and returns every shard's place in it."""
+        self._map(entry, plan.size)
+        if entry.plan is not plan or entry.views is None:
+            buf = np.frombuffer(entry.map, np.uint8, count=plan.size)
+            for c in plan.chunks:
+                buf[c.offset:c.offset + len(c.header)] = np.frombuffer(c.header, np.uint8)
+            entry.views = {
+                key: buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
+                for name, _, dtype, indices in plan.tensors
+                for key, index in (((name, k), i) for k, i in enumerate(indices))
+                for nbytes, off in (plan.placed[key],)}
+            entry.plan = plan
+        return entry.views
 
     def finish(self, staged: StagedVersion, algorithm: str, threads: int = 0,
                before_done: Any = None) -> list[TensorInfo]:
