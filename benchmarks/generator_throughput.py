@@ -18,10 +18,12 @@ machine:
      a step reads plus the KV cache of the actual context (not the cache's capacity) and FLOPs
      are ``2·params·B`` plus attention. ``bandwidth`` is measured reading an array of exactly
      the step's bytes over and over, as decode steps re-read their weights and cache: when they
-     fit in the last-level cache this is the cache's bandwidth, otherwise main memory's. The
-     aim (``engine_over_roofline``) is judged against this bound; ``roofline_dram`` (the same
-     with the main-memory bandwidth, a looser bound for models that stay in cache) is reported
-     beside it.
+     fit in the last-level cache this is the cache's bandwidth, otherwise main memory's.
+     ``roofline_dram`` (the same with the main-memory bandwidth, a looser bound for models that
+     stay in cache) is reported beside it;
+   - ``roofline_run``: the same bound with the best sustained ceilings of the whole run (see
+     :func:`rejudge`). The aim (``engine_over_roofline_run`` at the best batch size) is judged
+     against it, so a ceiling measured low beside one batch size cannot pass it.
 
 The per-batch ceilings are *sustained* rates (back-to-back calls for about a quarter second,
 the best of the repeats), measured in the same repeat loop as the engine: on a shared machine a
@@ -454,6 +456,31 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             "hf_logits_parity": parity, "rows": rows, "summary": summarize(rows)}
 
 
+def rejudge(results: list[dict]) -> dict:
+    """Each row's roofline again, against the run's best sustained ceilings: the highest matmul
+    rate measured beside any batch size of any model, and for bandwidth the higher of the row's
+    own working-set rate and the best main-memory rate of the run. A ceiling measured low beside
+    one batch size (a neighbour busy on the other core while the engine happened not to be
+    slowed) would otherwise flatter that row; the hardware's bound does not change from one
+    batch size to the next. Adds ``roofline_run``, ``*_over_roofline_run`` and the summaries'
+    aims judged on them; returns the run's ceilings."""
+    rows = [r for result in results for r in result["rows"]]
+    run = {"peak_flops": max(x for r in rows for x in r["ceilings"]["peak_flops_all"]),
+           "dram_bandwidth": max(x for r in rows for x in r["ceilings"]["dram_bandwidth_all"])}
+    for r in rows:
+        roof = r["roofline"]
+        bandwidth = max(r["ceilings"]["bandwidth"], run["dram_bandwidth"])
+        memory_s, compute_s = roof["bytes"] / bandwidth, roof["flops"] / run["peak_flops"]
+        r["roofline_run"] = {"step_s": max(memory_s, compute_s), "memory_s": memory_s,
+                             "compute_s": compute_s, "bandwidth": bandwidth,
+                             "bound": "memory" if memory_s >= compute_s else "compute"}
+        for kind in ("raw", "engine"):
+            r[f"{kind}_over_roofline_run"] = r["roofline_run"]["step_s"] / r[f"{kind}_step_s"]
+    for result in results:
+        result["summary"] = summarize(result["rows"])
+    return run
+
+
 def summarize(rows: list[dict]) -> dict:
     best_engine = max(rows, key=lambda r: r["engine_tok_s"])
     best_raw = max(rows, key=lambda r: r["raw_tok_s"])
@@ -470,7 +497,13 @@ def summarize(rows: list[dict]) -> dict:
     if big:
         out["engine_over_hf_min_at_batch_ge_16"] = min(r["engine_over_hf"] for r in big)
         out["aim_2x_hf_at_batch_ge_16"] = out["engine_over_hf_min_at_batch_ge_16"] >= 2
-    out["aim_half_roofline_at_best_batch"] = out["engine_over_roofline_at_best_batch"] >= 0.5
+    if "engine_over_roofline_run" in best_engine:
+        out["engine_over_roofline_run_at_best_batch"] = best_engine["engine_over_roofline_run"]
+        out["engine_over_roofline_run_max"] = max(r["engine_over_roofline_run"] for r in rows)
+        out["aim_half_roofline_at_best_batch"] = \
+            out["engine_over_roofline_run_at_best_batch"] >= 0.5
+    else:
+        out["aim_half_roofline_at_best_batch"] = out["engine_over_roofline_at_best_batch"] >= 0.5
     return out
 
 
@@ -483,7 +516,7 @@ def print_table(result: dict):
             + f"{'roof ms':>7} {'bound':>7} | {'raw tok/s':>9} {'engine':>8} "
             + (f"{'hf':>8} " if has_hf else "") + f"{'roofline':>8} | "
             + (f"{'eng/hf':>6} {'raw/hf':>6} " if has_hf else "") + f"{'eng/roof':>8} "
-            f"{'raw/roof':>8} {'eng/dram':>8}")
+            f"{'raw/roof':>8} {'eng/dram':>8} {'eng/run':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -494,17 +527,19 @@ def print_table(result: dict):
               + (f"{r['hf_tok_s']:8.0f} " if has_hf else "") + f"{r['roofline_tok_s']:8.0f} | "
               + (f"{r['engine_over_hf']:6.2f} {r['raw_over_hf']:6.2f} " if has_hf else "")
               + f"{r['engine_over_roofline']:8.2f} {r['raw_over_roofline']:8.2f} "
-              f"{r['engine_over_roofline_dram']:8.2f}")
+              f"{r['engine_over_roofline_dram']:8.2f} {r['engine_over_roofline_run']:8.2f}")
     s = result["summary"]
     print(f"best engine batch {s['engine_best_batch']}: "
           f"{s['engine_over_roofline_at_best_batch']:.2f} of roofline (max over batches "
           f"{s['engine_over_roofline_max']:.2f}; of the main-memory roofline "
           f"{s['engine_over_roofline_dram_at_best_batch']:.2f}); raw step at its best batch "
-          f"{s['raw_best_batch']}: {s['raw_over_roofline_at_best_batch']:.2f}")
+          f"{s['raw_best_batch']}: {s['raw_over_roofline_at_best_batch']:.2f}; against the run's "
+          f"best ceilings {s['engine_over_roofline_run_at_best_batch']:.2f} (max over batches "
+          f"{s['engine_over_roofline_run_max']:.2f})")
     if "engine_over_hf_min_at_batch_ge_16" in s:
         print(f"engine/HF at batch >= 16: min {s['engine_over_hf_min_at_batch_ge_16']:.2f}x "
               f"(aim >= 2x: {'met' if s['aim_2x_hf_at_batch_ge_16'] else 'NOT met'}); "
-              f"aim >= 50% of roofline at best batch: "
+              f"aim >= 50% of roofline (the run's best ceilings) at best batch: "
               f"{'met' if s['aim_half_roofline_at_best_batch'] else 'NOT met'}")
 
 
@@ -577,6 +612,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             results.append(bench_model(name, MODELS[name], args, ceilings, Path(tmp)))
+    ceilings["run"] = rejudge(results)
+    log(f"the run's best sustained ceilings: matmul {ceilings['run']['peak_flops'] / 1e9:.0f} "
+        f"GFLOP/s, main memory {ceilings['run']['dram_bandwidth'] / 1e9:.0f} GB/s")
     for result in results:
         print_table(result)
     load = {"before": load_before, "after": os.getloadavg()}
