@@ -672,12 +672,12 @@ class HostStaging:
             buf = np.frombuffer(entry.map, np.uint8, count=plan.size)
             for c in plan.chunks:
                 buf[c.offset:c.offset + len(c.header)] = np.frombuffer(c.header, np.uint8)
-            entry.views = {
-                key: buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
-                for name, _, dtype, indices in plan.tensors
-                for key, index in (((name, k), i) for k, i in enumerate(indices))
-                for nbytes, off in (plan.placed[key],)}
-            entry.plan = plan
+            views = {}
+            for name, _, dtype, indices in plan.tensors:
+                for k, index in enumerate(indices):
+                    nbytes, off = plan.placed[name, k]
+                    views[name, k] = buf[off:off + nbytes].view(dtype).reshape(index_shape(index))
+            entry.plan, entry.views = plan, views
         return entry.views
 
     def finish(self, staged: StagedVersion, algorithm: str, threads: int = 0,
