@@ -554,7 +554,15 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
     checksums of a pull made after the publish."""
     pub, puller, trainer = streaming
     started = threading.Event()
-    puller.hooks["stream_start"] = started.set
+    events = []
+    puller.hooks["stream_start"] = lambda: (events.append("verify"), started.set())
+    lay_out = puller._arrays_from_chunks
+
+    def arrays_from_chunks(*args):
+        events.append("arrays")
+        return lay_out(*args)
+
+    puller._arrays_from_chunks = arrays_from_chunks
     seen = []
 
     def after_announce(version):  # nothing of the version is copied yet
@@ -579,6 +587,9 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
             [t.checksum for t in final.tensors]
         del update, box
     assert seen == ["pending"] * 3
+    # Each version's arrays were laid out once, before its bytes were written: they alias the
+    # slot (the bit-exact check above would fail on arrays copied before the publisher wrote).
+    assert events == ["arrays", "verify"] * 3
 
 
 def test_streamed_block_corrupted_after_hashing_is_refused(streaming):

@@ -13,6 +13,7 @@ has: a generator can never see a half-written version.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import fcntl
@@ -205,6 +206,7 @@ class _SourceMaps:
             return np.frombuffer(entry[2], np.uint8, count=nbytes)
 
 
+REPORTER_IDLE_S = 60.0  # a report sender with nothing to send for this long exits
 STREAM_POLL_S = 100e-6  # how often a streamed pull looks for newly written blocks
 
 
@@ -223,6 +225,18 @@ def _completed(manifest: Manifest, digests: Mapping[str, Mapping[Index, str]]) -
         tensors.append(dataclasses.replace(t, shards=shards, checksum=checksum.combine(
             [(sh.index, sh.checksum) for sh in shards], manifest.algorithm)))
     return dataclasses.replace(manifest, tensors=tuple(tensors))
+
+
+def _aliases(array: jax.Array, base: np.ndarray) -> bool:
+    """Whether every addressable shard of ``array`` lies in ``base``'s memory (no copy)."""
+    lo = base.__array_interface__["data"][0]
+    hi = lo + base.nbytes
+    if len(array.sharding.device_set) == 1:
+        return not array.nbytes or lo <= array.unsafe_buffer_pointer() < hi
+    for shard in array.addressable_shards:
+        if shard.data.nbytes and not lo <= shard.data.unsafe_buffer_pointer() < hi:
+            return False
+    return True
 
 
 def _hold_slot(path: str) -> int:
@@ -276,6 +290,10 @@ class Puller:
         self.hooks: dict[str, Callable[[], None]] = {}  # test seams: "mid_pull", "stream_start"
         self._buffers = HostBufferPool(config.host_buffers)
         self._sources = _SourceMaps()
+        self._reports: collections.deque[dict[str, Any]] = collections.deque()
+        self._reports_lock = threading.Lock()
+        self._reports_ready = threading.Condition(self._reports_lock)
+        self._reporter: threading.Thread | None = None
 
     # ---- control --------------------------------------------------------------------------------
 
@@ -394,13 +412,27 @@ class Puller:
                 "ok": ok, "seconds": seconds, "bytes": nbytes, "error": error,
                 "layout_key": self.layout_key}
 
-        def send():
+        with self._reports_lock:  # one sender thread, started on the first report
+            self._reports.append(body)
+            if self._reporter is None or not self._reporter.is_alive():
+                self._reporter = threading.Thread(target=self._send_reports, daemon=True,
+                                                  name="transfer-report")
+                self._reporter.start()
+            self._reports_ready.notify()
+
+    def _send_reports(self) -> None:
+        """Posts queued pull reports to the publisher (best effort; the pull never waits)."""
+        while True:
+            with self._reports_lock:
+                while not self._reports:
+                    if not self._reports_ready.wait(REPORTER_IDLE_S):
+                        self._reporter = None  # idle: the next report starts a new sender
+                        return
+                body = self._reports.popleft()
             try:
                 self.client.request("POST", "/v1/report", body=body, timeout=5.0)
             except TransferError:
                 pass
-
-        threading.Thread(target=send, daemon=True, name="transfer-report").start()
 
     def _fetch(self, transport: str, manifest: Manifest, deadline: float
                ) -> tuple[dict[str, jax.Array], int]:
@@ -413,11 +445,9 @@ class Puller:
         try:
             if transport == "jax_transfer":
                 return self._fetch_jax(manifest, remaining)
-            if transport == "shm":
-                def fn(m):
-                    return self._fetch_shm(m, deadline)
-            else:
-                fn = {"socket": self._fetch_socket, "disk": self._fetch_disk}[transport]
+            if transport == "shm":  # never blocks: it waits only in its own deadline checks
+                return self._fetch_shm(manifest, deadline)
+            fn = {"socket": self._fetch_socket, "disk": self._fetch_disk}[transport]
             return run_with_deadline(lambda: fn(manifest), remaining, f"{transport} pull")
         except TransferError:
             raise
@@ -458,7 +488,18 @@ class Puller:
                                   f"{e}") from e
             release = weakref.finalize(base, os.close, fd)  # unlocks when no array aliases it
             if streamed:
+                # A streamed version's chunk headers are written before it is announced, so
+                # its arrays (views of the slot, aliased without a copy) are laid out while
+                # the publisher still writes the bytes; they are handed out only once every
+                # block is verified. Arrays that were copied rather than aliased (misaligned)
+                # would hold unverified bytes, so those are laid out again afterwards.
+                arrays = self._arrays_from_chunks(manifest, base)
                 digests = self._verify_streamed(manifest, base, stamps, deadline)
+                if stamps()[0] != manifest.version:
+                    raise VersionGone(f"version {manifest.version} was superseded while read")
+                if not all(_aliases(a, base) for a in arrays.values()):
+                    arrays = self._arrays_from_chunks(manifest, base)
+                return arrays, total, digests
             else:
                 hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
                 for k, tensor in enumerate(manifest.tensors):
