@@ -592,6 +592,27 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
     assert events == ["arrays", "verify"] * 3
 
 
+def test_pull_reports_reach_the_publisher_in_order_through_one_sender(streaming):
+    """Every pull posts its report (version, transport, bytes, seconds) to the publisher; the
+    reports of successive pulls arrive in order, sent by one thread rather than one each."""
+    pub, puller, trainer = streaming
+    senders = lambda: {t for t in threading.enumerate() if t.name == "transfer-report"}  # noqa: E731
+    before = senders()
+    for version in (1, 2, 3, 4):
+        pub.publish(random_params(trainer, version), version)
+        update = puller.pull(version - 1, wait_s=10)
+        assert update.version == version
+        del update
+    deadline = time.monotonic() + 10
+    while len(pub.reports) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reports = list(pub.reports)
+    assert [r["version"] for r in reports] == [1, 2, 3, 4]
+    assert all(r["ok"] and r["transport"] == "shm" and r["bytes"] > 0 and r["seconds"] > 0
+               and r["puller_id"] == puller.puller_id for r in reports)
+    assert len(senders() - before) <= 1  # other tests' pullers may still have theirs
+
+
 def test_streamed_block_corrupted_after_hashing_is_refused(streaming):
     pub, puller, trainer = streaming
     pub.publish(random_params(trainer, 1), 1)

@@ -425,7 +425,7 @@ class Puller:
         while True:
             with self._reports_lock:
                 while not self._reports:
-                    if not self._reports_ready.wait(REPORTER_IDLE_S):
+                    if not self._reports_ready.wait(REPORTER_IDLE_S) and not self._reports:
                         self._reporter = None  # idle: the next report starts a new sender
                         return
                 body = self._reports.popleft()
