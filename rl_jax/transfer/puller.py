@@ -551,23 +551,24 @@ class Puller:
             self.hooks["stream_start"]()
         version = np.uint64(manifest.version)
         got = np.zeros(len(blocks), np.uint64)
-        pending, bad = list(range(len(blocks))), []
+        bad = []
         mid_pull = len(blocks) // 2 if "mid_pull" in self.hooks else -1
-        while pending:
-            waiting = []
-            for i in pending:
-                if table[i, 1] != version:
-                    waiting.append(i)
-                    continue
+        # Blocks are found ready with one vectorised look at the table per wake-up (a scan in
+        # Python would cost more than the hashing for models of many thousand blocks).
+        pending = np.arange(len(blocks))
+        while pending.size:
+            ready = table[pending, 1] == version
+            if not ready.any():
+                self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
+                continue
+            for i in pending[ready].tolist():
                 if i == mid_pull:
                     self.hooks["mid_pull"]()
                 _, _, _, start, stop = blocks[i]
                 got[i] = checksum.xxh3(base[start:stop])
                 if got[i] != table[i, 0]:
                     bad.append(i)
-            if waiting and len(waiting) == len(pending):
-                self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
-            pending = waiting
+            pending = pending[~ready]
         while stamps()[0] == STAMP_WRITING:  # every block is marked: the publisher is ending
             self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
         for i in bad:  # read once more now that the publisher is done
