@@ -487,19 +487,15 @@ class Puller:
                 raise VersionGone(f"staging file of version {manifest.version} is gone: "
                                   f"{e}") from e
             release = weakref.finalize(base, os.close, fd)  # unlocks when no array aliases it
+            arrays = None
             if streamed:
                 # A streamed version's chunk headers are written before it is announced, so
                 # its arrays (views of the slot, aliased without a copy) are laid out while
                 # the publisher still writes the bytes; they are handed out only once every
                 # block is verified. Arrays that were copied rather than aliased (misaligned)
-                # would hold unverified bytes, so those are laid out again afterwards.
+                # would hold unverified bytes, so those are laid out again below.
                 arrays = self._arrays_from_chunks(manifest, base)
                 digests = self._verify_streamed(manifest, base, stamps, deadline)
-                if stamps()[0] != manifest.version:
-                    raise VersionGone(f"version {manifest.version} was superseded while read")
-                if not all(_aliases(a, base) for a in arrays.values()):
-                    arrays = self._arrays_from_chunks(manifest, base)
-                return arrays, total, digests
             else:
                 hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
                 for k, tensor in enumerate(manifest.tensors):
@@ -513,7 +509,9 @@ class Puller:
                     digests.setdefault(name, {})[index] = value
             if stamps()[0] != manifest.version:
                 raise VersionGone(f"version {manifest.version} was superseded while read")
-            return self._arrays_from_chunks(manifest, base), total, digests
+            if arrays is None or not all(_aliases(a, base) for a in arrays.values()):
+                arrays = self._arrays_from_chunks(manifest, base)
+            return arrays, total, digests
         except BaseException:
             if release is not None:
                 release()
