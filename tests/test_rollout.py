@@ -119,15 +119,20 @@ def test_resume_loses_nothing_and_repeats_nothing(setup):
     first = []
     for _ in range(3):
         first += [g.position for g in next(it)]
+        it.set_trainer_version(0)  # trained (the weights here never change: version 0)
+    # A batch handed out (prefetched) but not trained yet is not lost either.
+    untrained = [g.position for g in next(it)]
     state = it.get_state()
     it.close()  # a crash: whatever was in flight is lost
     assert set(state["pending"]).isdisjoint(first)
+    assert state["pending"][:len(untrained)] == untrained
     resumed = iter(make_rollout(engine, config, env, size=20))
     resumed.set_state(state)
     second = []
     try:
         while True:
             second += [g.position for g in next(resumed)]
+            resumed.set_trainer_version(0)
     except StopIteration:
         pass
     finally:
@@ -164,6 +169,7 @@ def test_dynamic_filtering_replaces_zero_signal_groups(setup):
         for _ in range(12):
             for g in next(it):
                 assert np.ptp(g.rewards) > 0
+            it.set_trainer_version(0)  # trained (weights unchanged)
             metrics = it.metrics()
             if metrics.get("rollout/filtered_zero_signal", 0) > 0:
                 break
@@ -182,6 +188,7 @@ def test_prompts_always_solved_are_skipped(setup):
         positions = []
         for _ in range(8):
             positions += [g.position for g in next(it)]
+            it.set_trainer_version(0)  # trained (weights unchanged)
         state = it.get_state()
         metrics = it.metrics()
     finally:

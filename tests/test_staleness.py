@@ -1,13 +1,17 @@
 """The staleness gate: property test over random interleavings of generation finish times,
 generator weight updates and trainer steps."""
 
+import collections
+
 import numpy as np
 import pytest
 
 from rl_jax.rollout.staleness import GateConfig, StalenessConfigError, StalenessGate
 
 
-def simulate(seed: int, policy: str, steps: int = 12):
+def simulate(seed: int, policy: str, steps: int = 12, prefetch: int = 0):
+    """A random run; the trainer holds up to ``1 + prefetch`` batches handed out (one training,
+    the others taken ahead) and checks each sample's staleness when its batch trains."""
     rng = np.random.default_rng(seed)
     groups_per_batch = int(rng.integers(1, 5))
     max_lag = int(rng.integers(0, 4))
@@ -19,6 +23,7 @@ def simulate(seed: int, policy: str, steps: int = 12):
     min_version_of: dict[int, int] = {}
     next_key = 0
     consumed: set[int] = set()
+    handed: collections.deque[list[int]] = collections.deque()
     for _ in range(5000):
         if gate.trainer_version >= steps:
             break
@@ -39,21 +44,27 @@ def simulate(seed: int, policy: str, steps: int = 12):
                 generator_version += int(rng.integers(1, gate.trainer_version - generator_version
                                                       + 1))
                 gate.set_generator_version(generator_version)
-        else:  # the trainer asks for a batch
-            batch = gate.next_batch()
+        else:  # the trainer
+            if handed and (len(handed) > prefetch or rng.random() < 0.5):
+                # It finishes the step of its oldest batch: the version training it is the
+                # current one. Some steps are skipped (a non-finite update: same version).
+                for key in handed.popleft():
+                    staleness = gate.trainer_version - min_version_of[key]
+                    assert 0 <= staleness <= max_lag, (seed, staleness, max_lag)
+                gate.advance(gate.trainer_version if rng.random() < 0.1 else None)
+                continue
+            batch = gate.next_batch()  # the next batch, or (prefetch) the one after it
             if batch is not None:
                 assert len(batch) == groups_per_batch
                 for key in batch:
                     assert key not in consumed
-                    staleness = gate.trainer_version - min_version_of[key]
-                    assert 0 <= staleness <= max_lag, (seed, staleness, max_lag)
                     consumed.add(key)
+                handed.append(batch)
                 # The rollout keeps admitting while this batch trains.
                 for _ in range(int(rng.integers(0, 3))):
                     if gate.admit(next_key):
                         in_flight[next_key] = generator_version
                         next_key += 1
-                gate.advance()
     c = gate.counts
     # Nothing admitted disappears: consumed, still pending, or counted as dropped.
     assert c["admitted"] == len(consumed) + gate.unconsumed + c["dropped"] + c["late"]
@@ -63,11 +74,12 @@ def simulate(seed: int, policy: str, steps: int = 12):
     return gate, consumed
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["prevent", "drop"])
-def test_no_sample_over_max_lag_reaches_a_batch(policy):
+def test_no_sample_over_max_lag_reaches_a_batch(policy, prefetch):
     progressed = 0
     for seed in range(1500):
-        gate, consumed = simulate(seed, policy)
+        gate, consumed = simulate(seed, policy, prefetch=prefetch)
         progressed += gate.trainer_version >= 12
         assert gate.staleness_histogram and max(gate.staleness_histogram) <= gate.config.max_lag
     assert progressed >= 1400  # the gate does not deadlock the run
@@ -99,6 +111,32 @@ def test_a_training_batch_holds_its_version():
     assert gate.admit("b")
     gate.complete("b", 1)
     assert gate.next_batch() == ["b"] and gate.counts["late"] == 0
+
+
+def test_a_prefetched_batch_is_reckoned_against_the_version_that_trains_it():
+    """A batch taken while the previous one trains is consumed one version later: its staleness
+    and the room for admission count from there."""
+    gate = StalenessGate(GateConfig(max_lag=1, groups_per_batch=1))
+    assert gate.admit("a") and gate.admit("b") and not gate.admit("c")
+    gate.complete("a", 0)
+    gate.complete("b", 0)
+    assert gate.next_batch() == ["a"] and gate.consumer_version == 1
+    assert gate.next_batch() == ["b"] and gate.consumer_version == 2  # prefetched
+    assert dict(gate.staleness_histogram) == {0: 1, 1: 1}
+    gate.advance()  # "a" trained; "b" is training at version 1
+    assert gate.capacity() == 0  # the generators' version-0 groups would expire at 1
+    gate.set_generator_version(1)
+    assert gate.capacity() == 1
+
+    drop = StalenessGate(GateConfig(max_lag=0, groups_per_batch=1, policy="drop",
+                                    max_in_flight_groups=2))
+    drop.admit("a")
+    drop.admit("b")
+    drop.complete("a", 0)
+    drop.complete("b", 0)
+    assert drop.next_batch() == ["a"]
+    # Taken ahead, "b" would train at version 1 with tokens of version 0: over max_lag.
+    assert drop.next_batch() is None and drop.counts["dropped"] == 1
 
 
 def test_prevent_waits_for_an_expiring_group_and_prefers_completed_ones():

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
+import queue
 import math
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -383,23 +386,32 @@ class Session:
                                       self.meta.get("totals", {}).items()})
         clock = _Clock()
         pending_eval: tuple[int, Any] | None = None
-        last_eval: EvalResult | None = None
+        self._last_eval: EvalResult | None = None
         start_iter = int(self.state.step) + int(self.state.skipped)
         bar = tqdm(total=c.trainer.steps, initial=start_iter, desc=f"rl {self.settings.mode}",
                    unit="step", dynamic_ncols=True, disable=not self.primary)
         window = _Window(self.rollout.metrics()) if self.primary else None
+        # The next batch is taken from the rollout and packed in a background thread while the
+        # current one trains (the gate reckons its staleness against the version that will
+        # train it), so the train step does not wait for host work between two steps.
+        prefetcher = None
+        if self.primary:
+            prefetcher = _Prefetcher(self._next_batch,
+                                     inline=not c.trainer.get("prefetch", True))
+            self._closers.append(prefetcher.close)
+            if start_iter < c.trainer.steps:
+                prefetcher.request()
         if self.primary and c.cpus.get("rollout"):
             self._pin_host_threads(c.cpus.rollout)
+        log_step = None  # the previous step's logging, done while this step trains
         for i in range(start_iter, c.trainer.steps):
             t0, cpu0 = time.perf_counter(), time.process_time()
-            groups, host = None, None
+            groups, host, staleness, packing = None, None, [], 0.0
             stop = bool(c.trainer.time_limit_s and clock.elapsed > c.trainer.time_limit_s)
             if self.primary and not stop:
-                groups = next(self.rollout)
-                staleness = self.rollout.staleness(groups)
-                packing = time.perf_counter()
-                host = self.to_batch(groups)
-                packing = time.perf_counter() - packing
+                groups, host, staleness, packing = prefetcher.get()
+                if i + 1 < c.trainer.steps:
+                    prefetcher.request()
             host, stop = self._share_batch(host, stop)
             if stop:
                 log.warning("time limit of %.0f s reached after %d steps",
@@ -409,7 +421,10 @@ class Session:
             batch = PolicyBatch.from_numpy(host)
             if not isinstance(self.train_step, StreamingTrainStep):
                 batch = global_batch(batch, self.batch_sharding)
-            self.state, metrics = self.train_step(self.state, batch)
+            self.state, metrics = self.train_step(self.state, batch)  # dispatched: runs on
+            if log_step is not None:  # XLA's threads while this one logs the previous step
+                log_step()
+                log_step = None
             metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
             version = int(self.state.step)
             t2 = time.perf_counter()
@@ -433,11 +448,12 @@ class Session:
                 totals["samples"] += len(host["rewards"])
                 meta["rollout"] = self.rollout.get_state()
                 if pending_eval is not None and pending_eval[1].done():
-                    last_eval = pending_eval[1].result()
+                    self._last_eval = pending_eval[1].result()
                     pending_eval = None
-                    writer.write(done, wall_s=wall_offset + clock.elapsed, **last_eval.metrics())
+                    writer.write(done, wall_s=wall_offset + clock.elapsed,
+                                 **self._last_eval.metrics())
                     if tb is not None:
-                        _tb_scalars(tb, last_eval.metrics(), done)
+                        _tb_scalars(tb, self._last_eval.metrics(), done)
                 if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
                         pending_eval is None and self.eval_prompts:
                     pending_eval = (done,
@@ -464,21 +480,44 @@ class Session:
                     record.update(window.take(self.rollout.metrics(), self.sampler.take(), clock))
                     record.update(self.weights.metrics())
                     record["generator/restarts"] = float(sum(self.pool.restarts.values()))
-                writer.write(done, **record)
-                if tb is not None:
-                    _tb_scalars(tb, record, done)
-                    tb.add_histogram("staleness", np.asarray(staleness), done)
-                bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
-                                acc=f"{record['rollout/accuracy']:.2f}",
-                                **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
-                                stale=int(record["staleness/batch_max"]),
-                                **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
-                                   if "generator/tokens_per_s" in record else {}),
-                                refresh=False)
-            bar.update(1)
-            self.checkpointer.save(done, self.state, meta, force=done == c.trainer.steps)
+                log_step = functools.partial(self._log_step, writer, tb, bar, done, record,
+                                             staleness)
+            else:
+                bar.update(1)
+            final = done == c.trainer.steps
+            if log_step is not None and (final or self.checkpointer.should_save(done)):
+                log_step()  # a checkpointed step has its record: a resumed run starts after it
+                log_step = None
+            self.checkpointer.save(done, self.state, meta, force=final)
+        if log_step is not None:
+            log_step()
         bar.close()
         return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval)
+
+    def _next_batch(self) -> tuple[list, dict[str, Any], list[int], float]:
+        """The rollout's next batch, packed: ``(groups, host batch, per-sample staleness,
+        packing seconds)``."""
+        groups = next(self.rollout)
+        start = time.perf_counter()
+        host = self.to_batch(groups)
+        return groups, host, self.rollout.staleness(groups), time.perf_counter() - start
+
+    def _log_step(self, writer: MetricsWriter, tb, bar, done: int, record: dict[str, Any],
+                  staleness: list[int]):
+        """A step's record to the JSONL log, TensorBoard and the progress bar."""
+        writer.write(done, **record)
+        if tb is not None:
+            _tb_scalars(tb, record, done)
+            tb.add_histogram("staleness", np.asarray(staleness), done)
+        last_eval = self._last_eval
+        bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
+                        acc=f"{record['rollout/accuracy']:.2f}",
+                        **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
+                        stale=int(record["staleness/batch_max"]),
+                        **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
+                           if "generator/tokens_per_s" in record else {}),
+                        refresh=False)
+        bar.update(1)
 
     def _pin_host_threads(self, cores: str):
         """Moves this process's Python threads other than the main one (the rollout client,
@@ -602,6 +641,46 @@ class Session:
             ("staleness (steps)", [("batch max", *by_wall("staleness/batch_max")),
                                    ("batch mean", *by_wall("staleness/batch_mean"))]),
         ], title=f"{self.c.env.name}, mode {self.settings.mode}", xlabel="wall time (s)")
+
+
+class _Prefetcher:
+    """Runs ``fetch()`` in a background thread, one call per :meth:`request`; :meth:`get` returns
+    the results in order (raising what a call raised). ``inline``: each :meth:`get` calls
+    ``fetch`` itself instead (no overlap)."""
+
+    def __init__(self, fetch: Callable[[], Any], inline: bool = False):
+        self._fetch, self._inline = fetch, inline
+        self._requests: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name="batch-prefetch",
+                                            daemon=True)
+            self._thread.start()
+
+    def request(self):
+        if not self._inline:
+            self._requests.put(True)
+
+    def get(self) -> Any:
+        if self._inline:
+            return self._fetch()
+        ok, value = self._results.get()
+        if not ok:
+            raise value
+        return value
+
+    def _run(self):
+        while self._requests.get() is not None:
+            try:
+                self._results.put((True, self._fetch()))
+            except BaseException as e:  # handed to the trainer's thread by get()
+                self._results.put((False, e))
+
+    def close(self):
+        """Stops after the call in progress (the caller closes what it waits on)."""
+        if self._thread is not None:
+            self._requests.put(None)
 
 
 class _Window:

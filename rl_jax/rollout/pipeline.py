@@ -14,8 +14,9 @@ version. The orchestrator reports versions with :meth:`RolloutIterator.set_train
 generator runs a version).
 
 Checkpointing: ``get_state()`` records the next prompt position and the positions admitted but
-not yet consumed; ``set_state()`` re-issues those first, so after a crash no prompt is lost and
-none is trained twice except those in flight at the crash (generated again).
+not yet trained (in flight, completed, or handed out in a batch whose optimizer step has not been
+reported with ``set_trainer_version``); ``set_state()`` re-issues those first, so after a crash no
+prompt is lost and none is trained twice except those in flight at the crash (generated again).
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ class RolloutIterator(grain.DatasetIterator):
             generator_version=state.get("generator_version"))
         self._next_position = int(state.get("next_position", 0))
         self._reissue = collections.deque(int(p) for p in state.get("pending", []))
+        # Keys of the batches next() handed out whose optimizer step has not finished (the one
+        # training, a prefetched one), oldest first: a state taken now re-issues them.
+        self._untrained: collections.deque[list] = collections.deque()
         if state.get("solve_rates") is not None and getattr(self, "solve_rates", None):
             self.solve_rates.load_state_dict(state["solve_rates"])
 
@@ -166,8 +170,12 @@ class RolloutIterator(grain.DatasetIterator):
     # ---- control from the trainer side ------------------------------------------------------
 
     def set_trainer_version(self, version: int):
+        """The trainer finished the optimizer step of the oldest batch ``next()`` handed out
+        (call once per batch, also for a skipped step) and is now at ``version``."""
         with self._lock:
             self.gate.advance(version)
+            if self._untrained:
+                self._untrained.popleft()
         self._poke()
 
     def set_generator_version(self, version: int):
@@ -181,11 +189,13 @@ class RolloutIterator(grain.DatasetIterator):
             return self.gate.in_flight
 
     def staleness(self, groups: list[Group]) -> list[int]:
-        """Per-sample staleness of ``groups`` if consumed now (trainer version − the sample's
-        oldest token version)."""
+        """Per-sample staleness of ``groups``: the version that consumes them (the one their
+        batch was handed out for; the current one for groups not handed out) − the sample's
+        oldest token version."""
         with self._lock:
             version = self.gate.trainer_version
-        return [version - s.min_version for g in groups for s in g.samples]
+        return [(version if g.consumed_by is None else g.consumed_by) - s.min_version
+                for g in groups for s in g.samples]
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -196,6 +206,8 @@ class RolloutIterator(grain.DatasetIterator):
         if self._closed:
             return
         self._closed = True
+        with self._lock:  # a next() waiting for a batch returns
+            self._lock.notify_all()
         self._poke()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -208,9 +220,15 @@ class RolloutIterator(grain.DatasetIterator):
             while True:
                 if self._error is not None:
                     raise RuntimeError("rollout loop failed") from self._error
+                if self._closed:
+                    raise StopIteration
+                version = self.gate.consumer_version
                 keys = self.gate.next_batch()
                 if keys is not None:
                     groups = [self._groups.pop(k) for k in keys]
+                    for g in groups:
+                        g.consumed_by = version
+                    self._untrained.append(keys)
                     break
                 if self._exhausted and not self._reissue and self.gate.unconsumed < \
                         self.config.groups_per_batch and self.gate.in_flight == 0:
@@ -221,7 +239,9 @@ class RolloutIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:
         with self._lock:
-            pending = list(self._reissue) + [int(k) for k in self.gate.pending_keys()]
+            untrained = [int(k) for keys in self._untrained for k in keys]
+            pending = untrained + list(self._reissue) + \
+                [int(k) for k in self.gate.pending_keys()]
             return {"next_position": self._next_position, "pending": pending,
                     "trainer_version": self.gate.trainer_version,
                     "generator_version": self.gate.generator_version,

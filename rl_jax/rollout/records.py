@@ -50,11 +50,13 @@ class Sample:
 
 @dataclasses.dataclass
 class Group:
-    """The samples of one prompt (``position`` in the prompt stream identifies it)."""
+    """The samples of one prompt (``position`` in the prompt stream identifies it).
+    ``consumed_by``: the trainer version whose batch it was handed out in (None before)."""
 
     position: int
     samples: list[Sample]
     prompt: Any = None
+    consumed_by: int | None = None
 
     @property
     def min_version(self) -> int:

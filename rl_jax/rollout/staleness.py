@@ -5,6 +5,10 @@ Definitions. The trainer at version ``v`` (``v`` optimizer updates applied) cons
 batch of ``groups_per_batch`` groups, then becomes ``v + 1``. A group's staleness at consumption
 is ``v − min(token versions of its samples)``; it must be ``<= max_lag``.
 
+The trainer may take the batch of version ``v + 1`` while the one of ``v`` still trains
+(prefetching): every batch handed out and not yet trained counts, so the ``k``-th such batch is
+the one version ``v + k`` consumes, and staleness and admission are reckoned against it.
+
 ``policy="prevent"`` (default) guarantees this without generating anything in vain. A group
 admitted while every generator runs weights of version ``>= g`` (a lower bound the orchestrator
 reports through :meth:`set_generator_version`) has all token versions ``>= g``, so it is safe if
@@ -81,14 +85,20 @@ class StalenessGate:
         self.generator_version = trainer_version if generator_version is None \
             else generator_version
         self._groups: dict[Any, _Group] = {}
-        # A batch for trainer_version was handed out and is training: its version is taken.
-        self._training = False
+        # Batches handed out whose optimizer step has not finished (training, or prefetched):
+        # the next batch is consumed by version trainer_version + _pending.
+        self._pending = 0
         self._order = itertools.count()
         self._completed_order = itertools.count()
         self.counts = collections.Counter()
         self.staleness_histogram: collections.Counter = collections.Counter()
 
     # ---- versions ---------------------------------------------------------------------------
+
+    @property
+    def consumer_version(self) -> int:
+        """The trainer version that will consume the next batch handed out."""
+        return self.trainer_version + self._pending
 
     def set_generator_version(self, version: int):
         """A version every generator has reached (it only moves forward)."""
@@ -111,10 +121,9 @@ class StalenessGate:
             cfg.max_in_flight_groups - self.unconsumed
         if cfg.policy == "prevent":
             deadline = self.generator_version + cfg.max_lag
-            # Versions still free to consume a new group: the current one, unless its batch
-            # is already training, up to the deadline.
-            next_free = self.trainer_version + (1 if self._training else 0)
-            batches = deadline - next_free + 1
+            # Versions still free to consume a new group: from the one that takes the next
+            # batch (past those already handed out) up to the deadline.
+            batches = deadline - self.consumer_version + 1
             prevent_room = batches * cfg.groups_per_batch - self.unconsumed
             room = prevent_room if room is None else min(room, prevent_room)
         return max(room, 0) if room is not None else 1 << 30
@@ -146,11 +155,12 @@ class StalenessGate:
     # ---- batches ------------------------------------------------------------------------------
 
     def next_batch(self) -> list[Any] | None:
-        """Keys of the groups forming the batch for the current trainer version, or None when
+        """Keys of the groups forming the batch for :attr:`consumer_version` (the current trainer
+        version, plus one for each batch already handed out and not yet trained), or None when
         one cannot be formed yet (wait for generation). The groups are marked consumed; call
-        :meth:`advance` once the trainer has applied the update."""
+        :meth:`advance` once the trainer has finished the step of each batch."""
         cfg = self.config
-        v = self.trainer_version
+        v = self.consumer_version
         while True:
             # Groups already too stale are never returned (drop policy: expected; prevent policy:
             # only if a generator reported a version below the bound it promised).
@@ -174,7 +184,7 @@ class StalenessGate:
             del self._groups[g.key]
             self.staleness_histogram[v - g.min_version] += 1
         self.counts["consumed"] += len(chosen)
-        self._training = True
+        self._pending += 1
         return [g.key for g in chosen]
 
     def _prevent_choice(self) -> list[_Group] | None:
@@ -192,9 +202,10 @@ class StalenessGate:
         return chosen
 
     def advance(self, version: int | None = None):
-        """The trainer applied its update: it is now at ``version`` (default: +1)."""
+        """The trainer finished the step of the oldest batch handed out: it is now at
+        ``version`` (default: +1; the same version if the step was skipped)."""
         self.trainer_version = self.trainer_version + 1 if version is None else int(version)
-        self._training = False
+        self._pending = max(self._pending - 1, 0)
 
     # ---- checkpointing ------------------------------------------------------------------------
 

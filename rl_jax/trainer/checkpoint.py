@@ -50,6 +50,10 @@ class Checkpointer:
             state=ocp.args.StandardSave(_state_dict(state)),
             metadata=ocp.args.JsonSave(metadata or {})), force=force)
 
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` (without ``force``) writes a checkpoint for ``step``."""
+        return self._manager.should_save(step)
+
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
