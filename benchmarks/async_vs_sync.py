@@ -4,7 +4,9 @@ Runs the RL recipe (``configs/tiny_rl.py`` by default) once per mode, each a rea
 process pinned to one core, generator server pinned to the other), with per-prompt lognormal
 completion lengths generated with ``ignore_eos`` (p99/p50 >= 8), and reports side by side:
 trained tokens/s (and the ratio to sync), wall time to a target held-out accuracy, each pool's
-idle fraction, and the staleness distribution. Writes ``results/async_vs_sync.json`` and
+idle fraction, and the staleness distribution. A run named ``MODE/KEY=VALUE`` is that mode with
+one more config override, measured beside the others (by default ``async`` without batch
+prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
 ``results/async_vs_sync.png``.
 
 It also prints what bounds the overlapped modes: the most any overlap can gain over the sync run
@@ -35,7 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 _STEPS = flags.DEFINE_integer("steps", 40, "Optimizer steps per mode.")
-_MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async"], "Modes to run.")
+_MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async",
+                                     "async/trainer.prefetch=False"],
+                           "Runs: a mode, or MODE/KEY=VALUE for that mode with one more config "
+                           "override (a variant measured beside the others).")
 _BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the recipe's base "
                             "policy, trained once into the work directory.")
 _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sync"),
@@ -113,9 +118,11 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
     return curve
 
 
-def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
-    """One RL run in ``mode``; returns its summary and per-step records."""
-    out = workdir / mode
+def run_mode(label: str, base: Path, workdir: Path, steps: int) -> dict:
+    """One RL run, ``label`` being a mode or ``MODE/KEY=VALUE`` (that mode with the override
+    ``--config.KEY=VALUE``); returns its summary and per-step records."""
+    mode, _, variant = label.partition("/")
+    out = workdir / label.replace("/", "_")
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     groups, group_size = batch_shape()
@@ -132,16 +139,17 @@ def run_mode(mode: str, base: Path, workdir: Path, steps: int) -> dict:
            f"--config.generator.max_slots={_SLOTS}", "--config.eval.examples=128",
            f"--config.trainer.micro_batch_rows={micro_rows()}",
            f"--config.eval.every={max(steps // 4, 1)}", "--config.checkpoint.every=1000000",
-           *[f"--config.{o}" for o in _EXTRA.value]]
+           *[f"--config.{o}" for o in _EXTRA.value],
+           *([f"--config.{variant}"] if variant else [])]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    print(f"[{mode}] {' '.join(cmd[2:])}", flush=True)
+    print(f"[{label}] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"{mode} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{label} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
-    print(f"[{mode}] done in {time.perf_counter() - start:.0f} s: "
+    print(f"[{label}] done in {time.perf_counter() - start:.0f} s: "
           f"{summary['trained_tokens_per_s']:.0f} trained tokens/s", flush=True)
     return {"summary": summary, "records": records}
 
@@ -211,26 +219,27 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
           f"{group_overhead * 1e3:.1f} ms per group outside the engine, start-up "
           f"{startup:.2f} s")
     predictions = {}
-    print(f"\n{'mode':<13}{'measured tok/s':>15}{'predicted':>11}{'error':>8}"
+    print(f"\n{'mode':<30}{'measured tok/s':>15}{'predicted':>11}{'error':>8}"
           f"{'stale max meas/pred':>21}")
     for mode, run in runs.items():
         s = run["summary"]
         p = predict_run(decode_latency=curve, trainer_tokens_per_s=trainer_rate,
                         response_lengths=response, prompt_len=7, group_size=batch_shape()[1],
-                        groups_per_batch=batch_shape()[0], max_lag=s["max_lag"], mode=mode,
+                        groups_per_batch=batch_shape()[0], max_lag=s["max_lag"],
+                        mode=s["mode"],
                         num_servers=1, slots_per_server=_SLOTS, num_steps=steps,
                         weight_transfer_s=float(np.median(transfer)) if transfer else 0.0,
                         trainer_step_overhead_s=serial + (
                             # the rollout client runs in the trainer's process, on its core:
                             # overlapped with training, its work per batch slows each step
-                            client_cpu if mode != "sync" else 0.0),
+                            client_cpu if s["mode"] != "sync" else 0.0),
                         group_overhead_s=group_overhead, startup_s=startup,
                         ordered_lengths=True, shared_group_length=True)
         error = p.tokens_per_s / s["trained_tokens_per_s"] - 1
         predictions[mode] = {**p.to_dict(), "measured_tokens_per_s": s["trained_tokens_per_s"],
                              "relative_error": error,
                              "measured_staleness_max": s["staleness/max"]}
-        print(f"{mode:<13}{s['trained_tokens_per_s']:>15.0f}{p.tokens_per_s:>11.0f}"
+        print(f"{mode:<30}{s['trained_tokens_per_s']:>15.0f}{p.tokens_per_s:>11.0f}"
               f"{error:>+8.0%}{s['staleness/max']:>12.0f} / {p.staleness_max}")
     return {"decode_curve": {str(k): v for k, v in curve.items()},
             "trainer_tokens_per_s": trainer_rate, "modes": predictions}
@@ -279,11 +288,11 @@ def main(argv):
         })
     print(f"\ntarget held-out accuracy {target:.3f}; lengths p99/p50 "
           f"{lengths['p99_over_p50']:.1f}")
-    print(f"{'mode':<13}{'tok/s':>8}{'vs sync':>9}{'t->target':>11}{'trainer idle':>14}"
+    print(f"{'mode':<30}{'tok/s':>8}{'vs sync':>9}{'t->target':>11}{'trainer idle':>14}"
           f"{'gen idle':>10}{'stale max':>11}{'stale mean':>12}{'acc':>14}")
     for r in rows:
         ttt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
-        print(f"{r['mode']:<13}{r['trained_tokens_per_s']:>8.0f}"
+        print(f"{r['mode']:<30}{r['trained_tokens_per_s']:>8.0f}"
               f"{(r['vs_sync'] or math.nan):>9.2f}{ttt:>11}{r['trainer_idle_fraction']:>14.2f}"
               f"{(r['generator_idle_fraction'] or math.nan):>10.2f}{r['staleness_max']:>11.0f}"
               f"{r['staleness_mean']:>12.2f}"
@@ -343,8 +352,11 @@ def plot(runs: dict, rows: list[dict], path: Path):
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
-    ax.bar([r["mode"] for r in rows], [r["trained_tokens_per_s"] for r in rows],
-           color=["tab:gray", "tab:blue", "tab:green"][:len(rows)])
+    colors = {"sync": "tab:gray", "one_step_off": "tab:blue", "async": "tab:green"}
+    ax.bar([r["mode"].replace("/", "\n") for r in rows],
+           [r["trained_tokens_per_s"] for r in rows],
+           color=[colors.get(r["mode"], "tab:olive") for r in rows])
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("trained tokens/s")
     ax.set_title("throughput (same cores)")
     ax = axes[1]
