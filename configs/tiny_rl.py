@@ -1,7 +1,7 @@
 """Tiny asynchronous RL recipe (CPU default): a partly trained addition model of
 ``configs/tiny_lm.py`` (2-digit operands) improves its held-out greedy accuracy with GRPO, trainer
 and generator server in separate processes on separate cores, weights streamed to the server in
-flight after every step. About four minutes on 2 CPU cores.
+flight after every step. About three minutes on 2 CPU cores.
 
     python -m launch.train --config=configs/tiny_rl.py --workdir=runs/tiny_rl
 
