@@ -151,6 +151,39 @@ def test_sync_resume_after_kill_repeats_the_losses(base_policy, tmp_path):
     assert summary["steps"] == 4
 
 
+def test_time_limit_stop_and_resume_train_every_prompt_once(base_policy, tmp_path):
+    """Async mode stopped by its time limit mid-run, when the next batch has usually been taken
+    ahead (prefetched) already: the checkpoint keeps every admitted prompt that was not
+    trained, and the resumed run trains each of them, none twice. (With max_lag 2, every group
+    is trained within 3 steps of its admission, so 3 steps after the resume cover them all.)"""
+    workdir = tmp_path / "stopped"
+    flags = ("--config.trainer.steps=40", "--config.rollout.max_lag=2",
+             "--config.checkpoint.use_async=False")
+    result = launch(workdir, *flags, "--config.trainer.time_limit_s=1.0", base=base_policy)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = train_records(workdir)
+    assert 1 <= len(first) <= 37, sorted(first)
+    latest = max(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
+    assert latest == len(first)
+    meta = json.loads((workdir / "checkpoints" / str(latest) / "metadata" / "metadata")
+                      .read_text())
+    pending = meta["rollout"]["pending"]
+    assert pending and len(pending) == len(set(pending))
+    trained_first = {p for r in first.values() for p in r["rollout/prompts"]}
+    assert not trained_first & set(pending)
+
+    result = launch(workdir, *flags, base=base_policy)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = train_records(workdir)
+    assert sorted(steps) == list(range(1, 41))
+    later = [p for step in range(latest + 1, 41) for p in steps[step]["rollout/prompts"]]
+    assert len(later) == len(set(later)) and not trained_first & set(later)
+    assert set(pending) <= set(later), sorted(set(pending) - set(later))
+    # Every prompt admitted before the stop (positions below next_position) was trained.
+    admitted = set(range(meta["rollout"]["next_position"]))
+    assert admitted <= trained_first | set(later), sorted(admitted - trained_first - set(later))
+
+
 def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     """Killing the only generator server mid-run: it is restarted, pulls the current weights,
     and the run finishes every step without losing a prompt."""

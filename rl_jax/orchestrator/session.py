@@ -467,6 +467,8 @@ class Session:
                     "reward/std": host["metrics"]["reward/std"],
                     "rollout/accuracy": float(correct),
                     "groups/zero_signal": host["metrics"]["groups/zero_signal"],
+                    # Which prompts (stream positions) the step trained on.
+                    "rollout/prompts": [int(x) for x in host["metrics"]["positions"]],
                     "staleness/batch_max": float(max(staleness)),
                     "staleness/batch_mean": float(np.mean(staleness)),
                     "learning_rate": float(self.schedule(version)),
