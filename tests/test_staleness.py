@@ -123,7 +123,9 @@ def test_a_prefetched_batch_is_reckoned_against_the_version_that_trains_it():
     assert gate.next_batch() == ["a"] and gate.consumer_version == 1
     assert gate.next_batch() == ["b"] and gate.consumer_version == 2  # prefetched
     assert dict(gate.staleness_histogram) == {0: 1, 1: 1}
+    assert gate.untrained_keys() == ["a", "b"]
     gate.advance()  # "a" trained; "b" is training at version 1
+    assert gate.untrained_keys() == ["b"]
     assert gate.capacity() == 0  # the generators' version-0 groups would expire at 1
     gate.set_generator_version(1)
     assert gate.capacity() == 1

@@ -6,12 +6,12 @@ import collections
 import dataclasses
 import functools
 import logging
-import queue
 import math
+import queue
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -386,7 +386,7 @@ class Session:
                                       self.meta.get("totals", {}).items()})
         clock = _Clock()
         pending_eval: tuple[int, Any] | None = None
-        self._last_eval: EvalResult | None = None
+        last_eval: EvalResult | None = None
         start_iter = int(self.state.step) + int(self.state.skipped)
         bar = tqdm(total=c.trainer.steps, initial=start_iter, desc=f"rl {self.settings.mode}",
                    unit="step", dynamic_ncols=True, disable=not self.primary)
@@ -448,12 +448,11 @@ class Session:
                 totals["samples"] += len(host["rewards"])
                 meta["rollout"] = self.rollout.get_state()
                 if pending_eval is not None and pending_eval[1].done():
-                    self._last_eval = pending_eval[1].result()
+                    last_eval = pending_eval[1].result()
                     pending_eval = None
-                    writer.write(done, wall_s=wall_offset + clock.elapsed,
-                                 **self._last_eval.metrics())
+                    writer.write(done, wall_s=wall_offset + clock.elapsed, **last_eval.metrics())
                     if tb is not None:
-                        _tb_scalars(tb, self._last_eval.metrics(), done)
+                        _tb_scalars(tb, last_eval.metrics(), done)
                 if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
                         pending_eval is None and self.eval_prompts:
                     pending_eval = (done,
@@ -483,7 +482,7 @@ class Session:
                     record.update(self.weights.metrics())
                     record["generator/restarts"] = float(sum(self.pool.restarts.values()))
                 log_step = functools.partial(self._log_step, writer, tb, bar, done, record,
-                                             staleness)
+                                             staleness, last_eval)
             else:
                 bar.update(1)
             final = done == c.trainer.steps
@@ -504,14 +503,14 @@ class Session:
         host = self.to_batch(groups)
         return groups, host, self.rollout.staleness(groups), time.perf_counter() - start
 
-    def _log_step(self, writer: MetricsWriter, tb, bar, done: int, record: dict[str, Any],
-                  staleness: list[int]):
+    @staticmethod
+    def _log_step(writer: MetricsWriter, tb, bar, done: int, record: dict[str, Any],
+                  staleness: list[int], last_eval: EvalResult | None):
         """A step's record to the JSONL log, TensorBoard and the progress bar."""
         writer.write(done, **record)
         if tb is not None:
             _tb_scalars(tb, record, done)
             tb.add_histogram("staleness", np.asarray(staleness), done)
-        last_eval = self._last_eval
         bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
                         acc=f"{record['rollout/accuracy']:.2f}",
                         **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),

@@ -153,9 +153,6 @@ class RolloutIterator(grain.DatasetIterator):
             generator_version=state.get("generator_version"))
         self._next_position = int(state.get("next_position", 0))
         self._reissue = collections.deque(int(p) for p in state.get("pending", []))
-        # Keys of the batches next() handed out whose optimizer step has not finished (the one
-        # training, a prefetched one), oldest first: a state taken now re-issues them.
-        self._untrained: collections.deque[list] = collections.deque()
         if state.get("solve_rates") is not None and getattr(self, "solve_rates", None):
             self.solve_rates.load_state_dict(state["solve_rates"])
 
@@ -174,8 +171,6 @@ class RolloutIterator(grain.DatasetIterator):
         (call once per batch, also for a skipped step) and is now at ``version``."""
         with self._lock:
             self.gate.advance(version)
-            if self._untrained:
-                self._untrained.popleft()
         self._poke()
 
     def set_generator_version(self, version: int):
@@ -228,7 +223,6 @@ class RolloutIterator(grain.DatasetIterator):
                     groups = [self._groups.pop(k) for k in keys]
                     for g in groups:
                         g.consumed_by = version
-                    self._untrained.append(keys)
                     break
                 if self._exhausted and not self._reissue and self.gate.unconsumed < \
                         self.config.groups_per_batch and self.gate.in_flight == 0:
@@ -239,8 +233,8 @@ class RolloutIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:
         with self._lock:
-            untrained = [int(k) for keys in self._untrained for k in keys]
-            pending = untrained + list(self._reissue) + \
+            # Batches handed out but not trained yet (a prefetched one) are re-issued first.
+            pending = [int(k) for k in self.gate.untrained_keys()] + list(self._reissue) + \
                 [int(k) for k in self.gate.pending_keys()]
             return {"next_position": self._next_position, "pending": pending,
                     "trainer_version": self.gate.trainer_version,

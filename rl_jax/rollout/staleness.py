@@ -85,9 +85,9 @@ class StalenessGate:
         self.generator_version = trainer_version if generator_version is None \
             else generator_version
         self._groups: dict[Any, _Group] = {}
-        # Batches handed out whose optimizer step has not finished (training, or prefetched):
-        # the next batch is consumed by version trainer_version + _pending.
-        self._pending = 0
+        # Keys of the batches handed out whose optimizer step has not finished (training, or
+        # prefetched), oldest first: the next batch is consumed by trainer_version + their count.
+        self._untrained: collections.deque[list] = collections.deque()
         self._order = itertools.count()
         self._completed_order = itertools.count()
         self.counts = collections.Counter()
@@ -98,7 +98,7 @@ class StalenessGate:
     @property
     def consumer_version(self) -> int:
         """The trainer version that will consume the next batch handed out."""
-        return self.trainer_version + self._pending
+        return self.trainer_version + len(self._untrained)
 
     def set_generator_version(self, version: int):
         """A version every generator has reached (it only moves forward)."""
@@ -184,8 +184,9 @@ class StalenessGate:
             del self._groups[g.key]
             self.staleness_histogram[v - g.min_version] += 1
         self.counts["consumed"] += len(chosen)
-        self._pending += 1
-        return [g.key for g in chosen]
+        keys = [g.key for g in chosen]
+        self._untrained.append(keys)
+        return keys
 
     def _prevent_choice(self) -> list[_Group] | None:
         need = self.config.groups_per_batch
@@ -205,9 +206,14 @@ class StalenessGate:
         """The trainer finished the step of the oldest batch handed out: it is now at
         ``version`` (default: +1; the same version if the step was skipped)."""
         self.trainer_version = self.trainer_version + 1 if version is None else int(version)
-        self._pending = max(self._pending - 1, 0)
+        if self._untrained:
+            self._untrained.popleft()
 
     # ---- checkpointing ------------------------------------------------------------------------
+
+    def untrained_keys(self) -> list[Any]:
+        """Handed out in a batch whose step has not finished, oldest batch first."""
+        return [k for keys in self._untrained for k in keys]
 
     def pending_keys(self) -> list[Any]:
         """Admitted, not consumed (in flight or completed), in admission order."""
