@@ -1,8 +1,9 @@
 r"""Async vs one-step-off vs sync RL on the same cores, with long-tailed completion lengths.
 
 Runs the RL recipe (``configs/tiny_rl.py`` by default) once per mode, each a real run (trainer
-process pinned to one core, generator server pinned to the other), with per-prompt lognormal
-completion lengths generated with ``ignore_eos`` (p99/p50 >= 8), and reports side by side:
+process pinned to one core, generator server pinned to the other), with lognormal completion
+lengths generated with ``ignore_eos`` (p99/p50 >= 8; one per sample, as samples of one prompt
+differ in length, or with ``--noper_sample_lengths`` one per prompt), and reports side by side:
 trained tokens/s (and the ratio to sync), wall time to a target held-out accuracy, each pool's
 idle fraction, and the staleness distribution. A run named ``MODE/KEY=VALUE`` is that mode with
 one more config override, measured beside the others (by default ``async`` without batch
@@ -36,7 +37,7 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-_STEPS = flags.DEFINE_integer("steps", 40, "Optimizer steps per mode.")
+_STEPS = flags.DEFINE_integer("steps", 100, "Optimizer steps per mode.")
 _MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async",
                                      "async/trainer.prefetch=False"],
                            "Runs: a mode, or MODE/KEY=VALUE for that mode with one more config "
@@ -52,6 +53,9 @@ _MEDIAN = flags.DEFINE_float("median", 16.0, "Median completion tokens.")
 _SIGMA = flags.DEFINE_float("sigma", 1.5, "Sigma of log completion length (p99/p50 = "
                             "exp(2.326 sigma)).")
 _MAX_LEN = flags.DEFINE_integer("max_len", 256, "Longest completion (tokens).")
+_PER_SAMPLE = flags.DEFINE_bool("per_sample_lengths", True, "One length per completion (each "
+                                "sample of a group its own); false: one per prompt, shared by "
+                                "its group.")
 _QUICK = flags.DEFINE_bool("quick", False, "Few steps, small batches (a smoke run).")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More --config.x=y overrides for every run.")
 _MEASURE = flags.DEFINE_string("measure_decode", "", "Internal: print the decode-step latency "
@@ -135,6 +139,7 @@ def run_mode(label: str, base: Path, workdir: Path, steps: int) -> dict:
            f"--config.rollout.lengths.median={_MEDIAN.value}",
            f"--config.rollout.lengths.sigma={_SIGMA.value}",
            f"--config.rollout.lengths.max={_MAX_LEN.value}",
+           f"--config.rollout.lengths.per_sample={_PER_SAMPLE.value}",
            f"--config.rollout.seq_len={seq_len()}", f"--config.generator.max_seq_len={seq_len()}",
            f"--config.generator.max_slots={_SLOTS}", "--config.eval.examples=128",
            f"--config.trainer.micro_batch_rows={micro_rows()}",
@@ -162,9 +167,17 @@ def time_to(records: list[dict], target: float) -> float | None:
     return None
 
 
-def measured_lengths(median: float, sigma: float, cap: int, n: int = 20000) -> dict:
+def response_lengths(prompts: int) -> list[int]:
+    """The completion lengths the runs are given, in stream order: per prompt position, one per
+    sample (or one for the whole group)."""
     from rl_jax.rollout.pipeline import LognormalLengths
-    lengths = np.array([LognormalLengths(median, sigma, cap)(i) for i in range(n)])
+    length_of = LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
+    samples = batch_shape()[1] if _PER_SAMPLE.value else 1
+    return [length_of(p, i) for p in range(prompts) for i in range(samples)]
+
+
+def measured_lengths(n: int = 20000) -> dict:
+    lengths = np.array(response_lengths(-(-n // (batch_shape()[1] if _PER_SAMPLE.value else 1))))
     p50, p99 = np.percentile(lengths, [50, 99])
     return {"p50": float(p50), "p99": float(p99), "p99_over_p50": float(p99 / p50),
             "mean": float(lengths.mean())}
@@ -173,7 +186,6 @@ def measured_lengths(median: float, sigma: float, cap: int, n: int = 20000) -> d
 def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
     """The systems model's prediction of each run from this machine's measured curves, printed
     beside what was measured."""
-    from rl_jax.rollout.pipeline import LognormalLengths
     from rl_jax.sysmodel import predict_run
     cores = ["taskset", "-c", "1"] if (os.cpu_count() or 1) > 1 else []
     out = subprocess.run([*cores, sys.executable, __file__, f"--measure_decode={base}"],
@@ -185,10 +197,9 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
     curve = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
     print("decode step latency (s) by batch: " +
           ", ".join(f"{b}: {t * 1e3:.2f} ms" for b, t in sorted(curve.items())))
-    # The completion lengths the runs were given: one per prompt, by stream position, replayed
-    # in that order (enough positions for every batch and the groups admitted ahead of it).
-    length_of = LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
-    response = [length_of(i) for i in range((steps + _MAX_LAG.value + 2) * batch_shape()[0])]
+    # The completion lengths the runs were given, replayed in stream order (enough positions for
+    # every batch and the groups admitted ahead of it).
+    response = response_lengths((steps + _MAX_LAG.value + 2) * batch_shape()[0])
     reference = runs.get("sync") or next(iter(runs.values()))
     # Trained tokens over seconds in train steps, past the first two steps (compilation).
     timed = [r for r in reference["records"] if "trainer/step_s" in r][2:]
@@ -234,7 +245,7 @@ def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
                             # overlapped with training, its work per batch slows each step
                             client_cpu if s["mode"] != "sync" else 0.0),
                         group_overhead_s=group_overhead, startup_s=startup,
-                        ordered_lengths=True, shared_group_length=True)
+                        ordered_lengths=True, shared_group_length=not _PER_SAMPLE.value)
         error = p.tokens_per_s / s["trained_tokens_per_s"] - 1
         predictions[mode] = {**p.to_dict(), "measured_tokens_per_s": s["trained_tokens_per_s"],
                              "relative_error": error,
@@ -260,7 +271,7 @@ def main(argv):
         sys.path.insert(0, str(ROOT))
         from configs.tiny_rl import get_config
         base = ensure_base_checkpoint(get_config(), workdir)
-    lengths = measured_lengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
+    lengths = measured_lengths()
     print(f"completion lengths: p50 {lengths['p50']:.0f}, p99 {lengths['p99']:.0f} "
           f"(p99/p50 {lengths['p99_over_p50']:.1f}), mean {lengths['mean']:.1f} tokens")
     runs = {mode: run_mode(mode, base, workdir, steps) for mode in _MODES.value}
@@ -327,7 +338,7 @@ def main(argv):
               f"{runs['async']['summary']['staleness/max']:.0f} <= max_lag {_MAX_LAG.value}")
     result = {"benchmark": "async_vs_sync", "steps": steps, "quick": _QUICK.value,
               "lengths": {"median": _MEDIAN.value, "sigma": _SIGMA.value,
-                          "max": _MAX_LEN.value, **lengths},
+                          "max": _MAX_LEN.value, "per_sample": _PER_SAMPLE.value, **lengths},
               "target_accuracy": target, "overrides": list(_EXTRA.value),
               "micro_batch_rows": micro_rows(),
               "batch": {"groups_per_batch": batch_shape()[0], "group_size": batch_shape()[1]},

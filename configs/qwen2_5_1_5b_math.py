@@ -43,7 +43,8 @@ def get_config() -> ConfigDict:
         group_size=8, groups_per_batch=64, max_lag=4, staleness_policy="prevent",
         temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3072, ignore_eos=False,
         advantage="grpo", filter_zero_signal=True, seq_len=4096, rows_per_batch=0,
-        max_retries=3, lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64)),
+        max_retries=3,
+        lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64, per_sample=False)),
     ))
     c.loss = ConfigDict(dict(name="reinforce_tis", options=ConfigDict(dict(truncation=5.0))))
     c.trainer = ConfigDict(dict(steps=1000, time_limit_s=0.0, num_microbatches=16,

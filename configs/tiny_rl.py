@@ -53,9 +53,9 @@ def get_config() -> ConfigDict:
         seq_len=128,  # tokens per packed training row
         rows_per_batch=0,  # 0: as many rows as each batch needs (a few bucketed sizes)
         max_retries=3,
-        # Benchmarks: per-prompt lognormal completion lengths, generated with ignore_eos
-        # (median tokens, sigma of the log, cap); sigma 0 = off.
-        lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64)),
+        # Benchmarks: lognormal completion lengths, generated with ignore_eos (median tokens,
+        # sigma of the log, cap; one length per sample, or per prompt); sigma 0 = off.
+        lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64, per_sample=False)),
     ))
     c.loss = ConfigDict(dict(name="grpo", options=ConfigDict(dict())))
     c.trainer = ConfigDict(dict(

@@ -97,6 +97,27 @@ def test_outputs_carry_logprobs_versions_and_n_samples(pool):
     run(main())
 
 
+def test_a_batch_goes_to_one_server_in_one_exchange(pool):
+    async def main():
+        async with GeneratorClient(pool.urls) as client:
+            requests = [req((1, 5, 7), max_new_tokens=3 + i, seed=10 + i, n=1 + i % 2)
+                        for i in range(4)]
+            before = sum(served(client))
+            outs = await client.generate_batch(requests)
+            assert sum(served(client)) == before + 1  # one exchange, one server
+            assert [len(o) for o in outs] == [1, 2, 1, 2]
+            assert [[len(x.output_ids) for x in o] for o in outs] == [[3], [4, 4], [5], [6, 6]]
+            # The same completions as the prompts sent one by one.
+            alone = [await client.generate(r) for r in requests]
+            assert ([[x.output_ids for x in o] for o in outs] ==
+                    [[x.output_ids for x in o] for o in alone])
+            with pytest.raises(GeneratorError, match="duplicate request ids"):
+                await client.generate_batch([
+                    GenerateRequest([1, 2], SamplingParams(max_new_tokens=2), rid="same"),
+                    GenerateRequest([1, 3], SamplingParams(max_new_tokens=2), rid="same")])
+    run(main())
+
+
 def test_broadcast_operations_reach_every_server(pool, ckpts):
     def states(path, key):
         return [http(url, path)[1][key] for url in pool.urls]

@@ -242,3 +242,40 @@ def test_multi_turn_episodes_mask_environment_tokens(setup):
         assert s.versions[start] == s.versions[start - 1]
     batch = GroupsToBatch(seq_len=32, rows=2)(groups)
     assert batch["loss_mask"].sum() == sum(np.sum(s.loss_mask) for s in groups[0].samples)
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_forced_lengths_per_sample_or_per_prompt(setup, per_sample):
+    """Benchmark lengths: each completion gets the length drawn for its sample (or its
+    prompt's, shared by the group), and a seeded repeat samples the same tokens."""
+    import dataclasses
+
+    from rl_jax.rollout.pipeline import LognormalLengths
+    spec, weights, engine = setup
+    env = ArithmeticEnv(num_digits=2, reverse_answer=False)
+    length_of = LognormalLengths(median=6, sigma=1.0, max=20, seed=3)
+    config = dataclasses.replace(
+        CONFIG, length_of=length_of, per_sample_lengths=per_sample,
+        sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=11))
+
+    def first_batch():
+        it = iter(make_rollout(engine, config, env))
+        try:
+            return next(it)
+        finally:
+            it.close()
+
+    groups = first_batch()
+    for g in groups:
+        want = [length_of(g.position, i if per_sample else 0) for i in range(4)]
+        assert [len(s.completion_ids) for s in g.samples] == want
+        assert all(s.finish_reason == "length" for s in g.samples)
+        # Samples of one prompt are distinct draws, not copies of one sequence.
+        prefixes = {tuple(s.completion_ids[:3]) for s in g.samples}
+        assert len(prefixes) > 1
+    if per_sample:
+        assert len({len(s.completion_ids) for g in groups for s in g.samples}) > 3
+    first = {g.position: [s.completion_ids for s in g.samples] for g in groups}
+    again = {g.position: [s.completion_ids for s in g.samples] for g in first_batch()}
+    common = first.keys() & again.keys()  # a batch takes the groups that finish first
+    assert common and all(first[p] == again[p] for p in common)

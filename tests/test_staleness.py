@@ -157,6 +157,29 @@ def test_prevent_waits_for_an_expiring_group_and_prefers_completed_ones():
     assert gate.metrics()["staleness/max"] == 1
 
 
+def test_a_group_still_generating_holds_up_a_batch_only_when_its_deadline_comes():
+    """A long completion with time left does not stall the trainer: completed groups with later
+    deadlines go first, as long as a later batch can still take it by its deadline."""
+    gate = StalenessGate(GateConfig(max_lag=2, groups_per_batch=1))
+    assert gate.admit(0) and gate.admit(1)  # deadline 2
+    gate.complete(1, 0)
+    assert gate.next_batch() == [1]
+    gate.advance()
+    gate.set_generator_version(1)
+    assert gate.admit(2)  # deadline 3
+    gate.complete(2, 1)
+    # Group 0 (deadline 2) still generates; the batch of version 2 can take it: go on.
+    assert gate.next_batch() == [2]
+    gate.advance()
+    assert gate.admit(3)  # deadline 3
+    gate.complete(3, 1)
+    # Version 2 is group 0's last chance: wait for it, though group 3 is ready.
+    assert gate.next_batch() is None
+    gate.complete(0, 0)
+    assert gate.next_batch() == [0]
+    assert max(gate.staleness_histogram) == 2 and gate.counts["late"] == 0
+
+
 def test_drop_policy_discards_stale_groups_and_counts_them():
     gate = StalenessGate(GateConfig(max_lag=0, groups_per_batch=1, policy="drop",
                                     max_in_flight_groups=4))

@@ -31,6 +31,12 @@ class Generator(abc.ABC):
         """Completions of several prompts, submitted concurrently, in request order."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
+    async def generate_batch(self, requests: Sequence[GenerateRequest]
+                             ) -> list[list[GenerateOutput]]:
+        """Completions of several prompts submitted as one unit (over HTTP: one batch request
+        to one server, instead of one exchange per prompt), in request order."""
+        return await self.generate_many(requests)
+
     @abc.abstractmethod
     async def update_weights_from_disk(self, model_path: str | Path, version: int | None = None,
                                        *, abort_all_requests: bool = False,

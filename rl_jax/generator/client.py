@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +233,45 @@ class GeneratorClient(Generator):
         await self._ensure_started()
         if request.rid is None:
             request = dataclasses.replace(request, rid=uuid.uuid4().hex)
-        body = request_json(request)
+        return await self._post(request_json(request), [request.rid],
+                                lambda data: outputs_from_json(data, request))
+
+    async def generate_batch(self, requests: Sequence[GenerateRequest]
+                             ) -> list[list[GenerateOutput]]:
+        """Completions of several prompts in one SGLang batch request: one HTTP exchange with
+        one server (the least loaded; another one if it fails), whose answer lists each prompt's
+        ``n`` completions in turn. In request order."""
+        if len(requests) <= 1:
+            return [await self.generate(r) for r in requests]
+        await self._ensure_started()
+        requests = [r if r.rid is not None else dataclasses.replace(r, rid=uuid.uuid4().hex)
+                    for r in requests]
+        if len({r.rid for r in requests}) != len(requests):
+            raise GeneratorError(f"duplicate request ids in a batch: {[r.rid for r in requests]}")
+        bodies = [request_json(r) for r in requests]
+        body = {"input_ids": [b["input_ids"] for b in bodies],
+                "sampling_params": [b["sampling_params"] for b in bodies],
+                "rid": [r.rid for r in requests], "return_logprob": True}
+
+        def split(data: Any) -> list[list[GenerateOutput]]:
+            items = data if isinstance(data, list) else [data]
+            want = sum(r.sampling.n for r in requests)
+            if len(items) != want:
+                raise GeneratorError(f"expected {want} completions for a batch of "
+                                     f"{len(requests)} prompts, got {len(items)}")
+            out, i = [], 0
+            for r in requests:
+                out.append(outputs_from_json(items[i:i + r.sampling.n], r))
+                i += r.sampling.n
+            return out
+
+        return await self._post(body, [r.rid for r in requests], split)
+
+    async def _post(self, body: dict[str, Any], rids: list[str],
+                    parse: Callable[[Any], Any]) -> Any:
+        """POSTs ``body`` to ``/generate`` on the least-loaded healthy server, moving to another
+        one on a connection failure, a timeout, overload or a server error; returns
+        ``parse(answer)``."""
         tried: set[str] = set()
         problems: list[str] = []
         backoff = self.config.retry_backoff
@@ -257,8 +295,9 @@ class GeneratorClient(Generator):
                     server, "POST", "/generate", body, timeout=self.config.request_timeout)
             except asyncio.TimeoutError:
                 problems.append(f"{server.url}: timed out after {self.config.request_timeout} s")
-                # Free the rid there before a retry could land on the same server.
-                await self._abort_on(server, request.rid)
+                # Free the rids there before a retry could land on the same server.
+                for rid in rids:
+                    await self._abort_on(server, rid)
                 self._probe_soon(server)
                 continue
             except (aiohttp.ClientError, OSError) as e:
@@ -270,10 +309,11 @@ class GeneratorClient(Generator):
             if status == 200:
                 server.served += 1
                 server.failures = 0
-                outputs = outputs_from_json(data, request)
-                if outputs and outputs[0].output_versions:
-                    server.weight_version = max(outputs[0].output_versions)
-                return outputs
+                result = parse(data)
+                for outputs in (result if rids[1:] else [result]):
+                    if outputs and outputs[0].output_versions:
+                        server.weight_version = max(outputs[0].output_versions)
+                return result
             message = _message(data)
             if status == 503:
                 self.stats["overloaded"] += 1
@@ -286,8 +326,9 @@ class GeneratorClient(Generator):
                 continue
             raise GeneratorRequestError(message, status=status, url=server.url)
         self.stats["failed"] += 1
-        raise GeneratorUnavailable(f"request {request.rid} failed after "
-                                   f"{self.config.max_attempts} attempts: {'; '.join(problems)}")
+        what = f"request {rids[0]}" if len(rids) == 1 else f"batch {rids}"
+        raise GeneratorUnavailable(f"{what} failed after {self.config.max_attempts} attempts: "
+                                   f"{'; '.join(problems)}")
 
     async def _abort_on(self, server: ServerState, rid: str):
         try:

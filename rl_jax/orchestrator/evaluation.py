@@ -46,19 +46,23 @@ def held_out_prompts(env: Environment, count: int, max_draws: int = 100) -> list
 async def evaluate(generator: Generator, env: Environment, prompts: Sequence[Prompt], *,
                    encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                    max_new_tokens: int, tag: str = "eval",
-                   concurrency: int = 64) -> EvalResult:
-    """Greedy completions of ``prompts`` (``concurrency`` requests at a time), scored."""
+                   concurrency: int = 64, batch: int = 16) -> EvalResult:
+    """Greedy completions of ``prompts`` (at most ``concurrency`` at a time, sent ``batch`` to a
+    request: one HTTP exchange for several prompts), scored."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
-    limit = asyncio.Semaphore(concurrency)
+    size = max(1, min(batch, concurrency))
+    limit = asyncio.Semaphore(max(1, concurrency // size))
 
-    async def one(i: int, prompt: Prompt):
+    async def part(first: int) -> list:
         async with limit:
-            return (await generator.generate(GenerateRequest(
-                encode(prompt.text), sampling, rid=f"{tag}-{i}")))[0]
+            requests = [GenerateRequest(encode(p.text), sampling, rid=f"{tag}-{i}")
+                        for i, p in enumerate(prompts[first:first + size], first)]
+            return [outs[0] for outs in await generator.generate_batch(requests)]
 
-    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    parts = await asyncio.gather(*(part(i) for i in range(0, len(prompts), size)))
+    outputs = [o for p in parts for o in p]
     scores = await score_many(env, list(prompts), [decode(o.output_ids) for o in outputs])
     versions = [v for o in outputs for v in o.output_versions] or [-1]
     n = max(len(prompts), 1)

@@ -322,6 +322,7 @@ class Session:
                                filter_zero_signal=r.filter_zero_signal,
                                length_of=None if not r.lengths.sigma else LognormalLengths(
                                    r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed),
+                               per_sample_lengths=bool(r.lengths.per_sample),
                                score_until=eos_ids(self.model_config))
         version = int(self.state.step)
         state = dict(self.meta.get("rollout") or {})

@@ -69,9 +69,13 @@ class RolloutConfig:
     # Wait this long before re-sending a prompt no generator server could take (all down or
     # restarting); such waits do not count against max_retries.
     unavailable_backoff_s: float = 1.0
-    # Per-prompt completion length (benchmarks): position -> max_new_tokens, generated with
-    # ignore_eos so every sample of the prompt has exactly that length. None: sampling's own.
-    length_of: Callable[[int], int] | None = None
+    # Forced completion lengths (benchmarks): (position, sample index) -> max_new_tokens,
+    # generated with ignore_eos so that each completion has exactly that length. With
+    # `per_sample_lengths` every sample of a group gets its own length (one request per sample,
+    # each with its own seed); without, the group's samples share the length of sample 0 and
+    # one request with n = group_size. None: sampling's own max_new_tokens.
+    length_of: Callable[[int, int], int] | None = None
+    per_sample_lengths: bool = False
     # With length_of: the environment scores the completion up to its first of these tokens
     # (what the policy answered before it was made to go on).
     score_until: tuple[int, ...] = ()
@@ -96,19 +100,29 @@ def _until(ids: list[int], stops: tuple[int, ...]) -> list[int]:
     return ids
 
 
+def sample_seed(seed: int | None, position: int, index: int) -> int | None:
+    """The sampling seed of sample ``index`` of the prompt at ``position`` when each sample is
+    its own request (None: unseeded); distinct per sample, the same on a repeat."""
+    if seed is None:
+        return None
+    state = np.random.SeedSequence([int(seed), int(position), int(index)]).generate_state(1)
+    return int(state[0]) % 2**31
+
+
 @dataclasses.dataclass(frozen=True)
 class LognormalLengths:
     """Long-tailed completion lengths: ``min(max, max(1, round(median · exp(sigma · z))))``
-    with ``z ~ N(0, 1)`` drawn from ``(seed, position)``, so a prompt always gets the same
-    length. ``p99 / p50 = exp(2.326 · sigma)`` before the cap (8.4 at sigma 0.915)."""
+    with ``z ~ N(0, 1)`` drawn from ``(seed, position, sample)``, so a sample always gets the
+    same length. ``p99 / p50 = exp(2.326 · sigma)`` before the cap (8.4 at sigma 0.915)."""
 
     median: float
     sigma: float
     max: int
     seed: int = 0
 
-    def __call__(self, position: int) -> int:
-        z = np.random.default_rng([self.seed, int(position)]).standard_normal()
+    def __call__(self, position: int, sample: int = 0) -> int:
+        key = [self.seed, int(position)] + ([int(sample)] if sample else [])
+        z = np.random.default_rng(key).standard_normal()
         return int(min(self.max, max(1, round(self.median * math.exp(self.sigma * z)))))
 
 
@@ -289,7 +303,8 @@ class RolloutIterator(grain.DatasetIterator):
         # Requests already sent keep running in the generators; stop them.
         for position in self.gate.pending_keys():
             try:
-                await self._generator.abort(self._rid(position))
+                for rid in self._rids(position):
+                    await self._generator.abort(rid)
             except Exception as e:  # a dead server: nothing left to stop
                 log.warning("could not abort prompt %s: %s", position, e)
         if self._close_generator:  # its connections belong to this loop
@@ -318,6 +333,14 @@ class RolloutIterator(grain.DatasetIterator):
 
     def _rid(self, position: int) -> str:
         return f"prompt-{position}-{self._attempts[position]}"
+
+    def _rids(self, position: int) -> list[str]:
+        """The request ids of the prompt's current attempt: one, or one per sample when each
+        sample is its own request."""
+        rid = self._rid(position)
+        if self.config.length_of is not None and self.config.per_sample_lengths:
+            return [f"{rid}/{i}" for i in range(self.config.group_size)]
+        return [rid]
 
     def _prompt_key(self, position: int) -> int:
         period = self.config.solve_rate_period
@@ -392,12 +415,20 @@ class RolloutIterator(grain.DatasetIterator):
         cfg = self.config
         sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size,
                                        seed=prompt_seed(cfg.sampling.seed, position))
-        if cfg.length_of is not None:
-            sampling = dataclasses.replace(sampling, max_new_tokens=int(cfg.length_of(position)),
-                                           ignore_eos=True)
         start = time.perf_counter()
-        outputs = await self._generator.generate(
-            GenerateRequest(ids, sampling, rid=self._rid(position)))
+        if cfg.length_of is not None and cfg.per_sample_lengths:
+            # One request per sample, each with its own length and seed, sent together.
+            requests = [GenerateRequest(ids, dataclasses.replace(
+                sampling, n=1, max_new_tokens=int(cfg.length_of(position, i)), ignore_eos=True,
+                seed=sample_seed(sampling.seed, position, i)), rid=rid)
+                for i, rid in enumerate(self._rids(position))]
+            outputs = [o for outs in await self._generator.generate_batch(requests) for o in outs]
+        else:
+            if cfg.length_of is not None:
+                sampling = dataclasses.replace(
+                    sampling, max_new_tokens=int(cfg.length_of(position, 0)), ignore_eos=True)
+            outputs = await self._generator.generate(
+                GenerateRequest(ids, sampling, rid=self._rid(position)))
         texts = [self._decode(_until(o.output_ids, cfg.score_until)) for o in outputs]
         scores = await score_many(self._env, [prompt] * len(outputs), texts)
         # Seconds a group spends outside the generator's engine (queueing in the client, HTTP,

@@ -16,11 +16,13 @@ consumed by version ``g + max_lag``: its *deadline*. The gate keeps, for every d
 
     (unconsumed groups with deadline <= d)  <=  (d − v + 1) · groups_per_batch
 
-by admitting a new group only when this still holds, and forms each batch from the groups with
-the smallest deadlines (completed ones first among equal deadlines; it waits if one of the
-necessary groups is still generating). Removing the ``groups_per_batch`` smallest-deadline groups
-keeps the inequality true for ``v + 1``, so every group is consumed by its deadline. Admission
-that would break it is refused and counted (``prevented``).
+by admitting a new group only when this still holds. A batch takes the completed groups with the
+smallest deadlines when the groups it leaves behind still satisfy the inequality for ``v + 1``: a
+group still generating (a long completion) holds up a batch only when its deadline leaves no
+later batch to take it. Otherwise the batch is the ``groups_per_batch`` smallest-deadline groups
+(completed ones first among equal deadlines), and it waits for those still generating. Either way
+the inequality holds for ``v + 1``, so every group is consumed by its deadline. Admission that
+would break it is refused and counted (``prevented``).
 
 ``policy="drop"`` admits up to ``max_in_flight_groups`` and, at batch time, discards completed
 groups that are already too stale (counted in ``dropped``) — simpler, but work is wasted.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 POLICIES = ("prevent", "drop")
@@ -72,6 +75,38 @@ class _Group:
     deadline: int  # last trainer version that may consume it (prevent policy)
     min_version: int | None = None  # set when complete
     completed_order: int = -1
+
+
+def deadline_batch(ordered: Sequence[Any], need: int, version: int,
+                   complete: Callable[[Any], bool]) -> list[Any] | None:
+    """The batch version ``version`` consumes under ``policy="prevent"``, or None to wait.
+
+    ``ordered``: the unconsumed groups by (deadline, admission order), each with ``deadline``,
+    ``order`` and ``completed_order``. The completed groups with the smallest deadlines form the
+    batch if every group left behind can still be consumed by its deadline in the batches of
+    versions ``version + 1, version + 2, ...``; otherwise the batch is the ``need``
+    smallest-deadline groups (completed ones first among equal deadlines), None while one of them
+    is still generating."""
+    if len(ordered) < need:
+        return None
+    done = [g for g in ordered if complete(g)]
+    if len(done) >= need:
+        chosen = done[:need]
+        taken = {id(g) for g in chosen}
+        left = 0  # groups left behind with deadline <= that of g
+        for g in ordered:
+            if id(g) not in taken:
+                left += 1
+                if left > (g.deadline - version) * need:
+                    break
+        else:
+            return chosen
+    cut = ordered[need - 1].deadline
+    must = [g for g in ordered if g.deadline < cut]
+    tied = sorted((g for g in ordered if g.deadline == cut),
+                  key=lambda g: (not complete(g), g.completed_order, g.order))
+    chosen = must + tied[:need - len(must)]
+    return chosen if all(complete(g) for g in chosen) else None
 
 
 class StalenessGate:
@@ -189,18 +224,9 @@ class StalenessGate:
         return keys
 
     def _prevent_choice(self) -> list[_Group] | None:
-        need = self.config.groups_per_batch
-        if len(self._groups) < need:
-            return None
         ordered = sorted(self._groups.values(), key=lambda g: (g.deadline, g.order))
-        cut = ordered[need - 1].deadline
-        must = [g for g in ordered if g.deadline < cut]
-        tied = sorted((g for g in ordered if g.deadline == cut),
-                      key=lambda g: (g.min_version is None, g.completed_order, g.order))
-        chosen = must + tied[:need - len(must)]
-        if any(g.min_version is None for g in chosen):
-            return None
-        return chosen
+        return deadline_batch(ordered, self.config.groups_per_batch, self.consumer_version,
+                              complete=lambda g: g.min_version is not None)
 
     def advance(self, version: int | None = None):
         """The trainer finished the step of the oldest batch handed out: it is now at

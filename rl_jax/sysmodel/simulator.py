@@ -21,7 +21,9 @@ What is simulated (times in seconds, lengths in tokens):
   allows: a group admitted while every server holds version ``>= g`` must be consumed by trainer
   version ``g + max_lag`` (its deadline), so admission stops while the groups not yet consumed
   with deadline ``<= d`` would exceed ``(d − v + 1) · groups_per_batch``; the trainer takes the
-  ``groups_per_batch`` earliest-deadline groups once they are complete. New weights are swapped
+  batch the staleness gate would (:func:`rl_jax.rollout.staleness.deadline_batch`: the
+  earliest-deadline completed groups, waiting for one still generating only when its deadline
+  leaves no later batch to take it). New weights are swapped
   in flight at the next decode step boundary, pausing that server ``swap_pause_s``.
 
 Staleness is recorded per group at consumption: trainer version minus the oldest token version of
@@ -39,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from rl_jax.rollout.staleness import deadline_batch
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.latency import DecodeLatency, TrainerModel
 from rl_jax.sysmodel.lengths import LengthDistribution, SequenceLengths
@@ -357,12 +360,8 @@ class _Simulation:
         ordered = list(self.unconsumed.values())
         if self.cfg.mode != "async":
             chosen = ordered[:need]
-        else:  # earliest deadlines; among equal deadlines, completed groups first
-            cut = ordered[need - 1].deadline
-            must = [g for g in ordered if g.deadline < cut]
-            tied = sorted((g for g in ordered if g.deadline == cut),
-                          key=lambda g: (not g.complete, g.completed_order, g.order))
-            chosen = must + tied[:need - len(must)]
+        else:  # the staleness gate's own choice (earliest deadlines that can go now)
+            return deadline_batch(ordered, need, self.version, complete=lambda g: g.complete)
         return chosen if all(g.complete for g in chosen) else None
 
     def try_train(self):
