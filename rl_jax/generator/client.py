@@ -233,8 +233,8 @@ class GeneratorClient(Generator):
         await self._ensure_started()
         if request.rid is None:
             request = dataclasses.replace(request, rid=uuid.uuid4().hex)
-        return await self._post(request_json(request), [request.rid],
-                                lambda data: outputs_from_json(data, request))
+        return (await self._post(request_json(request), [request.rid],
+                                 lambda data: [outputs_from_json(data, request)]))[0]
 
     async def generate_batch(self, requests: Sequence[GenerateRequest]
                              ) -> list[list[GenerateOutput]]:
@@ -268,10 +268,11 @@ class GeneratorClient(Generator):
         return await self._post(body, [r.rid for r in requests], split)
 
     async def _post(self, body: dict[str, Any], rids: list[str],
-                    parse: Callable[[Any], Any]) -> Any:
-        """POSTs ``body`` to ``/generate`` on the least-loaded healthy server, moving to another
-        one on a connection failure, a timeout, overload or a server error; returns
-        ``parse(answer)``."""
+                    parse: Callable[[Any], list[list[GenerateOutput]]]
+                    ) -> list[list[GenerateOutput]]:
+        """POSTs ``body`` (the prompts ``rids``) to ``/generate`` on the least-loaded healthy
+        server, moving to another one on a connection failure, a timeout, overload or a server
+        error; returns ``parse(answer)``, the outputs of each prompt."""
         tried: set[str] = set()
         problems: list[str] = []
         backoff = self.config.retry_backoff
@@ -310,7 +311,7 @@ class GeneratorClient(Generator):
                 server.served += 1
                 server.failures = 0
                 result = parse(data)
-                for outputs in (result if rids[1:] else [result]):
+                for outputs in result:
                     if outputs and outputs[0].output_versions:
                         server.weight_version = max(outputs[0].output_versions)
                 return result

@@ -112,8 +112,9 @@ def sample_seed(seed: int | None, position: int, index: int) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class LognormalLengths:
     """Long-tailed completion lengths: ``min(max, max(1, round(median · exp(sigma · z))))``
-    with ``z ~ N(0, 1)`` drawn from ``(seed, position, sample)``, so a sample always gets the
-    same length. ``p99 / p50 = exp(2.326 · sigma)`` before the cap (8.4 at sigma 0.915)."""
+    with ``z ~ N(0, 1)`` drawn from ``(seed, position, sample)`` (sample 0: ``(seed,
+    position)``, the length a whole group shares without per-sample lengths), so a sample always
+    gets the same length. ``p99 / p50 = exp(2.326 · sigma)`` before the cap (8.4 at sigma 0.915)."""
 
     median: float
     sigma: float
@@ -338,9 +339,13 @@ class RolloutIterator(grain.DatasetIterator):
         """The request ids of the prompt's current attempt: one, or one per sample when each
         sample is its own request."""
         rid = self._rid(position)
-        if self.config.length_of is not None and self.config.per_sample_lengths:
+        if self._request_per_sample:
             return [f"{rid}/{i}" for i in range(self.config.group_size)]
         return [rid]
+
+    @property
+    def _request_per_sample(self) -> bool:
+        return self.config.length_of is not None and self.config.per_sample_lengths
 
     def _prompt_key(self, position: int) -> int:
         period = self.config.solve_rate_period
@@ -416,7 +421,7 @@ class RolloutIterator(grain.DatasetIterator):
         sampling = dataclasses.replace(cfg.sampling, n=cfg.group_size,
                                        seed=prompt_seed(cfg.sampling.seed, position))
         start = time.perf_counter()
-        if cfg.length_of is not None and cfg.per_sample_lengths:
+        if self._request_per_sample:
             # One request per sample, each with its own length and seed, sent together.
             requests = [GenerateRequest(ids, dataclasses.replace(
                 sampling, n=1, max_new_tokens=int(cfg.length_of(position, i)), ignore_eos=True,

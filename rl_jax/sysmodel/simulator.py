@@ -358,10 +358,9 @@ class _Simulation:
         if len(self.unconsumed) < need:
             return None
         ordered = list(self.unconsumed.values())
-        if self.cfg.mode != "async":
-            chosen = ordered[:need]
-        else:  # the staleness gate's own choice (earliest deadlines that can go now)
+        if self.cfg.mode == "async":  # the staleness gate's own choice
             return deadline_batch(ordered, need, self.version, complete=lambda g: g.complete)
+        chosen = ordered[:need]
         return chosen if all(g.complete for g in chosen) else None
 
     def try_train(self):
