@@ -456,7 +456,14 @@ def test_decode_covers_the_lowest_slots_in_use(weights):
         outs = [eng.submit(req([1, 3 + i], max_new_tokens=6, seed=i)) for i in range(3)]
         assert all(len(f.result(timeout=120)[0].output_ids) == 6 for f in outs)
         assert batches and max(batches) == 8
+        # All 20 waiting at once (else a loaded machine may admit and finish some before the
+        # last are submitted, and they never run 17 at a time).
+        eng.pause("in_place")
+        deadline = time.monotonic() + 60
+        while not eng.paused and time.monotonic() < deadline:
+            time.sleep(0.001)
         many = [eng.submit(req([1, 3], max_new_tokens=4, seed=i)) for i in range(20)]
+        eng.resume()
         for f in many:
             f.result(timeout=120)
         assert max(batches) == 32 and eng.load()["free_slots"] == 32
