@@ -145,34 +145,46 @@ def worker_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor | None:
         return _pools[threads]
 
 
-def run_tasks(tasks: list[tuple], threads: int) -> list:
-    """Runs ``fn(*args)`` for every ``(fn, *args)`` in ``tasks`` on ``threads`` threads (the
-    calling one and ``threads - 1`` of the shared pool, each taking the next task until none is
-    left) and returns the results in order; the first exception is raised once all stopped.
-    The tasks should release the GIL for most of their time (copies, digests)."""
-    results: list = [None] * len(tasks)
-    errors: list[BaseException] = []
-    order = iter(range(len(tasks)))  # next() on it is atomic under the GIL
+class TaskRun:
+    """``fn(*args)`` for every ``(fn, *args)`` of ``tasks`` on ``threads`` threads: ``threads
+    - 1`` of the shared pool start on them at once; the caller joins them in :meth:`join`
+    (each thread takes the next task until none is left), so it can do other work while the
+    helpers already run the first tasks. The tasks should release the GIL for most of their
+    time (copies, digests)."""
 
-    def drain() -> None:
-        for i in order:
-            if errors:
+    def __init__(self, tasks: list[tuple], threads: int):
+        self._tasks = tasks
+        self._results: list = [None] * len(tasks)
+        self._errors: list[BaseException] = []
+        self._order = iter(range(len(tasks)))  # next() on it is atomic under the GIL
+        helpers = min(threads, len(tasks)) - 1
+        pool = worker_pool(threads - 1) if helpers > 0 else None
+        self._futures = [pool.submit(self._drain) for _ in range(helpers)] if pool else []
+
+    def _drain(self) -> None:
+        for i in self._order:
+            if self._errors:
                 return
-            fn, *args = tasks[i]
+            fn, *args = self._tasks[i]
             try:
-                results[i] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                errors.append(e)
+                self._results[i] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in join()
+                self._errors.append(e)
                 return
 
-    helpers = min(threads, len(tasks)) - 1
-    pool = worker_pool(threads - 1) if helpers > 0 else None
-    futures = [pool.submit(drain) for _ in range(helpers)] if pool is not None else []
-    drain()
-    concurrent.futures.wait(futures)
-    if errors:
-        raise errors[0]
-    return results
+    def join(self) -> list:
+        """Runs the tasks left in the calling thread too; returns every result in order once
+        all are done, or raises the first exception once every thread stopped."""
+        self._drain()
+        concurrent.futures.wait(self._futures)
+        if self._errors:
+            raise self._errors[0]
+        return self._results
+
+
+def run_tasks(tasks: list[tuple], threads: int) -> list:
+    """The results of ``tasks`` run on ``threads`` threads, in order (see :class:`TaskRun`)."""
+    return TaskRun(tasks, threads).join()
 
 
 class Digests:

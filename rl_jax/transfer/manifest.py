@@ -121,14 +121,17 @@ def shard_digests(array: jax.Array, algorithm: str) -> dict[Index, str]:
 
 
 def verify(manifest: Manifest, arrays: Mapping[str, Any], *, what: str = "pulled weights",
-           digests: Mapping[str, Mapping[Index, str]] | None = None) -> None:
+           digests: Mapping[str, Mapping[Index, str]] | None = None,
+           checksums: bool = True) -> None:
     """Checks ``arrays`` (flat, dotted names) against ``manifest``: same tensor names, shapes,
     dtypes, shard indices and shard digests. Raises :class:`IntegrityError` naming every problem
     (up to a few); returns nothing when all match.
 
     ``digests`` (``{name: {index: digest}}``) are digests the caller already took of the very
     bytes the arrays alias (hashed while copying them); the arrays' shard indices are still
-    checked, their bytes are not hashed again."""
+    checked, their bytes are not hashed again. ``checksums=False`` checks everything but the
+    digests (a streamed pull checks its arrays before their bytes are all written, and each
+    block's digest as it arrives)."""
     problems: list[str] = []
     expected = {t.name: t for t in manifest.tensors}
     missing = sorted(set(expected) - set(arrays))
@@ -145,6 +148,13 @@ def verify(manifest: Manifest, arrays: Mapping[str, Any], *, what: str = "pulled
         if np.dtype(array.dtype) != numpy_dtype(info.dtype):
             problems.append(f"{name}: dtype {np.dtype(array.dtype).name} != manifest "
                             f"{info.dtype}")
+            continue
+        if not checksums:
+            got = {normalize_index(sh.index, array.shape): None
+                   for sh in array.addressable_shards}
+            if set(got) != {s.index for s in info.shards}:
+                problems.append(f"{name}: shard indices {sorted(got)} != manifest "
+                                f"{sorted(s.index for s in info.shards)}")
             continue
         if digests is not None and name in digests:
             indices = {normalize_index(sh.index, array.shape) for sh in array.addressable_shards}

@@ -339,9 +339,9 @@ class Publisher:
     def _begin_stream(self, key: str, reg: _Registration, flat: Mapping[str, jax.Array],
                       version: int, nbytes: collections.Counter
                       ) -> tuple[_Prepared, StagedVersion]:
-        """Lays ``version`` out in a slot and returns the manifest to announce before it is
-        copied: shard checksums pending, the slot's progress table named (see
-        :meth:`HostStaging.begin`)."""
+        """Lays ``version`` out in a slot, starts copying it on the staging threads but the
+        caller's, and returns the manifest to announce meanwhile: shard checksums pending, the
+        slot's progress table named (see :meth:`HostStaging.begin`)."""
         layout = reg.layout
         check_layout(layout, flat)
         if key not in self._host:
@@ -354,7 +354,8 @@ class Publisher:
             enumerate(indices))) for name, shape, dtype, indices in staged.tensors)
         fault = self.faults.get("corrupt")
         if fault and int(fault.get("version", -1)) == version:
-            staged.jobs[fault["tensor"], 0].progress = None  # announced once corrupted
+            staged.held.add((fault["tensor"], 0))  # announced once corrupted
+        self._host[key].start(staged, self.algorithm, self.config.staging_threads)
         description = staged.description
         transports = {"shm": {"file": description["file"], "stamp": description["stamp"],
                               "progress": description["progress"], "pid": os.getpid()},

@@ -365,9 +365,10 @@ class Puller:
             try:
                 arrays, nbytes, *digests = self._fetch(chosen, manifest, deadline)
                 fetched = time.perf_counter()
-                if _streamed(manifest):  # checksums came through the progress table
+                if _streamed(manifest):  # verified by _fetch_shm, block by block as written
                     manifest = _completed(manifest, digests[0])
-                verify(manifest, arrays, digests=digests[0] if digests else None)
+                else:
+                    verify(manifest, arrays, digests=digests[0] if digests else None)
             except (VersionGone, IntegrityError) as e:
                 if attempts > self.config.retries or not self._superseded(manifest, e):
                     self._report(manifest.version, chosen, False, 0.0, 0, str(e))
@@ -491,10 +492,14 @@ class Puller:
             if streamed:
                 # A streamed version's chunk headers are written before it is announced, so
                 # its arrays (views of the slot, aliased without a copy) are laid out while
-                # the publisher still writes the bytes; they are handed out only once every
-                # block is verified. Arrays that were copied rather than aliased (misaligned)
-                # would hold unverified bytes, so those are laid out again below.
+                # the publisher still writes the bytes, and checked against the manifest
+                # (names, shapes, dtypes, shards) then, so that little is left to do once the
+                # last block is verified. Arrays that were copied rather than aliased
+                # (misaligned) would hold unverified bytes, so those are laid out again below.
                 arrays = self._arrays_from_chunks(manifest, base)
+                verify(manifest, arrays, checksums=False)
+                if not all(_aliases(a, base) for a in arrays.values()):
+                    arrays = None
                 digests = self._verify_streamed(manifest, base, stamps, deadline)
             else:
                 hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
@@ -509,7 +514,7 @@ class Puller:
                     digests.setdefault(name, {})[index] = value
             if stamps()[0] != manifest.version:
                 raise VersionGone(f"version {manifest.version} was superseded while read")
-            if arrays is None or not all(_aliases(a, base) for a in arrays.values()):
+            if arrays is None:
                 arrays = self._arrays_from_chunks(manifest, base)
             return arrays, total, digests
         except BaseException:

@@ -359,38 +359,47 @@ def _stage_whole(job: _ShardJob, algorithm: str) -> str:
     return checksum.digest(job.dst, algorithm)
 
 
-def _stage_shards(jobs: Mapping[Any, _ShardJob], algorithm: str, threads: int
-                  ) -> dict[Any, str]:
-    """Stages every shard and returns ``{key: digest}``.
+def _shard_tasks(job: _ShardJob, algorithm: str) -> list[tuple]:
+    """``(fn, *args)`` tasks that stage ``job`` (see :func:`_start_staging`)."""
+    if algorithm != "xxh3_64_blocks" or job.dst.ndim == 0 or job.dst.size == 0:
+        return [(_stage_whole, job, algorithm)]
+    if job.runs is not None:
+        n = checksum.num_blocks(job.dst.nbytes)
+        return [(_copy_hash_blocks, job, k, min(n, k + checksum.UNIT_BLOCKS))
+                for k in range(0, n, checksum.UNIT_BLOCKS)]
+    rows = job.dst.shape[0]
+    step = max(1, checksum.UNIT_BLOCKS * checksum.BLOCK_BYTES // (job.dst.nbytes // rows))
+    return [(_copy_slab_hash, job, r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _start_staging(jobs: Mapping[Any, _ShardJob], algorithm: str, threads: int
+                   ) -> tuple[checksum.TaskRun, list[tuple[Any, _ShardJob]]]:
+    """Starts staging every shard of ``jobs`` on ``threads`` threads: ``threads - 1`` helpers
+    begin at once, the caller joins them in :func:`_finish_staging`; returns the run and each
+    task's ``(key, job)``.
 
     With ``xxh3_64_blocks`` the work is cut into tasks of about ``checksum.UNIT_BLOCKS`` blocks,
-    spread over ``threads`` threads, so one large shard uses every thread: shards made of
-    contiguous source runs are copied and hashed block by block (each block hashed while in
-    cache); the others are assembled in slabs of rows (strided copies) and each slab's blocks
-    hashed right after, the few blocks straddling two slabs once all are copied. Other
-    algorithms take one task per shard: copied whole, then hashed."""
-    unit = checksum.UNIT_BLOCKS * checksum.BLOCK_BYTES
-    tasks = []  # (key, fn, args)
+    so one large shard uses every thread: shards made of contiguous source runs are copied and
+    hashed block by block (each block hashed while in cache); the others are assembled in slabs
+    of rows (strided copies) and each slab's blocks hashed right after, the few blocks
+    straddling two slabs once all are copied. Other algorithms take one task per shard: copied
+    whole, then hashed."""
+    tasks, owners = [], []
     for key, job in jobs.items():
-        if algorithm != "xxh3_64_blocks" or job.dst.ndim == 0 or job.dst.size == 0:
-            tasks.append((key, _stage_whole, (job, algorithm)))
-        elif job.runs is not None:
-            n = checksum.num_blocks(job.dst.nbytes)
-            tasks += [(key, _copy_hash_blocks, (job, k, min(n, k + checksum.UNIT_BLOCKS)))
-                      for k in range(0, n, checksum.UNIT_BLOCKS)]
-        else:
-            rows = job.dst.shape[0]
-            step = max(1, unit // (job.dst.nbytes // rows))
-            tasks += [(key, _copy_slab_hash, (job, r, min(rows, r + step)))
-                      for r in range(0, rows, step)]
-    values = checksum.run_tasks([(fn, *args) for _, fn, args in tasks], threads)
-    results = [(key, value) for (key, _, _), value in zip(tasks, values)]
-    parts: dict[Any, list] = {}
-    for key, value in results:
-        parts.setdefault(key, []).append(value)
+        for task in _shard_tasks(job, algorithm):
+            tasks.append(task)
+            owners.append((key, job))
+    return checksum.TaskRun(tasks, threads), owners
+
+
+def _finish_staging(run: checksum.TaskRun, owners: list[tuple[Any, _ShardJob]]
+                    ) -> dict[Any, str]:
+    """Joins a :func:`_start_staging` run; returns ``{key: digest}``."""
+    parts: dict[Any, tuple[_ShardJob, list]] = {}
+    for (key, job), value in zip(owners, run.join()):
+        parts.setdefault(key, (job, []))[1].append(value)
     out = {}
-    for key, values in parts.items():
-        job = jobs[key]
+    for key, (job, values) in parts.items():
         if isinstance(values[0], str):
             out[key] = values[0]
             if job.progress is not None:  # a 0-d or empty shard: its one block
@@ -472,6 +481,10 @@ class StagedVersion:
     placed: dict[tuple[str, int], tuple[int, int]]  # (nbytes, offset) of each shard
     description: dict[str, Any]
     streamed: bool
+    # shards whose progress rows are written only once every shard is copied (fault injection)
+    held: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    # the copies under way (HostStaging.start): the run and each task's (key, job)
+    run: tuple[checksum.TaskRun, list] | None = dataclasses.field(default=None, repr=False)
 
 
 class HostStaging:
@@ -578,7 +591,7 @@ class HostStaging:
     def begin(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
               chunk_bytes: int, *, stream: bool = False) -> StagedVersion:
         """Takes a slot nobody holds (never the current version's), writes the chunk headers
-        and plans every shard's copy; :meth:`finish` copies and hashes.
+        and plans every shard's copy; :meth:`start` and :meth:`finish` copy and hash.
 
         With ``stream``, pullers may hold the slot while it is written (the publisher's lock on
         it becomes a shared one) and each checksum block is announced in the slot's progress
@@ -680,16 +693,34 @@ class HostStaging:
             entry.plan, entry.views = plan, views
         return entry.views
 
+    def start(self, staged: StagedVersion, algorithm: str, threads: int = 0) -> None:
+        """Starts copying and hashing a :meth:`begin`-ed version on ``threads - 1`` helper
+        threads (none for ``threads <= 1``), so that the caller can announce it meanwhile;
+        :meth:`finish` must follow. Shards held back from the progress table
+        (``staged.held``) must be named before."""
+        if staged.run is not None:
+            return
+        try:
+            for key in staged.held:
+                staged.jobs[key].progress = None
+            staged.run = _start_staging(staged.jobs, algorithm, threads)
+        except BaseException:
+            entry = self._slots[staged.slot]
+            entry.stamp[0] = STAMP_SUPERSEDED
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)
+            raise
+
     def finish(self, staged: StagedVersion, algorithm: str, threads: int = 0,
                before_done: Any = None) -> list[TensorInfo]:
         """Copies and hashes a :meth:`begin`-ed version into its slot; returns the tensor
         infos (with checksums and offsets). ``before_done(staged)`` runs once every shard is
-        copied, before the shards held back from the progress table (``progress`` set to
-        None after :meth:`begin`) are announced in it (fault injection)."""
+        copied, before the shards held back from the progress table (``staged.held``) are
+        announced in it (fault injection)."""
         entry = self._slots[staged.slot]
         try:
+            self.start(staged, algorithm, threads)
+            digests = _finish_staging(*staged.run)
             held = {key: job for key, job in staged.jobs.items() if job.progress is None}
-            digests = _stage_shards(staged.jobs, algorithm, threads)
             blocks = {key: checksum.block_digests(job.dst.reshape(-1).view(np.uint8))
                       for key, job in held.items() if job.rows is not None}
             if before_done is not None:
@@ -697,13 +728,13 @@ class HostStaging:
             for key, values in blocks.items():
                 held[key].rows[:, 0] = values
                 held[key].rows[:, 1] = staged.version
+            entry.stamp[0] = staged.version  # every byte is in place: pullers may finish
             infos = []
             for name, shape, dtype, indices in staged.tensors:
                 shards = tuple(ShardInfo(index, digests[name, k], *staged.placed[name, k])
                                for k, index in enumerate(indices))
                 infos.append(TensorInfo(name, shape, dtype.name, checksum.combine(
                     [(s.index, s.checksum) for s in shards], algorithm), shards))
-            entry.stamp[0] = staged.version
         except BaseException:
             entry.stamp[0] = STAMP_SUPERSEDED  # pullers streaming it give up on it
             raise
