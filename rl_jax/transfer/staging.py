@@ -102,20 +102,37 @@ def _shard_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, Index]:
             for device, index in sharding.addressable_devices_indices_map(shape).items()}
 
 
+_DISTINCT: dict[tuple, tuple[tuple[int, Index], ...]] = {}
+
+
+def _distinct_shards(array: jax.Array, shape: tuple[int, ...]) -> tuple[tuple[int, Index], ...]:
+    """``(i, index)`` of the distinct addressable shards of arrays sharded like ``array``:
+    ``addressable_data(i)`` holds ``index`` (a jax Array keeps its shards in its sharding's
+    device order, so this is worked out once per sharding and shape)."""
+    key = (array.sharding, shape)
+    found = _DISTINCT.get(key)
+    if found is None:
+        indices = _shard_indices(array.sharding, shape)
+        seen: dict[Index, int] = {}
+        for i, shard in enumerate(array.addressable_shards):
+            seen.setdefault(indices[shard.device], i)
+        found = tuple((i, index) for index, i in seen.items())
+        if len(_DISTINCT) >= 1024:
+            _DISTINCT.clear()
+        _DISTINCT[key] = found
+    return found
+
+
 def _host_shards(array: jax.Array) -> list[tuple[Index, np.ndarray]]:
     """The distinct addressable shards of ``array`` as host arrays (views on CPU)."""
     shape = tuple(array.shape)
     if len(array.sharding.device_set) == 1 and array.is_fully_addressable:
         return [(tuple((0, n) for n in shape), np.asarray(array))]
-    indices = _shard_indices(array.sharding, shape)
-    seen: dict[Index, np.ndarray] = {}
-    for shard in array.addressable_shards:
-        index = indices[shard.device]
-        if index not in seen:
-            seen[index] = np.asarray(shard.data)
-    if not seen:
+    shards = [(index, np.asarray(array.addressable_data(i)))
+              for i, index in _distinct_shards(array, shape)]
+    if not shards:
         raise LayoutError("parameter has no shards in this process")
-    return list(seen.items())
+    return shards
 
 
 def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
@@ -188,9 +205,10 @@ class _ShardJob:
     runs: list[tuple[int, int, np.ndarray, int]] | None
     starts: list[int] = dataclasses.field(default_factory=list)  # dst_start of each run
     # without runs: (dst_row0, dst_row1, src_row0, dst slices, src slices of the other axes,
-    # source) per source overlapping the shard
-    boxes: list[tuple[int, int, int, tuple, tuple, np.ndarray]] = dataclasses.field(
-        default_factory=list)
+    # source, piece dtype) per source overlapping the shard; with a piece dtype (see
+    # :func:`_pieces`) both arrays are viewed as that dtype and the slices count its elements
+    boxes: list[tuple[int, int, int, tuple, tuple, np.ndarray, np.dtype | None]] = \
+        dataclasses.field(default_factory=list)
     # streamed versions: this shard's rows of the slot's progress table (``uint64 [blocks,
     # 2]``: digest, then the version once the digest is valid) and that version
     progress: np.ndarray | None = None
@@ -226,22 +244,45 @@ def _boxes(target: Index, sources: Sequence[tuple[Index, np.ndarray]]) -> list[t
     return out
 
 
+MIN_PIECE_BYTES = 64
+
+
+def _pieces(dst: np.ndarray, host: np.ndarray, dst_rest: tuple, src_rest: tuple
+            ) -> tuple[np.dtype, tuple, tuple] | None:
+    """When a box cuts the last axis of both arrays at multiples of its width (a column block,
+    as FSDP or tensor parallelism cut ``[..., d]`` weights), the dtype of one such block of
+    bytes and the box's slices counted in it: numpy copies a strided array of 256-byte
+    elements faster than 64 floats per row. None when the dtypes differ (a cast), the box
+    covers the last axis whole, or its blocks are small or misaligned."""
+    if dst.dtype != host.dtype or dst.ndim < 2 or not (dst.flags.c_contiguous
+                                                      and host.flags.c_contiguous):
+        return None
+    d, r = dst_rest[-1], src_rest[-1]
+    width = d.stop - d.start
+    if (width == dst.shape[-1] or width * dst.itemsize < MIN_PIECE_BYTES
+            or any(v % width for v in (d.start, r.start, dst.shape[-1], host.shape[-1]))):
+        return None
+    return (np.dtype((np.void, width * dst.itemsize)),
+            dst_rest[:-1] + (slice(d.start // width, d.start // width + 1),),
+            src_rest[:-1] + (slice(r.start // width, r.start // width + 1),))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
     """How one shard is filled from its sources, with the sources by position (so that it can
     be planned once and bound to each version's arrays): ``runs`` as ``(dst_start, dst_stop,
-    source, src_start)``, or, when None, ``boxes`` as in :func:`_boxes` with the source's
-    position last."""
+    source, src_start)``, or, when None, ``boxes`` as in :attr:`_ShardJob.boxes` with the
+    source's position in place of the source."""
 
     runs: tuple[tuple[int, int, int, int], ...] | None
-    boxes: tuple[tuple[int, int, int, tuple, tuple, int], ...] = ()
+    boxes: tuple[tuple[int, int, int, tuple, tuple, int, np.dtype | None], ...] = ()
 
     def bind(self, dst: np.ndarray, target: Index,
              sources: Sequence[tuple[Index, np.ndarray]]) -> _ShardJob:
         if self.runs is None:
             return _ShardJob(dst, target, sources, None, boxes=[
-                (d0, d1, s0, dst_rest, src_rest, sources[k][1])
-                for d0, d1, s0, dst_rest, src_rest, k in self.boxes])
+                (d0, d1, s0, dst_rest, src_rest, sources[k][1], piece)
+                for d0, d1, s0, dst_rest, src_rest, k, piece in self.boxes])
         flats = {k: sources[k][1].reshape(-1) for k in {run[2] for run in self.runs}}
         runs = [(d0, d1, flats[k], r) for d0, d1, k, r in self.runs]
         return _ShardJob(dst, target, sources, runs, [run[0] for run in runs])
@@ -272,8 +313,13 @@ def _geometry(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
     if not dst.ndim:
         return _Geometry(None)
     positions = {id(host): k for k, (_, host) in enumerate(sources)}
-    return _Geometry(None, tuple(box[:5] + (positions[id(box[5])],)
-                                 for box in _boxes(target, sources)))
+    boxes = []
+    for d0, d1, s0, dst_rest, src_rest, host in _boxes(target, sources):
+        piece = _pieces(dst, host, dst_rest, src_rest)
+        if piece is not None:
+            piece, dst_rest, src_rest = piece
+        boxes.append((d0, d1, s0, dst_rest, src_rest, positions[id(host)], piece))
+    return _Geometry(None, tuple(boxes))
 
 
 def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
@@ -318,11 +364,13 @@ def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
 
 def _copy_rows(job: _ShardJob, r0: int, r1: int) -> None:
     """Copies rows ``[r0, r1)`` (axis 0) of ``job.dst`` from the sources (strided copies)."""
-    for d0, d1, src0, dst_rest, src_rest, host in job.boxes:
+    for d0, d1, src0, dst_rest, src_rest, host, piece in job.boxes:
         a, b = max(r0, d0), min(r1, d1)
         if a < b:
-            np.copyto(job.dst[(slice(a, b),) + dst_rest],
-                      host[(slice(src0 + a - d0, src0 + b - d0),) + src_rest], casting="unsafe")
+            dst = job.dst if piece is None else job.dst.view(piece)
+            src = host if piece is None else host.view(piece)
+            np.copyto(dst[(slice(a, b),) + dst_rest],
+                      src[(slice(src0 + a - d0, src0 + b - d0),) + src_rest], casting="unsafe")
 
 
 def _copy_slab_hash(job: _ShardJob, r0: int, r1: int) -> dict[int, int]:
