@@ -565,7 +565,7 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
     puller._arrays_from_chunks = arrays_from_chunks
     seen = []
 
-    def after_announce(version):  # nothing of the version is copied yet
+    def after_announce(version):  # its checksums are not in the manifest yet
         seen.append(puller.poll(version - 1).tensors[0].checksum)
         assert started.wait(10), "the puller did not start on the announced version"
 
@@ -590,6 +590,25 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
     # Each version's arrays were laid out once, before its bytes were written: they alias the
     # slot (the bit-exact check above would fail on arrays copied before the publisher wrote).
     assert events == ["arrays", "verify"] * 3
+
+
+def test_long_polls_wait_without_spinning_and_a_publish_lets_them_through(streaming):
+    """Pullers long-polling for a version sleep until it is announced (several at once do not
+    wake each other up), and all get the version once it is."""
+    pub, puller, trainer = streaming
+    boxes = [_pull_in_background(puller, 0) for _ in range(3)]
+    time.sleep(0.2)
+    puller.register()  # wakes the long polls, which find nothing newer and wait again
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.2  # three idle long polls for a second
+    assert pub._polling[puller.layout_key] == 3
+    params = random_params(trainer, 1)
+    pub.publish(params, 1)
+    for thread, box in boxes:
+        thread.join(30)
+        assert box["update"].version == 1
+    del boxes
 
 
 def test_pull_reports_reach_the_publisher_in_order_through_one_sender(streaming):

@@ -32,7 +32,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from rl_jax.transfer.staging import DeviceStaging, HostStaging, StagedVersion, c
 log = logging.getLogger(__name__)
 
 _STAGING_PREFIX = "rl_jax-transfer-"
+POLLERS_WAIT_S = 0.002  # longest a publish waits for long-polling pullers to get a manifest
 
 
 @dataclasses.dataclass
@@ -155,15 +156,19 @@ class Publisher:
         self._device = DeviceStaging()
         self._layouts: dict[str, _Registration] = {}
         self._current: _Version | None = None
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._polling: collections.Counter[str] = collections.Counter()  # long polls per layout
+        self._answered = threading.Condition(lock)  # a layout's long polls all ended
         self._publish_lock = threading.Lock()
         self._closed = False
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.history: collections.deque[PublishStats] = collections.deque(maxlen=256)
         # Test seams: {"corrupt": {"version": v, "tensor": name}} flips one bit of that tensor
         # after its checksum is taken; hooks["before_announce"](version) runs just before a
-        # version is announced, hooks["after_announce"](version) right after (before streamed
-        # layouts are staged), hooks["after_ticket"](version) after a pull ticket is issued.
+        # version is announced, hooks["after_announce"](version) right after (before the
+        # publishing thread joins the copies of streamed layouts), hooks["after_ticket"](version)
+        # after a pull ticket is issued.
         self.faults: dict[str, Any] = {}
         self.hooks: dict[str, Callable[[int], None]] = {}
         self._transfer_server = None
@@ -257,6 +262,8 @@ class Publisher:
                 self._cond.notify_all()
             if previous is not None:
                 self._release(previous)
+            if streams:
+                self._let_pollers_through(streams)
             hook = self.hooks.get("after_announce")
             if hook is not None:
                 hook(version)
@@ -266,6 +273,22 @@ class Publisher:
                              {k: p.error for k, p in prepared.items() if p.error})
         self.history.append(stats)
         return stats
+
+    def _let_pollers_through(self, keys: Iterable[str]) -> None:
+        """Waits (briefly) until the pullers long-polling these layouts have their manifest.
+
+        A streamed version is copied by the publishing thread too, which takes the GIL back
+        after every piece it copies; a control-server thread woken by the announcement could
+        then wait for the interpreter's switch interval (5 ms) before it answers, and the
+        pullers would verify late. So the publishing thread steps aside until they are
+        answered (the helper threads copy meanwhile)."""
+        deadline = time.monotonic() + POLLERS_WAIT_S
+        with self._cond:
+            while any(self._polling[k] for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._answered.wait(left)
 
     def close(self) -> None:
         with self._cond:
@@ -501,7 +524,13 @@ class Publisher:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return None
-                self._cond.wait(min(remaining, 5.0))
+                self._polling[key] += 1
+                try:
+                    self._cond.wait(min(remaining, 5.0))
+                finally:
+                    self._polling[key] -= 1
+                    if not self._polling[key]:
+                        self._answered.notify_all()
 
     def _prepared(self, key: str, version: int) -> _Prepared:
         """Caller holds ``self._cond``."""
