@@ -365,8 +365,7 @@ class Publisher:
         """Lays ``version`` out in a slot, starts copying it on the staging threads but the
         caller's, and returns the manifest to announce meanwhile: shard checksums pending, the
         slot's progress table named (see :meth:`HostStaging.begin`)."""
-        layout = reg.layout
-        check_layout(layout, flat)
+        layout = reg.layout  # checked against the tensors by begin (once per set of shapes)
         if key not in self._host:
             self._host[key] = HostStaging(self._staging_root / key, self.config.max_host_slots)
         staged = self._host[key].begin(version, flat, layout, self.config.chunk_bytes,

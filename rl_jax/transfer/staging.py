@@ -327,7 +327,7 @@ def _plan_job(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
     return _geometry(dst, target, sources).bind(dst, target, sources)
 
 
-SUB_BLOCK_BYTES = 256 << 10  # copied, then hashed while still in the core's cache
+SUB_BLOCK_BYTES = 512 << 10  # copied, then hashed while still in the core's cache
 # Strided copies go in larger slabs: a numpy call per source and slab costs more than
 # hashing a slab back from the (shared) L3 cache.
 SLAB_BYTES = 2 << 20
