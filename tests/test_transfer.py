@@ -422,8 +422,9 @@ def test_staging_and_verifying_on_worker_threads_gives_the_same_bytes(tmp_path, 
 def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threads):
     """Multi-block shards staged from 8 FSDP shards into other layouts: row cuts (contiguous
     runs, copied and hashed block by block, also split across threads), column cuts (strided
-    sources, assembled whole) and a cast; the slot holds exactly the target shards and every
-    digest equals the digest of those bytes."""
+    sources, assembled in slabs of rows, as column blocks or, with a cast or narrow blocks,
+    element by element) and casts; the slot holds exactly the target shards and every digest
+    equals the digest of those bytes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from rl_jax.transfer.staging import HostStaging, _host_shards, _plan_job
@@ -434,22 +435,27 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
               "cols": rng.standard_normal((512, 1024)).astype(np.float32),
               "vec": rng.standard_normal(3 * checksum.BLOCK_BYTES // 4 + 5).astype(np.float32),
               "odd": rng.standard_normal((8, 3, 5)).astype(np.float32),
-              "stacked": rng.standard_normal((4, 2048, 128)).astype(np.float32)}
+              "stacked": rng.standard_normal((4, 2048, 128)).astype(np.float32),
+              "cast_cols": rng.standard_normal((256, 512)).astype(np.float32),
+              "narrow": rng.standard_normal((64, 64)).astype(np.float32)}
     src_specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "vec": P(), "odd": P("fsdp"),
-                 "stacked": P(None, "fsdp", None)}
+                 "stacked": P(None, "fsdp", None), "cast_cols": P(None, "fsdp"),
+                 "narrow": P(None, "fsdp")}
     flat = {n: jax.device_put(v, NamedSharding(src_mesh, src_specs[n])) for n, v in values.items()}
     layout = Layout(("data", "tensor"), (1, 2),
                     {"rows": P("tensor", None), "cols": P("tensor", None), "vec": P(),
-                     "odd": P(None, None, None), "stacked": P(None, None, "tensor")},
+                     "odd": P(None, None, None), "stacked": P(None, None, "tensor"),
+                     "cast_cols": P(), "narrow": P()},
                     dtypes={"rows": "float32", "cols": "float32", "vec": "bfloat16",
-                            "odd": "float32", "stacked": "float32"})
+                            "odd": "float32", "stacked": "float32", "cast_cols": "bfloat16",
+                            "narrow": "float32"})
     staging = HostStaging(tmp_path / "slots")
     infos, description, slot = staging.stage(5, flat, layout, 1 << 20, "xxh3_64_blocks",
                                              threads)
     slot_bytes = np.fromfile(description["file"], np.uint8)
     for info in infos:
-        want_full = values[info.name].astype(ml_dtypes.bfloat16 if info.name == "vec"
-                                             else np.float32)
+        want_full = values[info.name].astype(ml_dtypes.bfloat16
+                                             if info.name in ("vec", "cast_cols") else np.float32)
         assert info.dtype == want_full.dtype.name
         for shard in info.shards:
             want = np.ascontiguousarray(want_full[tuple(slice(a, b) for a, b in shard.index)])
@@ -465,8 +471,17 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
     dst = np.empty((4, 2048, 128), np.float32)
     assert len(_plan_job(dst, ((0, 4), (0, 2048), (0, 128)),
                          _host_shards(flat["stacked"])).runs) == 32
-    assert _plan_job(np.empty((256, 1024), np.float32), ((0, 256), (0, 1024)),
-                     _host_shards(flat["cols"])).runs is None
+    cols = _plan_job(np.empty((256, 1024), np.float32), ((0, 256), (0, 1024)),
+                     _host_shards(flat["cols"]))
+    assert cols.runs is None
+    # Its 512-byte column blocks are copied as one void element per row (the last box field);
+    # a cast, or blocks under 64 bytes, keep the element-wise strided copy.
+    assert {box[-1].itemsize for box in cols.boxes} == {512}
+    cast = _plan_job(np.empty((256, 512), ml_dtypes.bfloat16), ((0, 256), (0, 512)),
+                     _host_shards(flat["cast_cols"]))
+    narrow = _plan_job(np.empty((64, 64), np.float32), ((0, 64), (0, 64)),
+                       _host_shards(flat["narrow"]))
+    assert {box[-1] for box in cast.boxes + narrow.boxes} == {None}
 
 
 def test_staging_plans_once_per_layout_and_rewrites_only_the_version(tmp_path):
