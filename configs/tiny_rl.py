@@ -79,7 +79,7 @@ def get_config() -> ConfigDict:
     # here (`num_servers`, kind "rl_jax" or "sglang").
     c.generator = ConfigDict(dict(
         kind="rl_jax", urls=(), num_servers=1, max_slots=64, max_seq_len=64,
-        dtype="float32", tensor_parallel=1, startup_timeout_s=600.0,
+        dtype="float32", tensor_parallel=1, data_parallel=1, startup_timeout_s=600.0,
         restart_dead=True, request_timeout_s=600.0,
         # Compile every decode shape before serving (a slower start, no stalls later).
         warmup_shapes=True,

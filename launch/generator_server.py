@@ -2,11 +2,14 @@ r"""Serves an HF checkpoint with the JAX engine over SGLang's HTTP API.
 
     python -m launch.generator_server --model=DIR --port=30000 \
         [--host=127.0.0.1 --max_slots=32 --max_seq_len=512 --dtype=float32 \
-         --tensor_parallel=1 --weight_version=0]
+         --tensor_parallel=1 --data_parallel=1 --weight_version=0]
 
 Prints one line starting with "rl_jax generator server ready at http://HOST:PORT" once it
-answers requests; stops cleanly on SIGINT/SIGTERM. On CPU, --tensor_parallel=N forces N host
-devices unless XLA_FLAGS already sets a count.
+answers requests; stops cleanly on SIGINT/SIGTERM. On CPU, --tensor_parallel=T and
+--data_parallel=D force T*D host devices unless XLA_FLAGS already sets a count: D replicas of the
+model, each with its own KV cache and max_slots/D of the slots on T devices, decode side by
+side (on a CPU host, two replicas of one device each overlap one's matmuls with the other's
+cache reads).
 """
 
 import os
@@ -27,6 +30,8 @@ _MAX_PREFILL = flags.DEFINE_integer("max_prefill_tokens", 2048,
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
                            "Parameter and computation dtype.")
 _TP = flags.DEFINE_integer("tensor_parallel", 1, "Devices the model is split over.")
+_DP = flags.DEFINE_integer("data_parallel", 1, "Replicas of the model (SGLang's --dp-size), "
+                           "each on tensor_parallel devices of its own.")
 _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")
@@ -53,10 +58,11 @@ def main(argv):
         except (ValueError, OSError) as e:
             print(f"error: --cpu_cores={_CPU_CORES.value}: {e}", file=sys.stderr)
             sys.exit(2)
-    if _TP.value > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+    devices = _TP.value * _DP.value
+    if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
             "XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={_TP.value}")
+                                   f" --xla_force_host_platform_device_count={devices}")
     from rl_jax.errors import USER_ERRORS
     from rl_jax.generator import server
 
@@ -64,6 +70,7 @@ def main(argv):
         model=_MODEL.value, host=_HOST.value, port=_PORT.value, max_slots=_MAX_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
+        data_parallel=_DP.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,

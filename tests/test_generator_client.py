@@ -236,15 +236,17 @@ def test_server_commands():
     assert server_command(ours, 31000) == [
         sys.executable, "-m", "launch.generator_server", "--model=/ckpt", "--host=127.0.0.1",
         "--port=31000", "--max_slots=16", "--max_seq_len=256", "--max_waiting=4096",
-        "--dtype=float32", "--tensor_parallel=1", "--weight_version=0",
+        "--dtype=float32", "--tensor_parallel=1", "--data_parallel=1", "--weight_version=0",
         f"--parent_pid={os.getpid()}"]
     sglang = PoolConfig(model="Qwen/Qwen3-0.6B", kind="sglang", host="0.0.0.0",
-                        ports=(30001, 30002), tensor_parallel=2, dtype="bfloat16",
+                        ports=(30001, 30002), tensor_parallel=2, data_parallel=2,
+                        dtype="bfloat16",
                         max_slots=64, max_seq_len=4096, weight_version=7,
                         extra_args=("--mem-fraction-static", "0.8"))
     assert server_command(sglang, 30002, 1) == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-0.6B",
-        "--host", "0.0.0.0", "--port", "30002", "--tp-size", "2", "--base-gpu-id", "2",
+        "--host", "0.0.0.0", "--port", "30002", "--tp-size", "2", "--dp-size", "2",
+        "--base-gpu-id", "4",
         "--dtype", "bfloat16", "--max-running-requests", "64", "--context-length", "4096",
         "--weight-version", "7", "--mem-fraction-static", "0.8"]
     assert ServerPool(sglang).urls == ["http://0.0.0.0:30001", "http://0.0.0.0:30002"]

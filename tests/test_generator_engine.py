@@ -160,8 +160,9 @@ def test_eos_ends_unless_ignored(weights):
         eng.shutdown()
 
 
-def _generate_across_update(weights, recompute: bool):
-    eng = Engine(CFG, weights[0], engine_config=EngineConfig(
+def _generate_across_update(weights, recompute: bool, meshes=None):
+    params = weights[0] if meshes is None else _place(weights[0], meshes[0])
+    eng = Engine(CFG, params, meshes=meshes, engine_config=EngineConfig(
         max_slots=4, max_seq_len=96, recompute_kv_on_update=recompute))
     try:
         eng.pause("in_place")
@@ -169,16 +170,32 @@ def _generate_across_update(weights, recompute: bool):
         eng.resume()
         while eng.stats["generated_tokens"] < 3 * 10:
             time.sleep(0.005)
-        eng.update_weights(weights[1], version=1)
+        eng.update_weights(weights[1] if meshes is None else _place(weights[1], meshes[0]),
+                           version=1)
         outs = [f.result(timeout=120)[0] for f in futures]
+        if meshes is not None:  # the three sequences were spread over the replicas
+            assert all(eng.stats[f"replica{i}_admitted"] for i in range(len(meshes)))
     finally:
         eng.shutdown()
     return outs
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, recompute):
-    outs = _generate_across_update(weights, recompute)
+def _place(params, mesh):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+
+
+def _one_device_meshes(n):
+    import jax
+    return [make_mesh(data=1, fsdp=1, tensor=1, devices=[d]) for d in jax.devices()[:n]]
+
+
+@pytest.mark.parametrize("recompute,replicas", [(False, 1), (True, 1), (True, 2)])
+def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, recompute,
+                                                              replicas):
+    meshes = _one_device_meshes(replicas) if replicas > 1 else None
+    outs = _generate_across_update(weights, recompute, meshes)
     for i, out in enumerate(outs):
         prompt = [1, 2 + i, 3]
         versions = np.asarray(out.output_versions)
@@ -279,6 +296,62 @@ def test_tensor_parallel_engine_matches_single_device(weights):
     finally:
         tp.shutdown()
         single.shutdown()
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_data_parallel_replicas_match_single_device(spec, weights, tensor):
+    """Two replicas (each on one device, or tensor-parallel over two) share out the requests
+    and produce the tokens and log-probs one device does; samples of one request admitted
+    together share one prefill on one replica."""
+    import jax
+    devices = jax.devices()
+    meshes = [make_mesh(data=1, fsdp=1, tensor=tensor, devices=devices[i * tensor:
+                                                                      (i + 1) * tensor])
+              for i in range(2)]
+    params = jax.device_put(weights[0], ModelSpec(CFG, mesh=meshes[0],
+                                                  rules=generator_rules()).param_shardings)
+    dp = Engine(CFG, params, meshes=meshes, rules=generator_rules(), eos_token_ids=(EOS,),
+                engine_config=EngineConfig(max_slots=8, max_seq_len=96))
+    single = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=8, max_seq_len=96),
+                    eos_token_ids=(EOS,))
+    try:
+        assert dp.data_parallel == 2 and dp.load()["free_slots"] == 8
+        requests = [([1, 3 + i, 5, 7][:2 + i % 3], dict(max_new_tokens=10 + 7 * i, seed=i,
+                                                        n=1 + i % 3, ignore_eos=i % 2 == 0))
+                    for i in range(8)]
+        dp.pause("in_place")  # admitted together: both replicas fill up, the rest waits
+        futures = [dp.submit(GenerateRequest(p, SamplingParams(**s))) for p, s in requests]
+        dp.resume()
+        got = [f.result(timeout=120) for f in futures]
+        want = [single.generate(GenerateRequest(p, SamplingParams(**s))) for p, s in requests]
+        assert dp.stats["replica0_admitted"] and dp.stats["replica1_admitted"]
+        for (prompt, _), outs, refs in zip(requests, got, want):
+            assert [o.output_ids for o in outs] == [o.output_ids for o in refs]
+            # Samples admitted together share a prefill (a full replica can split a request).
+            assert outs[0].cached_tokens == 0
+            assert {o.cached_tokens for o in outs} <= {0, len(prompt)}
+            for o, r in zip(outs, refs):
+                np.testing.assert_allclose(o.output_logprobs, r.output_logprobs, atol=1e-5)
+                np.testing.assert_allclose(
+                    o.output_logprobs, trainer_logprobs(spec, weights[0], prompt, o.output_ids),
+                    atol=1e-4)
+        shared = sum(o.cached_tokens > 0 for outs in got for o in outs)
+        assert shared >= 4
+        assert dp.load() == {"running": 0, "waiting": 0, "free_slots": 8}
+        assert dp.flush_cache()
+    finally:
+        dp.shutdown()
+        single.shutdown()
+
+
+def test_data_parallel_configuration_errors(weights):
+    meshes = _one_device_meshes(2)
+    with pytest.raises(GeneratorError, match="does not split evenly over 2"):
+        Engine(CFG, weights[0], meshes=meshes, engine_config=EngineConfig(max_slots=5))
+    with pytest.raises(GeneratorError, match="share devices"):
+        Engine(CFG, weights[0], meshes=[meshes[0], meshes[0]])
+    with pytest.raises(GeneratorError, match="either mesh or meshes"):
+        Engine(CFG, weights[0], mesh=meshes[0], meshes=meshes)
 
 
 def test_flush_cache_only_when_idle(weights):

@@ -124,6 +124,41 @@ def test_tensor_parallel_server_gives_the_same_samples(server, tp_server):
                                    atol=1e-4)
 
 
+def test_data_parallel_server_serves_a_batch_and_updates_every_replica(server, ckpts,
+                                                                       tmp_path_factory):
+    """Two replicas on two host devices (--data_parallel=2): a batch spread over both gives the
+    samples one replica gives, and a weight update reaches both."""
+    pool = start_pool(ckpts["a"], 1, tmp_path_factory.mktemp("dp-logs"), data_parallel=2)
+    try:
+        url = pool.urls[0]
+        assert http(url, "/get_server_info")[1]["dp_size"] == 2
+        prompts = [[1, 4 + i, 6, 8] for i in range(6)]
+        body = {"input_ids": prompts, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 14, "sampling_seed": 5, "n": 2,
+                                    "ignore_eos": True}}
+        status, got, _ = http(url, "/generate", body)
+        assert status == 200, got
+        want = http(server, "/generate", body)[1]
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+        np.testing.assert_allclose(
+            [t[0] for g in got for t in g["meta_info"]["output_token_logprobs"]],
+            [t[0] for w in want for t in w["meta_info"]["output_token_logprobs"]], atol=1e-5)
+        status, data, _ = http(url, "/update_weights_from_disk", {"model_path": str(ckpts["b"])})
+        assert status == 200 and data["weight_version"] == 1, data
+        status, after, _ = http(url, "/generate", body)
+        assert status == 200, after
+        model = load_pretrained(ckpts["b"])
+        for prompt, out in zip([p for p in prompts for _ in range(2)], after):
+            assert out["meta_info"]["output_token_weight_versions"] == [1] * 14
+            seq = prompt + out["output_ids"]
+            ref, _ = model.token_logprobs(jnp.asarray([seq[:-1]]), jnp.asarray([seq[1:]]))
+            np.testing.assert_allclose([t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                                       np.asarray(ref[0, len(prompt) - 1:]), atol=1e-4)
+    finally:
+        pool.stop()
+    assert pool.processes[0].returncode == 0, pool.log_tail(0)
+
+
 def test_text_input_returns_text(server, tokenizer):
     status, data, _ = http(server, "/generate", {
         "text": "abc", "return_logprob": True, "return_text_in_logprobs": True,

@@ -220,6 +220,9 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"rollout.rows_per_batch": 12, "trainer.micro_batch_rows": 8},
      "rollout.rows_per_batch=12 is not divisible by trainer.micro_batch_rows=8"),
     ({"trainer.num_microbatches": 2}, "exclude each other"),
+    ({"generator.data_parallel": 0}, "generator.data_parallel must be an integer >= 1"),
+    ({"generator.data_parallel": 3},
+     "generator.max_slots=64 does not split evenly over generator.data_parallel=3"),
 ])
 def test_static_config_checks(override, message):
     from rl_jax.orchestrator import RLConfigError, validate

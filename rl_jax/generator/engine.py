@@ -11,6 +11,12 @@ of the weights that sampled it. ``pause(mode)`` follows SGLang's ``/pause_genera
 sequences to the queue (their KV is recomputed, under the then-current weights, when they are
 re-admitted); ``in_place`` just stops stepping, keeping everything.
 
+With several data-parallel replicas (``meshes``: one mesh per replica, e.g. one host device
+each), every replica holds its own copy of the weights, its own KV cache and an equal share of
+the slots; a sequence lives on one replica for its whole life, admissions go to the replica with
+the most free slots, and each decode step is dispatched to every replica before any is awaited,
+so one replica's matmuls run while another reads its cache (SGLang's ``--dp-size``).
+
 The scheduler keeps the device busy: a decode step feeds each slot the token the previous step
 sampled without the host in between, so step ``t+1`` is queued before the tokens of step ``t``
 are read back and bookkept (one step in flight). A sequence that stops on a stop token is seen one
@@ -70,7 +76,8 @@ class _Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
-    slot: int = -1
+    slot: int = -1  # slot within its replica's cache (-1: none)
+    replica: int = -1
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     # Tokens queued for sampling on the device (sampled or in flight): >= len(output_ids).
@@ -88,13 +95,25 @@ class _Sequence:
 
 @dataclasses.dataclass
 class _InFlight:
-    """Device work whose tokens are not yet read: ``out [2, n]`` (tokens, log-prob bits) with
-    sequence ``seqs[i]`` at column ``columns[i]``, sampled by weights of ``version``."""
+    """Device work whose tokens are not yet read, one part per replica: ``(out, seqs, columns)``
+    with ``out [2, n]`` (tokens, log-prob bits) holding sequence ``seqs[i]``'s token at column
+    ``columns[i]``; sampled by weights of ``version``."""
 
-    out: Any
-    seqs: list[_Sequence]
-    columns: list[int]
+    parts: list[tuple[Any, list[_Sequence], list[int]]]
     version: int
+
+
+class _Replica:
+    """One data-parallel replica: a runner (KV cache and compiled steps on its own mesh), its
+    copy of the parameters and decode weights, and its slots."""
+
+    def __init__(self, index: int, runner: ModelRunner, params: dict[str, Any]):
+        self.index = index
+        self.runner = runner
+        self.params = params
+        self.decode_weights = runner.prepare(params)
+        self.running: dict[int, _Sequence] = {}
+        self.free_slots = list(range(runner.max_slots))  # a heap: lowest slot first
 
 
 @dataclasses.dataclass
@@ -122,33 +141,50 @@ class Engine:
       params: parameters (nested dict as the trainer holds them), already placed for ``mesh``.
       version: integer version of ``params`` (optimizer steps).
       eos_token_ids: tokens that end a sequence unless ``ignore_eos``.
+      mesh: the mesh ``params`` are placed for (None: one device).
+      meshes: instead of ``mesh``, one mesh per data-parallel replica, over disjoint devices;
+        ``params`` are placed for ``meshes[0]`` and copied to the others, and each replica gets
+        ``max_slots / len(meshes)`` slots.
     """
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], *, version: int = 0,
-                 engine_config: EngineConfig = EngineConfig(), mesh=None, rules=None,
-                 dtype=None, eos_token_ids: tuple[int, ...] = ()):
+                 engine_config: EngineConfig = EngineConfig(), mesh=None, meshes=None,
+                 rules=None, dtype=None, eos_token_ids: tuple[int, ...] = ()):
         import jax.numpy as jnp
+        if meshes is not None and mesh is not None:
+            raise GeneratorError("give the engine either mesh or meshes (one per replica), "
+                                 "not both")
+        meshes = list(meshes) if meshes is not None else [mesh]
+        if not meshes or (len(meshes) > 1 and any(m is None for m in meshes)):
+            raise GeneratorError("data-parallel replicas need one mesh each")
+        if engine_config.max_slots % len(meshes):
+            raise GeneratorError(f"max_slots={engine_config.max_slots} does not split evenly "
+                                 f"over {len(meshes)} data-parallel replicas")
+        if len(meshes) > 1:
+            used = [d for m in meshes for d in m.devices.flat]
+            if len(set(used)) != len(used):
+                raise GeneratorError("the data-parallel replicas' meshes share devices")
         self.config = config
         self.engine_config = engine_config
-        self.runner = ModelRunner(config, max_slots=engine_config.max_slots,
-                                  max_seq_len=engine_config.max_seq_len, mesh=mesh, rules=rules,
-                                  dtype=dtype or jnp.float32)
-        self.params = params
-        self._decode_weights = self.runner.prepare(params)
+        self._replicas: list[_Replica] = []
+        for i, m in enumerate(meshes):
+            runner = ModelRunner(config, max_slots=engine_config.max_slots // len(meshes),
+                                 max_seq_len=engine_config.max_seq_len, mesh=m, rules=rules,
+                                 dtype=dtype or jnp.float32)
+            placed = params if i == 0 else self._place(params, runner)
+            self._replicas.append(_Replica(i, runner, placed))
         self.version = version
         self.eos_token_ids = tuple(eos_token_ids)
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the scheduler and callers wait on this
         self._helper_wake = threading.Condition(mutex)  # the weight helper waits on this
         self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._running: dict[int, _Sequence] = {}
-        self._free_slots = list(range(engine_config.max_slots))  # a heap: lowest slot first
         self._requests: dict[str, _Request] = {}
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._to_prepare: list[tuple[dict[str, Any], int]] = []
         self._retired: list[Any] = []  # replaced weights, released by the helper thread
-        self._pending_weights: tuple[dict[str, Any], int, Any] | None = None
-        self._incoming_decode_weights: tuple[dict[str, Any], Any] | None = None
+        # (params, version, [(replica params, decode weights)] per replica), ready to swap in.
+        self._pending_weights: tuple[dict[str, Any], int, list] | None = None
         self._control: collections.deque = collections.deque()
         self._paused = False
         self._stop = False
@@ -159,6 +195,39 @@ class Engine:
         self._preparer = threading.Thread(target=self._prepare_loop, name="engine-weights",
                                           daemon=True)
         self._preparer.start()
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The first replica's runner (the only one without data parallelism)."""
+        return self._replicas[0].runner
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The parameters in use, placed as given (for the first replica's mesh)."""
+        return self._replicas[0].params
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """One runner per data-parallel replica."""
+        return [r.runner for r in self._replicas]
+
+    @property
+    def data_parallel(self) -> int:
+        return len(self._replicas)
+
+    @staticmethod
+    def _place(params: dict[str, Any], runner: ModelRunner) -> dict[str, Any]:
+        """``params`` copied onto ``runner``'s mesh, with the same partition specs."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        def one(a):
+            spec = a.sharding.spec if isinstance(a.sharding, NamedSharding) else PartitionSpec()
+            return jax.device_put(a, NamedSharding(runner.mesh, spec))
+        return jax.tree.map(one, params)
+
+    @property
+    def _running_count(self) -> int:
+        return sum(len(r.running) for r in self._replicas)
 
     # ---- public API (thread-safe) -------------------------------------------------------------
 
@@ -268,8 +337,8 @@ class Engine:
 
     def load(self) -> dict[str, int]:
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting),
-                    "free_slots": len(self._free_slots)}
+            return {"running": self._running_count, "waiting": len(self._waiting),
+                    "free_slots": sum(len(r.free_slots) for r in self._replicas)}
 
     def shutdown(self):
         with self._lock:
@@ -317,7 +386,10 @@ class Engine:
             params, version = job
             start = time.perf_counter()
             try:
-                prepared = self.runner.prepare(params)
+                prepared = []
+                for replica in self._replicas:
+                    placed = params if replica.index == 0 else self._place(params, replica.runner)
+                    prepared.append((placed, replica.runner.prepare(placed)))
                 jax.block_until_ready(prepared)
             except Exception:  # keep serving with the current weights
                 log.exception("laying out weights version %d for decode failed", version)
@@ -335,7 +407,7 @@ class Engine:
             with self._lock:
                 while (not self._stop and not self._control and self._pending_weights is None
                        and not self._inflight
-                       and (self._paused or (not self._running and not self._waiting))):
+                       and (self._paused or (not self._running_count and not self._waiting))):
                     self._lock.wait()
                 if self._stop:
                     break
@@ -348,16 +420,14 @@ class Engine:
                     for op in controls:
                         self._apply_control(op)
                 if weights is not None:
-                    params, version, prepared = weights
-                    self._incoming_decode_weights = (params, prepared)
-                    self._swap_weights(params, version)
+                    self._swap_weights(*weights)
                 if not self._paused:
                     self._admit()
-                    if self._running:
+                    if self._running_count:
                         self._decode_step()
                 # One step stays in flight while decoding goes on: its tokens are read after
                 # the next step is queued.
-                keep = 1 if self._running and not self._paused else 0
+                keep = 1 if self._running_count and not self._paused else 0
                 while len(self._inflight) > keep:
                     self._process(self._inflight.popleft())
             except Exception as e:  # never leave callers hanging on a scheduler error
@@ -388,78 +458,95 @@ class Engine:
             self._paused = False
         elif kind == "flush":
             done, result = arg
-            result["ok"] = not self._running
+            result["ok"] = not self._running_count
             if result["ok"]:
-                self.runner.reset_cache()
+                for replica in self._replicas:
+                    replica.runner.reset_cache()
             done.set()
 
-    def _swap_weights(self, params, version):
+    def _swap_weights(self, params, version, prepared):
+        """Swaps in ``prepared`` (per replica: its copy of ``params`` and their decode layout)."""
         start = time.perf_counter()
         if self.engine_config.recompute_kv_on_update:
             self._drain()
             self._retract_all()
-        incoming, self._incoming_decode_weights = self._incoming_decode_weights, None
-        old = (self.params, self._decode_weights)
-        if incoming is not None and incoming[0] is params:
-            self._decode_weights = incoming[1]
-        else:
-            self._decode_weights = self.runner.prepare(params)
-        self.params = params
+        old = [(r.params, r.decode_weights) for r in self._replicas]
+        for replica, (placed, weights) in zip(self._replicas, prepared):
+            replica.params, replica.decode_weights = placed, weights
         with self._lock:
             self.version = version
             self._retired.append(old)  # deallocation is the helper thread's work
             self._lock.notify_all()
             self._helper_wake.notify_all()
-        del old, incoming
+        del old, prepared
         self.stats["weight_updates"] += 1
         self.stats["weight_swap_ms"] += int((time.perf_counter() - start) * 1000)
 
     def _admit(self):
-        """Prefills waiting sequences into the lowest free slots (samples of one request share a
-        prefill) and queues the sampling of their first tokens."""
+        """Prefills waiting sequences into free slots (samples of one request share a prefill on
+        one replica; a new prefill goes to the replica with the most free slots) and queues the
+        sampling of their first tokens."""
         budget = self.engine_config.max_prefill_tokens
-        groups: list[list[_Sequence]] = []
+        free = [len(r.free_slots) for r in self._replicas]
+        groups: list[tuple[int, list[_Sequence]]] = []  # (replica, sequences sharing a prefill)
         with self._lock:
-            while self._waiting and len(self._free_slots) > sum(map(len, groups)):
+            while self._waiting:
                 seq = self._waiting[0]
-                prefill_len = len(seq.request.input_ids) + max(len(seq.output_ids) - 1, 0)
-                if groups and prefill_len > budget:
-                    break
-                self._waiting.popleft()
                 # Fresh samples of the same request waiting together share one prefill.
-                if (groups and not seq.output_ids and not groups[-1][0].output_ids
-                        and groups[-1][0].request is seq.request):
-                    groups[-1].append(seq)
-                else:
-                    groups.append([seq])
+                last = groups[-1] if groups else None
+                joins = (last is not None and free[last[0]] > 0 and not seq.output_ids
+                         and not last[1][0].output_ids and last[1][0].request is seq.request)
+                if not joins:
+                    target = max(range(len(free)), key=free.__getitem__)
+                    if not free[target]:
+                        break
+                    prefill_len = len(seq.request.input_ids) + max(len(seq.output_ids) - 1, 0)
+                    if groups and prefill_len > budget:
+                        break
                     budget -= prefill_len
+                    groups.append((target, []))
+                self._waiting.popleft()
+                groups[-1][1].append(seq)
+                free[groups[-1][0]] -= 1
         if not groups:
             return
+        parts = []
+        for replica in self._replicas:
+            mine = [g for r, g in groups if r == replica.index]
+            if mine:
+                parts.append(self._admit_to(replica, mine))
+        self._inflight.append(_InFlight(parts, self.version))
+        self._release_fully_dispatched([seq for _, group in groups for seq in group])
+
+    def _admit_to(self, replica: _Replica, groups: list[list[_Sequence]]):
+        """Prefills ``groups`` on ``replica`` and installs them in its lowest free slots; returns
+        the in-flight part of their first tokens."""
         prompts = [g[0].tokens[:len(g[0].tokens) - (1 if g[0].output_ids else 0)] for g in groups]
-        cfg = self.engine_config
+        cfg, runner = self.engine_config, replica.runner
         p = _bucket(max(map(len, prompts)), cfg.min_prefill_bucket, cfg.max_seq_len)
-        b = _bucket(len(prompts), 1, max(cfg.max_slots, 1))
+        b = _bucket(len(prompts), 1, max(runner.max_slots, 1))
         tokens = np.zeros((b, p), np.int32)
         lengths = np.ones((b,), np.int32)
         for i, prompt in enumerate(prompts):
             tokens[i, :len(prompt)] = prompt
             lengths[i] = len(prompt)
-        k, v, logits = self.runner.prefill(self.params, tokens, lengths)
+        k, v, logits = runner.prefill(replica.params, tokens, lengths)
 
         seqs = [seq for group in groups for seq in group]
-        m = _bucket(len(seqs), 1, max(cfg.max_slots, 1))
+        m = _bucket(len(seqs), 1, max(runner.max_slots, 1))
         values = {name: np.zeros((m,), dtype) for name, dtype in SLOT_FIELDS.items()}
         rows = np.zeros((m,), np.int32)
-        slots = np.full((m,), cfg.max_slots, np.int32)  # padding: an out-of-range slot, dropped
+        slots = np.full((m,), runner.max_slots, np.int32)  # padding: an out-of-range slot, dropped
         fresh = np.zeros((m,), bool)
         filtered = False
         with self._lock:
             i = 0
             for row, group in enumerate(groups):
                 for j, seq in enumerate(group):
-                    seq.slot = heapq.heappop(self._free_slots)
+                    seq.slot = heapq.heappop(replica.free_slots)
+                    seq.replica = replica.index
                     seq.cached_tokens = len(prompts[row]) if j else 0
-                    self._running[seq.slot] = seq
+                    replica.running[seq.slot] = seq
                     sp = seq.request.sampling
                     rows[i], slots[i], fresh[i] = row, seq.slot, not seq.output_ids
                     values["position"][i] = len(prompts[row])
@@ -474,49 +561,56 @@ class Engine:
                     filtered |= fresh[i] and sp.needs_filter
                     seq.dispatched = max(len(seq.output_ids), 1)
                     i += 1
-        out = self.runner.admit(k, v, logits, rows, slots, values, fresh, filtered)
+        out = runner.admit(k, v, logits, rows, slots, values, fresh, filtered)
         columns = [i for i in range(len(seqs)) if fresh[i]]
-        self._inflight.append(_InFlight(out, [seqs[i] for i in columns], columns, self.version))
         self.stats["prefill_tokens"] += int(sum(map(len, prompts)))
         self.stats["prefills"] += 1
-        self._release_fully_dispatched(seqs)
+        self.stats[f"replica{replica.index}_admitted"] += len(seqs)
+        return out, [seqs[i] for i in columns], columns
 
-    def _compact(self):
-        """Moves the sequences of the highest slots into free lower ones when the running
+    def _compact(self, replica: _Replica):
+        """Moves the sequences of a replica's highest slots into free lower ones when the running
         sequences would then fit a smaller decode batch (a long sample left alone in slot 40
         would otherwise be decoded in a batch of 64)."""
-        slots = self.engine_config.max_slots
-        target = batch_bucket(len(self._running), slots)
-        if batch_bucket(max(self._running) + 1, slots) <= target:
+        slots, running = replica.runner.max_slots, replica.running
+        target = batch_bucket(len(running), slots)
+        if batch_bucket(max(running) + 1, slots) <= target:
             return
         with self._lock:
-            movers = sorted((s for s in self._running if s >= target), reverse=True)
-            free = sorted(s for s in self._free_slots if s < target)[:len(movers)]
+            movers = sorted((s for s in running if s >= target), reverse=True)
+            free = sorted(s for s in replica.free_slots if s < target)[:len(movers)]
             for src, dst in zip(movers, free):
-                seq = self._running.pop(src)
+                seq = running.pop(src)
                 seq.slot = dst
-                self._running[dst] = seq
+                running[dst] = seq
             taken = set(free)
-            self._free_slots = [s for s in self._free_slots if s not in taken] + movers
-            heapq.heapify(self._free_slots)
-        self.runner.move(np.asarray(movers, np.int32), np.asarray(free, np.int32))
+            replica.free_slots = [s for s in replica.free_slots if s not in taken] + movers
+            heapq.heapify(replica.free_slots)
+        replica.runner.move(np.asarray(movers, np.int32), np.asarray(free, np.int32))
         self.stats["compactions"] += 1
 
     def _decode_step(self):
-        """Queues one decode step of every running sequence (slots ``0..batch-1``)."""
-        self._compact()
-        seqs = list(self._running.values())
-        batch = batch_bucket(max(self._running) + 1, self.engine_config.max_slots)
-        kv_needed = max(seq.kv_needed for seq in seqs)
-        horizon = max(len(seq.request.input_ids) + seq.request.sampling.max_new_tokens
-                      for seq in seqs)
-        filtered = any(seq.request.sampling.needs_filter for seq in seqs)
-        out = self.runner.decode(self._decode_weights, batch, kv_needed, filtered, horizon)
-        for seq in seqs:
-            seq.dispatched += 1
-        self._inflight.append(_InFlight(out, seqs, [seq.slot for seq in seqs], self.version))
+        """Queues one decode step of every running sequence (slots ``0..batch-1`` of each
+        replica), every replica's step before any is awaited."""
+        parts = []
+        for replica in self._replicas:
+            if not replica.running:
+                continue
+            self._compact(replica)
+            seqs = list(replica.running.values())
+            batch = batch_bucket(max(replica.running) + 1, replica.runner.max_slots)
+            kv_needed = max(seq.kv_needed for seq in seqs)
+            horizon = max(len(seq.request.input_ids) + seq.request.sampling.max_new_tokens
+                          for seq in seqs)
+            filtered = any(seq.request.sampling.needs_filter for seq in seqs)
+            out = replica.runner.decode(replica.decode_weights, batch, kv_needed, filtered,
+                                        horizon)
+            for seq in seqs:
+                seq.dispatched += 1
+            parts.append((out, seqs, [seq.slot for seq in seqs]))
+        self._inflight.append(_InFlight(parts, self.version))
         self.stats["decode_steps"] += 1
-        self._release_fully_dispatched(seqs)
+        self._release_fully_dispatched([seq for _, seqs, _ in parts for seq in seqs])
 
     def _release_fully_dispatched(self, seqs: list[_Sequence]):
         """Frees the slots of sequences whose last token is queued: a later step would only
@@ -530,25 +624,26 @@ class Engine:
     def _process(self, work: _InFlight):
         """Appends the tokens of one finished step to their sequences, finishing those that
         stop."""
-        tokens, logprobs = unpack(work.out)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
         finished = []
         appended = 0
-        for seq, column in zip(work.seqs, work.columns):
-            if seq.finish_reason is not None:  # stopped in an earlier step, or aborted
-                continue
-            tok = tokens[column]
-            seq.output_ids.append(tok)
-            seq.logprobs.append(logprobs[column])
-            seq.versions.append(work.version)
-            appended += 1
-            sp = seq.request.sampling
-            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
-                seq.finish_reason = {"type": "stop", "matched": tok}
-            elif len(seq.output_ids) >= sp.max_new_tokens:
-                seq.finish_reason = {"type": "length", "length": sp.max_new_tokens}
-            if seq.finish_reason is not None:
-                finished.append(seq)
+        for out, seqs, columns in work.parts:
+            tokens, logprobs = unpack(out)
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
+            for seq, column in zip(seqs, columns):
+                if seq.finish_reason is not None:  # stopped in an earlier step, or aborted
+                    continue
+                tok = tokens[column]
+                seq.output_ids.append(tok)
+                seq.logprobs.append(logprobs[column])
+                seq.versions.append(work.version)
+                appended += 1
+                sp = seq.request.sampling
+                if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+                    seq.finish_reason = {"type": "stop", "matched": tok}
+                elif len(seq.output_ids) >= sp.max_new_tokens:
+                    seq.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+                if seq.finish_reason is not None:
+                    finished.append(seq)
         self.stats["generated_tokens"] += appended
         if finished:
             with self._lock:
@@ -559,9 +654,10 @@ class Engine:
 
     def _release(self, seq: _Sequence):
         if seq.slot >= 0:
-            self._running.pop(seq.slot, None)
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
+            replica = self._replicas[seq.replica]
+            replica.running.pop(seq.slot, None)
+            heapq.heappush(replica.free_slots, seq.slot)
+            seq.slot = seq.replica = -1
 
     def _maybe_complete(self, req: _Request):
         if any(s.finish_reason is None for s in req.sequences):
@@ -594,7 +690,8 @@ class Engine:
         """Moves running sequences back to the front of the queue; their KV cache is dropped and
         recomputed when they are admitted again. Nothing may be in flight."""
         with self._lock:
-            running = sorted(self._running.values(), key=lambda s: s.slot)
+            running = sorted((s for r in self._replicas for s in r.running.values()),
+                             key=lambda s: (s.slot, s.replica))
             for seq in running:
                 self._release(seq)
                 seq.dispatched = len(seq.output_ids)
@@ -608,5 +705,6 @@ class Engine:
                     req.future.set_exception(error)
             self._requests.clear()
             self._waiting.clear()
-            for seq in list(self._running.values()):
-                self._release(seq)
+            for replica in self._replicas:
+                for seq in list(replica.running.values()):
+                    self._release(seq)

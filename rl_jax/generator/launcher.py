@@ -50,6 +50,7 @@ class PoolConfig:
     max_waiting: int = 4096  # rl_jax only
     dtype: str = "float32"  # sglang also accepts "auto"
     tensor_parallel: int = 1
+    data_parallel: int = 1  # replicas per server (rl_jax --data_parallel / sglang --dp-size)
     weight_version: int = 0
     extra_args: tuple[str, ...] = ()  # appended to every server's command line
     env: tuple[tuple[str, str], ...] = ()  # extra environment variables
@@ -96,6 +97,7 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
                f"--host={c.host}", f"--port={port}", f"--max_slots={c.max_slots}",
                f"--max_seq_len={c.max_seq_len}", f"--max_waiting={c.max_waiting}",
                f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",
+               f"--data_parallel={c.data_parallel}",
                f"--weight_version={c.weight_version}", f"--parent_pid={os.getpid()}"]
         if c.cpu_cores:
             cmd.append(f"--cpu_cores={c.cpu_cores}")
@@ -104,7 +106,8 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
     else:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model,
                "--host", c.host, "--port", str(port), "--tp-size", str(c.tensor_parallel),
-               "--base-gpu-id", str(index * c.tensor_parallel), "--dtype", c.dtype,
+               "--dp-size", str(c.data_parallel),
+               "--base-gpu-id", str(index * c.tensor_parallel * c.data_parallel), "--dtype", c.dtype,
                "--max-running-requests", str(c.max_slots),
                "--context-length", str(c.max_seq_len),
                "--weight-version", str(c.weight_version)]

@@ -76,6 +76,7 @@ class ServerConfig:
     max_prefill_tokens: int = 2048
     dtype: str = "float32"
     tensor_parallel: int = 1
+    data_parallel: int = 1  # replicas of the model, each on tensor_parallel devices of its own
     weight_version: int = 0
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
@@ -98,14 +99,23 @@ def make_generator_mesh(tensor_parallel: int):
     """None for one device, else a ``(data=1, fsdp=1, tensor=tp)`` mesh over the first devices."""
     if tensor_parallel <= 1:
         return None
+    return make_generator_meshes(tensor_parallel, 1)[0]
+
+
+def make_generator_meshes(tensor_parallel: int, data_parallel: int) -> list:
+    """One ``(data=1, fsdp=1, tensor=tp)`` mesh per data-parallel replica, over consecutive
+    devices (replica ``i`` on devices ``i·tp .. (i+1)·tp - 1``)."""
     import jax
 
     from rl_jax.sharding import ShardingError, make_mesh
     devices = jax.devices()
-    if len(devices) < tensor_parallel:
-        raise ShardingError(f"tensor_parallel={tensor_parallel} needs {tensor_parallel} "
-                              f"devices, {len(devices)} are available")
-    return make_mesh(data=1, fsdp=1, tensor=tensor_parallel, devices=devices[:tensor_parallel])
+    need = tensor_parallel * data_parallel
+    if len(devices) < need:
+        raise ShardingError(f"tensor_parallel={tensor_parallel} x data_parallel={data_parallel} "
+                            f"needs {need} devices, {len(devices)} are available")
+    return [make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
+                      devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel])
+            for i in range(data_parallel)]
 
 
 def load_params(model_dir: str | Path, *, mesh, rules, dtype) -> tuple[ModelConfig, dict]:
@@ -173,20 +183,28 @@ class GeneratorServer:
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
         from rl_jax.generator.runner import generator_rules
         for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
-                     "tensor_parallel"):
+                     "tensor_parallel", "data_parallel"):
             if getattr(config, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
+        if config.max_slots % config.data_parallel:
+            raise ConfigError(f"max_slots={config.max_slots} must split evenly over "
+                              f"data_parallel={config.data_parallel} replicas")
         if config.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         dtype = DTYPES[config.dtype]
-        mesh = make_generator_mesh(config.tensor_parallel)
+        meshes = None
+        if config.data_parallel > 1:
+            meshes = make_generator_meshes(config.tensor_parallel, config.data_parallel)
+            mesh = meshes[0]
+        else:
+            mesh = make_generator_mesh(config.tensor_parallel)
         rules = generator_rules()
         model_config, params = load_params(config.model, mesh=mesh, rules=rules, dtype=dtype)
         tokenizer = None
         if (Path(config.model) / "tokenizer.json").is_file():
             tokenizer = load_tokenizer(config.model)
-        engine = Engine(model_config, params, version=config.weight_version, mesh=mesh,
-                        rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
+        engine = Engine(model_config, params, version=config.weight_version,
+                        **({"meshes": meshes} if meshes else {"mesh": mesh}), rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
                         engine_config=EngineConfig(
                             max_slots=config.max_slots, max_seq_len=config.max_seq_len,
                             max_waiting=config.max_waiting,
@@ -217,26 +235,21 @@ class GeneratorServer:
             log.info("pulled initial weight version %d from %s", update.version, url)
 
     def warmup(self):
-        """Compiles prefill, decode and sampling with one short greedy request; with
-        ``warmup_shapes``, also every decode shape a run can meet (each power-of-two batch up
-        to ``max_slots``, each grown to ``max_seq_len``) and every admission shape of prompts
-        up to the shortest prefill bucket, so that no request waits for a compilation later
-        (a second or more each on a CPU core)."""
+        """Compiles prefill, decode and sampling with one short greedy request (per
+        data-parallel replica); with ``warmup_shapes``, also every decode shape a run can meet
+        (each power-of-two batch up to a replica's slots, each grown to ``max_seq_len``) and
+        every admission shape of prompts up to the shortest prefill bucket, so that no request
+        waits for a compilation later (a second or more each on a CPU core)."""
         steps = min(2, self.config.max_seq_len - 1)
         if steps > 0:
-            self.engine.generate(GenerateRequest(
-                [0], SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True),
-                rid="warmup"), timeout=600)
+            self._burst(1, 1, tag="first", max_new_tokens=steps, temperature=0.0)
         if not self.config.warmup_shapes or self.config.max_seq_len < 3:
             return
         start = time.perf_counter()
-        slots = self.config.max_slots
+        slots = self.config.max_slots // self.engine.data_parallel  # per replica
         sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
         for n in sizes:
-            self.engine.generate(GenerateRequest(
-                [0], SamplingParams(max_new_tokens=self.config.max_seq_len - 1, temperature=1.0,
-                                    ignore_eos=True, n=n, seed=0),
-                rid=f"warmup-{n}"), timeout=1800)
+            self._burst(1, n, tag=f"batch-{n}", max_new_tokens=self.config.max_seq_len - 1)
         # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
         # both mixed): the first tokens of every power-of-two prompt count × sequence count,
         # and installing every power-of-two sequence count at every cache length.
@@ -248,28 +261,32 @@ class GeneratorServer:
         lengths = sorted({kv_bucket(n, self.config.max_seq_len)
                           for n in range(1, self.config.max_seq_len + 1)})
         for length in lengths:  # moving sequences to lower slots (see Engine._compact)
-            self.engine.runner.compile_move(length)
+            for runner in self.engine.runners:
+                runner.compile_move(length)
         for length in lengths[1:]:
             for n in sizes:
                 if n >= MIN_ADMIT or n == slots:
-                    self.engine.generate(GenerateRequest(  # the cache stays this long when idle
-                        [0], SamplingParams(max_new_tokens=length - 1, temperature=0.0,
-                                            ignore_eos=True),
-                        rid=f"warmup-grow-{length}"), timeout=1800)
+                    # The cache stays this long when idle.
+                    self._burst(1, 1, tag=f"grow-{length}", max_new_tokens=length - 1,
+                                temperature=0.0)
                     self._burst(1, n, tag=f"{length}-{n}")
         log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
                  self.config.max_seq_len, time.perf_counter() - start)
 
-    def _burst(self, prompts: int, n: int, tag: str):
-        """``prompts`` one-token requests of ``n`` samples, admitted in one scheduler pass."""
+    def _burst(self, prompts: int, n: int, tag: str, max_new_tokens: int = 2,
+               temperature: float = 1.0):
+        """``prompts`` one-token requests of ``n`` samples for each data-parallel replica, all
+        admitted in one scheduler pass (a new request goes to the replica with the most free
+        slots, so each replica gets the same)."""
         self.engine.pause("in_place")
         deadline = time.monotonic() + 60
         while not self.engine.paused and time.monotonic() < deadline:
             time.sleep(0.001)
         futures = [self.engine.submit(GenerateRequest(
             [i % self.engine.config.vocab_size], SamplingParams(
-                max_new_tokens=2, temperature=1.0, ignore_eos=True, n=n, seed=i),
-            rid=f"warmup-burst-{tag}-{i}")) for i in range(prompts)]
+                max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True, n=n,
+                seed=i),
+            rid=f"warmup-{tag}-{i}")) for i in range(prompts * self.engine.data_parallel)]
         self.engine.resume()
         for future in futures:
             future.result(timeout=1800)
@@ -426,7 +443,7 @@ class GeneratorServer:
         load = self.engine.load()
         return _json_response({
             **self._model_info(), "host": c.host, "port": request.url.port or c.port,
-            "tp_size": c.tensor_parallel, "dp_size": 1, "dtype": c.dtype,
+            "tp_size": c.tensor_parallel, "dp_size": c.data_parallel, "dtype": c.dtype,
             "max_running_requests": c.max_slots, "context_length": c.max_seq_len,
             "max_total_num_tokens": c.max_slots * c.max_seq_len,
             "max_queued_requests": c.max_waiting, "max_prefill_tokens": c.max_prefill_tokens,

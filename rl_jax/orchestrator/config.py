@@ -131,6 +131,12 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise RLConfigError(f"generator.urls must be http(s) URLs, got {url!r}")
     _int("generator.max_slots", g.max_slots, 1)
+    for name in ("tensor_parallel", "data_parallel"):
+        if name in g:
+            _int(f"generator.{name}", g[name], 1)
+    if g.max_slots % g.get("data_parallel", 1):
+        raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "
+                            f"generator.data_parallel={g.data_parallel} replicas")
     _int("eval.examples", c.eval.examples, 0)
     _int("eval.every", c.eval.every, 0)
     if "concurrency" in c.eval:
