@@ -66,13 +66,18 @@ class EngineConfig:
     recompute_kv_on_update: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Sequence:
     """One sample of a request: its tokens so far and where it lives."""
 
     request: "_Request"
     index: int  # sample index within the request (0..n-1)
     seed: int
+    # Constant per request, kept here for the per-step loops over running sequences.
+    prompt_len: int = dataclasses.field(init=False)
+    max_new_tokens: int = dataclasses.field(init=False)
+    horizon: int = dataclasses.field(init=False)  # cache positions it may reach
+    filtered: bool = dataclasses.field(init=False)  # sampled with top-k/top-p/min-p
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -83,14 +88,16 @@ class _Sequence:
     # Tokens queued for sampling on the device (sampled or in flight): >= len(output_ids).
     dispatched: int = 0
 
+    def __post_init__(self):
+        sampling = self.request.sampling
+        self.prompt_len = len(self.request.input_ids)
+        self.max_new_tokens = sampling.max_new_tokens
+        self.horizon = self.prompt_len + sampling.max_new_tokens
+        self.filtered = sampling.needs_filter
+
     @property
     def tokens(self) -> list[int]:
         return self.request.input_ids + self.output_ids
-
-    @property
-    def kv_needed(self) -> int:
-        """Cache positions the next decode step of this sequence uses."""
-        return len(self.request.input_ids) + self.dispatched
 
 
 @dataclasses.dataclass
@@ -599,15 +606,15 @@ class Engine:
             self._compact(replica)
             seqs = list(replica.running.values())
             batch = batch_bucket(max(replica.running) + 1, replica.runner.max_slots)
-            kv_needed = max(seq.kv_needed for seq in seqs)
-            horizon = max(len(seq.request.input_ids) + seq.request.sampling.max_new_tokens
-                          for seq in seqs)
-            filtered = any(seq.request.sampling.needs_filter for seq in seqs)
+            # The next positions written are prompt + dispatched tokens (cache positions used).
+            kv_needed = max(seq.prompt_len + seq.dispatched for seq in seqs)
+            horizon = max(seq.horizon for seq in seqs)
+            filtered = any(seq.filtered for seq in seqs)
             out = replica.runner.decode(replica.decode_weights, batch, kv_needed, filtered,
                                         horizon)
             for seq in seqs:
                 seq.dispatched += 1
-            parts.append((out, seqs, [seq.slot for seq in seqs]))
+            parts.append((out, seqs, list(replica.running)))
         self._inflight.append(_InFlight(parts, self.version))
         self.stats["decode_steps"] += 1
         self._release_fully_dispatched([seq for _, seqs, _ in parts for seq in seqs])
@@ -615,7 +622,7 @@ class Engine:
     def _release_fully_dispatched(self, seqs: list[_Sequence]):
         """Frees the slots of sequences whose last token is queued: a later step would only
         compute tokens past ``max_new_tokens`` (the queued work still completes first)."""
-        done = [s for s in seqs if s.dispatched >= s.request.sampling.max_new_tokens]
+        done = [s for s in seqs if s.dispatched >= s.max_new_tokens]
         if done:
             with self._lock:
                 for seq in done:
@@ -640,8 +647,8 @@ class Engine:
                 sp = seq.request.sampling
                 if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
                     seq.finish_reason = {"type": "stop", "matched": tok}
-                elif len(seq.output_ids) >= sp.max_new_tokens:
-                    seq.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+                elif len(seq.output_ids) >= seq.max_new_tokens:
+                    seq.finish_reason = {"type": "length", "length": seq.max_new_tokens}
                 if seq.finish_reason is not None:
                     finished.append(seq)
         self.stats["generated_tokens"] += appended
