@@ -229,9 +229,9 @@ class PauseTest:
                 jax.block_until_ready(item[1])
                 self.steps.append((item[0], time.perf_counter()))
 
-        def timed_swap(p, v):
+        def timed_swap(*args):
             start = time.perf_counter()
-            swap(p, v)
+            swap(*args)
             self.swaps.append((start, time.perf_counter()))
 
         def timed_prepare(p):
