@@ -526,3 +526,20 @@ def test_a_stopped_engine_answers_503_instead_of_hanging(ckpts):
                 assert (await response.json())["error"]["type"] == "unavailable"
 
     asyncio.run(main())
+
+
+def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
+    """``warmup_shapes`` with two replicas: each replica compiles the same decode shapes (every
+    batch bucket of its own slots, every cache length), not just the first one."""
+    from rl_jax.generator.server import GeneratorServer, ServerConfig
+
+    server = GeneratorServer.from_config(ServerConfig(
+        model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, warmup=True,
+        warmup_shapes=True))
+    try:
+        first, second = (runner._compiled for runner in server.engine.runners)
+        assert {batch for batch, _, _ in first} == {4}  # 8 slots: 4 per replica
+        assert {length for _, length, _ in first} == {16, 32}
+        assert first == second
+    finally:
+        server.engine.shutdown()
