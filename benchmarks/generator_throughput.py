@@ -46,7 +46,7 @@ far more from them than XLA's thread pool (several times slower decode steps und
 also why HF gets its better thread count), so a median would mostly measure the neighbours. The
 load average is recorded with the results.
 
-The aims are judged on the faster engine layout at each batch size.
+The roofline aim is judged on the better engine layout, each at its own best batch size.
 
 Usage: python benchmarks/generator_throughput.py [--quick] [--data-parallel 2]
 Writes benchmarks/results/generator_throughput.json and generator_throughput.png.
@@ -85,9 +85,9 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
 from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, attend, sample  # noqa: E402
+from rl_jax.generator.server import make_generator_meshes  # noqa: E402
 from rl_jax.generator.types import GenerateRequest, SamplingParams  # noqa: E402
 from rl_jax.models import ModelConfig, save_pretrained  # noqa: E402
-from rl_jax.sharding import make_mesh  # noqa: E402
 from rl_jax.trainer.state import ModelSpec  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -389,8 +389,7 @@ def hf_generate(model, prompts: np.ndarray, new_tokens: int, threads: int) -> fl
 def data_parallel_engine(cfg: ModelConfig, params, replicas: int, engine_config: EngineConfig
                          ) -> Engine:
     """An engine with ``replicas`` data-parallel replicas, one per host device."""
-    meshes = [make_mesh(data=1, fsdp=1, tensor=1, devices=[d])
-              for d in jax.devices()[:replicas]]
+    meshes = make_generator_meshes(1, replicas)
     placed = jax.device_put(params, NamedSharding(meshes[0], PartitionSpec()))
     return Engine(cfg, placed, meshes=meshes, engine_config=engine_config)
 
@@ -598,9 +597,10 @@ def print_table(result: dict):
     if dp_rows:
         print(f"with {dp_rows[0]['data_parallel']} data-parallel replicas (one host device each):")
         for r in dp_rows:
+            speedup = r["engine_step_s"] / r["engine_dp_step_s"]
             print(f"{r['batch']:>4} | engine dp {r['engine_dp_step_s'] * 1e3:7.2f} ms "
-                  f"{r['engine_dp_tok_s']:8.0f} tok/s, {r['engine_step_s'] / r['engine_dp_step_s']:.2f}x"
-                  f" the one-device engine; dp/roof {r['engine_dp_over_roofline']:.2f}, dp/run "
+                  f"{r['engine_dp_tok_s']:8.0f} tok/s, {speedup:.2f}x the one-device engine; "
+                  f"dp/roof {r['engine_dp_over_roofline']:.2f}, dp/run "
                   f"{r['engine_dp_over_roofline_run']:.2f}"
                   + (f", dp/hf {r['engine_dp_over_hf']:.2f}" if has_hf else ""))
     s = result["summary"]

@@ -11,6 +11,7 @@ import pytest
 
 from rl_jax.generator.engine import Engine, EngineConfig
 from rl_jax.generator.runner import generator_rules
+from rl_jax.generator.server import make_generator_meshes
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
 from rl_jax.models import ModelConfig
 from rl_jax.sharding import make_mesh
@@ -186,15 +187,11 @@ def _place(params, mesh):
     return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
 
 
-def _one_device_meshes(n):
-    import jax
-    return [make_mesh(data=1, fsdp=1, tensor=1, devices=[d]) for d in jax.devices()[:n]]
-
 
 @pytest.mark.parametrize("recompute,replicas", [(False, 1), (True, 1), (True, 2)])
 def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, recompute,
                                                               replicas):
-    meshes = _one_device_meshes(replicas) if replicas > 1 else None
+    meshes = make_generator_meshes(1, replicas) if replicas > 1 else None
     outs = _generate_across_update(weights, recompute, meshes)
     for i, out in enumerate(outs):
         prompt = [1, 2 + i, 3]
@@ -304,10 +301,7 @@ def test_data_parallel_replicas_match_single_device(spec, weights, tensor):
     and produce the tokens and log-probs one device does; samples of one request admitted
     together share one prefill on one replica."""
     import jax
-    devices = jax.devices()
-    meshes = [make_mesh(data=1, fsdp=1, tensor=tensor, devices=devices[i * tensor:
-                                                                      (i + 1) * tensor])
-              for i in range(2)]
+    meshes = make_generator_meshes(tensor, 2)
     params = jax.device_put(weights[0], ModelSpec(CFG, mesh=meshes[0],
                                                   rules=generator_rules()).param_shardings)
     dp = Engine(CFG, params, meshes=meshes, rules=generator_rules(), eos_token_ids=(EOS,),
@@ -345,7 +339,7 @@ def test_data_parallel_replicas_match_single_device(spec, weights, tensor):
 
 
 def test_data_parallel_configuration_errors(weights):
-    meshes = _one_device_meshes(2)
+    meshes = make_generator_meshes(1, 2)
     with pytest.raises(GeneratorError, match="does not split evenly over 2"):
         Engine(CFG, weights[0], meshes=meshes, engine_config=EngineConfig(max_slots=5))
     with pytest.raises(GeneratorError, match="share devices"):

@@ -117,10 +117,22 @@ class _Replica:
     def __init__(self, index: int, runner: ModelRunner, params: dict[str, Any]):
         self.index = index
         self.runner = runner
-        self.params = params
-        self.decode_weights = runner.prepare(params)
+        self.params = self.place(params)
+        self.decode_weights = runner.prepare(self.params)
         self.running: dict[int, _Sequence] = {}
         self.free_slots = list(range(runner.max_slots))  # a heap: lowest slot first
+
+    def place(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` (placed for the first replica's mesh) as this replica uses them: the
+        first replica's own, a copy with the same partition specs on another's mesh."""
+        if self.index == 0:
+            return params
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        def one(a):
+            spec = a.sharding.spec if isinstance(a.sharding, NamedSharding) else PartitionSpec()
+            return jax.device_put(a, NamedSharding(self.runner.mesh, spec))
+        return jax.tree.map(one, params)
 
 
 @dataclasses.dataclass
@@ -178,8 +190,7 @@ class Engine:
             runner = ModelRunner(config, max_slots=engine_config.max_slots // len(meshes),
                                  max_seq_len=engine_config.max_seq_len, mesh=m, rules=rules,
                                  dtype=dtype or jnp.float32)
-            placed = params if i == 0 else self._place(params, runner)
-            self._replicas.append(_Replica(i, runner, placed))
+            self._replicas.append(_Replica(i, runner, params))
         self.version = version
         self.eos_token_ids = tuple(eos_token_ids)
         mutex = threading.RLock()
@@ -221,16 +232,6 @@ class Engine:
     @property
     def data_parallel(self) -> int:
         return len(self._replicas)
-
-    @staticmethod
-    def _place(params: dict[str, Any], runner: ModelRunner) -> dict[str, Any]:
-        """``params`` copied onto ``runner``'s mesh, with the same partition specs."""
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        def one(a):
-            spec = a.sharding.spec if isinstance(a.sharding, NamedSharding) else PartitionSpec()
-            return jax.device_put(a, NamedSharding(runner.mesh, spec))
-        return jax.tree.map(one, params)
 
     @property
     def _running_count(self) -> int:
@@ -395,7 +396,7 @@ class Engine:
             try:
                 prepared = []
                 for replica in self._replicas:
-                    placed = params if replica.index == 0 else self._place(params, replica.runner)
+                    placed = replica.place(params)
                     prepared.append((placed, replica.runner.prepare(placed)))
                 jax.block_until_ready(prepared)
             except Exception:  # keep serving with the current weights

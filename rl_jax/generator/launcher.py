@@ -107,7 +107,8 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model,
                "--host", c.host, "--port", str(port), "--tp-size", str(c.tensor_parallel),
                "--dp-size", str(c.data_parallel),
-               "--base-gpu-id", str(index * c.tensor_parallel * c.data_parallel), "--dtype", c.dtype,
+               "--base-gpu-id", str(index * c.tensor_parallel * c.data_parallel),
+               "--dtype", c.dtype,
                "--max-running-requests", str(c.max_slots),
                "--context-length", str(c.max_seq_len),
                "--weight-version", str(c.weight_version)]

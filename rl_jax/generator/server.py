@@ -95,13 +95,6 @@ class EngineStopped(RuntimeError):
 
 # ---- loading ------------------------------------------------------------------------------------
 
-def make_generator_mesh(tensor_parallel: int):
-    """None for one device, else a ``(data=1, fsdp=1, tensor=tp)`` mesh over the first devices."""
-    if tensor_parallel <= 1:
-        return None
-    return make_generator_meshes(tensor_parallel, 1)[0]
-
-
 def make_generator_meshes(tensor_parallel: int, data_parallel: int) -> list:
     """One ``(data=1, fsdp=1, tensor=tp)`` mesh per data-parallel replica, over consecutive
     devices (replica ``i`` on devices ``i·tp .. (i+1)·tp - 1``)."""
@@ -192,19 +185,17 @@ class GeneratorServer:
         if config.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         dtype = DTYPES[config.dtype]
-        meshes = None
-        if config.data_parallel > 1:
+        meshes = None  # one device
+        if config.tensor_parallel * config.data_parallel > 1:
             meshes = make_generator_meshes(config.tensor_parallel, config.data_parallel)
-            mesh = meshes[0]
-        else:
-            mesh = make_generator_mesh(config.tensor_parallel)
+        mesh = meshes[0] if meshes else None
         rules = generator_rules()
         model_config, params = load_params(config.model, mesh=mesh, rules=rules, dtype=dtype)
         tokenizer = None
         if (Path(config.model) / "tokenizer.json").is_file():
             tokenizer = load_tokenizer(config.model)
-        engine = Engine(model_config, params, version=config.weight_version,
-                        **({"meshes": meshes} if meshes else {"mesh": mesh}), rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
+        engine = Engine(model_config, params, version=config.weight_version, meshes=meshes,
+                        rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
                         engine_config=EngineConfig(
                             max_slots=config.max_slots, max_seq_len=config.max_seq_len,
                             max_waiting=config.max_waiting,
