@@ -33,7 +33,7 @@ gap; it is compared with the pure copy time of the model (memcpy, measured in th
 process). The same statistic over ordinary steps (no swap) is reported as the noise floor, and
 the decode time lost while the update is pulled and laid out in the background (steps that
 overlap that work, minus the median) is reported as ``background_slowdown_s``.
-Aim: median pause <= 2x the pure copy time.
+Aim: every update's pause <= 2x the pure copy time (median and max reported).
 
 Usage: python benchmarks/transfer_throughput.py [--quick] [--repeats N] [--variants=shm,...]
 Writes benchmarks/results/transfer_throughput.json and transfer_throughput.png.
@@ -250,16 +250,19 @@ class PauseTest:
 
         def load():
             while not self.stop.is_set():
-                futures = [engine.submit(GenerateRequest([1, 2, 3], SamplingParams(
-                    max_new_tokens=400, temperature=1.0, ignore_eos=True))) for _ in range(8)]
-                for f in futures:
-                    f.result()
+                # one request of 8 samples: every batch is admitted in the same shape
+                engine.submit(GenerateRequest([1, 2, 3], SamplingParams(
+                    max_new_tokens=400, temperature=1.0, ignore_eos=True, n=8))).result()
                 self.batches += 1
 
         self.thread = threading.Thread(target=load, daemon=True)
         self.thread.start()
-        while self.batches < 1:  # every cache length compiled before the first update
+        # Every decode cache length is compiled by the first batch; the second admits into a
+        # cache at its longest, which compiles the prefill path and the cache's shrinking:
+        # neither belongs to an update's pause.
+        while self.batches < 2:
             time.sleep(0.05)
+        self.warm = time.perf_counter()  # steps before this compiled the shapes: not noise
         self.puller = GeneratorPuller(cmd["url"], transports=[cmd["transport"]],
                                       config=PullerConfig(timeout_s=600))
         self.puller.puller(engine.params).register()
@@ -296,7 +299,7 @@ class PauseTest:
             slowdown.append(float(sum(gaps[i - 1] - median for i in overlapping)))
             near.update(range(min(overlapping + [k]) - 1, k + 2))
         ordinary = np.array([gaps[i - 1] - median for i in range(1, len(steps))
-                             if i not in near])
+                             if i not in near and ready[i - 1] >= self.warm])
         copy_s = min(self.copies)
         return {"model_bytes": self.nbytes, "pure_copy_s": copy_s, "median_step_s": median,
                 "decode_steps": len(steps), "swap_call_s": [e - s for s, e in self.swaps],
@@ -420,7 +423,8 @@ def run(args) -> dict:
         scratch.cleanup()
     big = [r for r in rows if r["model_bytes"] >= 100e6]
     aim = {"target_ratio": 0.5, "target_pause_vs_copy": 2.0,
-           "median_pause_vs_copy": pause["median_pause_vs_copy"]}
+           "median_pause_vs_copy": pause["median_pause_vs_copy"],
+           "max_pause_vs_copy": pause["max_pause_vs_copy"]}
     for key in ("end_to_end", "pull"):
         # per size >= 100 MB: the fastest transport's ratio
         aim[f"fastest_{key}_vs_memcpy_ge_100MB"] = {
@@ -523,8 +527,8 @@ def main():
         best = aim[f"fastest_{key}_vs_memcpy_ge_100MB"]
         print(f"aim, fastest {what} >= {aim['target_ratio']}x memcpy: " + ", ".join(
             f"{size} {b['ratio']:.2f}x ({b['transport']})" for size, b in best.items()))
-    print(f"aim, median pause <= {aim['target_pause_vs_copy']}x copy: "
-          f"{aim['median_pause_vs_copy']:.2f}x")
+    print(f"aim, pause per update <= {aim['target_pause_vs_copy']}x copy: median "
+          f"{aim['median_pause_vs_copy']:.2f}x, max {aim['max_pause_vs_copy']:.2f}x")
     print(f"wrote {out}")
 
 

@@ -209,6 +209,86 @@ def test_killed_server_is_detected_and_requests_retried(pool):
     run(main())
 
 
+class DroppingProxy:
+    """A TCP proxy in front of one real server that, once, delivers a ``/generate`` request and
+    then drops the client's connection while keeping the server's open: the server runs the
+    request and never learns that its client is gone (a broken path, not a dead server)."""
+
+    def __init__(self, backend_url: str):
+        host, port = backend_url.rsplit("/", 1)[-1].split(":")
+        self.backend = (host, int(port))
+        self.dropped = 0
+        self.held: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def close(self):
+        self.server.close()
+        for writer in self.held:
+            writer.close()
+
+    async def _serve(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(*self.backend)
+
+        async def downstream():
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        back = asyncio.create_task(downstream())
+        try:
+            while data := await reader.read(65536):
+                up_writer.write(data)
+                await up_writer.drain()
+                if not self.dropped and data.startswith(b"POST /generate"):
+                    self.dropped += 1
+                    await asyncio.sleep(0.2)  # the whole request reaches the server
+                    back.cancel()
+                    self.held.append(up_writer)  # the server's side stays open
+                    writer.transport.abort()
+                    return
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        back.cancel()
+        up_writer.close()
+        writer.close()
+
+
+def test_a_request_cut_off_after_delivery_is_retried_under_its_rid(pool):
+    """The connection breaks after the server took the request: the retry reaches the same
+    server (the only one) while the first attempt is still there (queued: the server is paused
+    until the retry is under way), so the client frees the rid on that server before retrying;
+    without that the retry is refused as a duplicate."""
+    backend = pool.urls[0]
+
+    async def main():
+        proxy = DroppingProxy(backend)
+        url = await proxy.start()
+        config = ClientConfig(health_check_interval=60, down_retry_interval=0.05,
+                              health_timeout=2, request_timeout=60, retry_backoff=0.01)
+        try:
+            async with GeneratorClient([url], config) as client:
+                request = GenerateRequest([1, 2, 3], SamplingParams(
+                    max_new_tokens=30, ignore_eos=True, seed=5), rid="cut-off-once")
+                task = asyncio.create_task(client.generate(request))
+                await wait_for(lambda: client.stats["retries"] >= 1 or task.done(),
+                               what="the retry")
+                await asyncio.to_thread(http, backend, "/continue_generation", {})
+                outs = await task
+                assert proxy.dropped == 1 and client.stats["retries"] == 1
+                assert outs[0].rid == "cut-off-once" and len(outs[0].output_ids) == 30
+                assert outs[0].finish_reason["type"] == "length"
+        finally:
+            await proxy.close()
+            http(backend, "/continue_generation", {})
+
+    assert http(backend, "/pause_generation", {"mode": "in_place"})[0] == 200
+    run(main())
+
+
 def test_no_server_up_raises_unavailable(tmp_path):
     async def main():
         config = ClientConfig(max_attempts=2, retry_backoff=0.01, health_timeout=0.5)

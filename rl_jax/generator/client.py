@@ -304,6 +304,12 @@ class GeneratorClient(Generator):
             except (aiohttp.ClientError, OSError) as e:
                 problems.append(f"{server.url}: {e!r}")
                 self._mark_down(server, repr(e))
+                if not isinstance(e, aiohttp.ClientConnectorError):
+                    # The request may have reached the server before the connection broke:
+                    # free its rids there, or a retry landing there again is refused as a
+                    # duplicate while the first attempt still runs.
+                    for rid in rids:
+                        await self._abort_on(server, rid)
                 continue
             finally:
                 server.outstanding -= 1
