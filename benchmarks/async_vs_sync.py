@@ -308,6 +308,13 @@ def main(argv):
             # The trainer's own speed: trained tokens per second spent in train steps.
             "trainer_tokens_per_s_training": s["trained_tokens"] / max(
                 s["trainer_seconds"]["training"], 1e-9),
+            # CPU seconds per thread over the steps (trainer process, generator servers), and
+            # how many cores they kept busy on average
+            "trainer_cpu_seconds": s.get("trainer_cpu_seconds", {}),
+            "generator_cpu_seconds": s.get("generator_cpu_seconds", {}),
+            "cores_busy": (sum(s.get("trainer_cpu_seconds", {}).values())
+                           + sum(s.get("generator_cpu_seconds", {}).values()))
+            / max(s["wall_s"], 1e-9),
         })
     print(f"\ntarget held-out accuracy {target:.3f}; lengths p99/p50 "
           f"{lengths['p99_over_p50']:.1f}")
@@ -320,6 +327,12 @@ def main(argv):
               f"{(r['generator_idle_fraction'] or math.nan):>10.2f}{r['staleness_max']:>11.0f}"
               f"{r['staleness_mean']:>12.2f}"
               f"{r['accuracy_before']:>7.2f}->{r['accuracy_after']:.2f}")
+    print("CPU seconds over the steps, by thread (median run of each mode; XLA's pool is "
+          "tf_XLAEigen):")
+    for r in rows:
+        top = lambda d: ", ".join(f"{k} {v:.2f}" for k, v in list(d.items())[:4])  # noqa: E731
+        print(f"  {r['mode']:<28} trainer [{top(r['trainer_cpu_seconds'])}]; generators "
+              f"[{top(r['generator_cpu_seconds'])}]; {r['cores_busy']:.2f} cores busy")
     bound = None
     if "sync" in runs:
         # Overlap can at best hide the shorter of the two phases of a sync step.

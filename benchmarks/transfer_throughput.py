@@ -146,7 +146,6 @@ def trainer_main():
 
 def generator_main():
     import jax
-    import numpy as np
 
     from rl_jax.generator.runner import generator_rules
     from rl_jax.trainer.state import ModelSpec

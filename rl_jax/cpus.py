@@ -64,3 +64,44 @@ def pin(text: str) -> set[int]:
     cores = pin_threads(text, threads)
     os.sched_setaffinity(0, cores)
     return cores
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each live thread of this process, summed by
+    thread name: Python threads by their ``threading`` name (the main thread as ``"main"``),
+    native ones (XLA's thread pool, a web server's workers) by the kernel's name for them
+    (``/proc/self/task/<tid>/comm``). Threads that have ended are not counted. Empty where
+    ``/proc`` is not available (not Linux)."""
+    import threading
+
+    names = {t.native_id: ("main" if t is threading.main_thread() else t.name)
+             for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread just ended
+            continue
+        # pid (comm) state ... : comm may hold spaces and parentheses, so split after the last
+        # ')'; utime and stime are then fields 12 and 13 (1-based after the comm).
+        comm, rest = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:]
+        fields = rest.split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
+def cpu_seconds_between(before: dict[str, float], after: dict[str, float],
+                        floor: float = 0.005) -> dict[str, float]:
+    """Per-name CPU seconds spent between two :func:`thread_cpu_seconds` readings, largest
+    first, without the names that spent less than ``floor``."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    return {name: round(s, 3) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])
+            if s >= floor}

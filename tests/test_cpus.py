@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -59,3 +60,27 @@ def test_pin_restricts_every_thread_of_the_process():
             "ev.set(); t.join(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_thread_cpu_seconds_names_python_threads_and_counts_their_time():
+    before = cpus.thread_cpu_seconds()
+    burned, stop = threading.Event(), threading.Event()
+
+    def burn():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            sum(range(1000))
+        burned.set()
+        stop.wait(10)  # alive when read: ended threads are not counted
+
+    thread = threading.Thread(target=burn, name="cpu-burner")
+    thread.start()
+    assert burned.wait(10)
+    after = cpus.thread_cpu_seconds()
+    stop.set()
+    thread.join(10)
+    assert "main" in after and "cpu-burner" not in before
+    spent = cpus.cpu_seconds_between(before, after)
+    assert 0.25 <= spent["cpu-burner"] <= 1.0
+    assert list(spent) == sorted(spent, key=lambda k: -spent[k])  # largest first
+    assert all(v >= 0.005 for v in spent.values())

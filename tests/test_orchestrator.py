@@ -92,6 +92,10 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     assert summary["staleness/max"] <= 2
     assert sum(summary["staleness_histogram"].values()) == 6 * 16
     assert summary.get("gate/late", 0) == 0
+    # CPU seconds per thread over the steps, of this process and of the generator server
+    trainer_cpu, generator_cpu = summary["trainer_cpu_seconds"], summary["generator_cpu_seconds"]
+    assert trainer_cpu["main"] > 0 and "engine" in generator_cpu
+    assert 0 < sum(trainer_cpu.values()) + sum(generator_cpu.values()) < 2 * summary["wall_s"]
     steps = train_records(workdir)
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
     for r in steps.values():

@@ -49,6 +49,7 @@ from typing import Any
 from aiohttp import web
 
 import rl_jax
+from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate)
@@ -441,7 +442,9 @@ class GeneratorServer:
             "strict_sampling_params": c.strict, "paused": self.engine.paused,
             "version": f"rl_jax-{rl_jax.__version__}",
             "internal_states": [{**load, **dict(self.engine.stats)}],
-            "http_requests": dict(self.http_requests)})
+            "http_requests": dict(self.http_requests),
+            # per thread name, since the server started (see rl_jax.cpus.thread_cpu_seconds)
+            "cpu_seconds_by_thread": thread_cpu_seconds()})
 
     async def get_load(self, request):
         load = self.engine.load()

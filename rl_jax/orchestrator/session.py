@@ -405,6 +405,8 @@ class Session:
         if self.primary and c.cpus.get("rollout"):
             self._pin_host_threads(c.cpus.rollout)
         log_step = None  # the previous step's logging, done while this step trains
+        cpu_before = (cpus.thread_cpu_seconds(), self._generator_cpu()) if self.primary \
+            else None
         for i in range(start_iter, c.trainer.steps):
             t0, cpu0 = time.perf_counter(), time.process_time()
             groups, host, staleness, packing = None, None, [], 0.0
@@ -494,7 +496,8 @@ class Session:
         if log_step is not None:
             log_step()
         bar.close()
-        return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval)
+        return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval,
+                            cpu_before)
 
     def _next_batch(self) -> tuple[list, dict[str, Any], list[int], float]:
         """The rollout's next batch, packed: ``(groups, host batch, per-sample staleness,
@@ -520,6 +523,37 @@ class Session:
                            if "generator/tokens_per_s" in record else {}),
                         refresh=False)
         bar.update(1)
+
+    def _generator_cpu(self) -> dict[str, dict[str, float]]:
+        """Each generator server's CPU seconds per thread so far (this project's servers report
+        them in ``/get_server_info``; SGLang's do not, and give nothing here)."""
+        try:
+            answers = self.control_loop.run(self.control.broadcast("GET", "/get_server_info"),
+                                            timeout=30)
+        except Exception as e:  # diagnostics only: never stop a run for them
+            log.warning("generator CPU times unavailable: %r", e)
+            return {}
+        return {url: body["cpu_seconds_by_thread"] for url, (status, body) in answers.items()
+                if status == 200 and isinstance(body, dict)
+                and isinstance(body.get("cpu_seconds_by_thread"), dict)}
+
+    @staticmethod
+    def _cpu_spent(before, after) -> dict[str, Any]:
+        """CPU seconds per thread name spent in the loop (between the readings ``before`` and
+        ``after``) by this process (``trainer_cpu_seconds``) and by the generator servers
+        (``generator_cpu_seconds``, summed over the servers that answered both times)."""
+        if before is None or after is None:
+            return {}
+        (trainer_before, generators_before), (trainer_after, generators_after) = before, after
+        out: dict[str, Any] = {"trainer_cpu_seconds": cpus.cpu_seconds_between(
+            trainer_before, trainer_after)}
+        total: collections.Counter = collections.Counter()
+        for url, after in generators_after.items():
+            if url in generators_before:
+                total.update(cpus.cpu_seconds_between(generators_before[url], after))
+        if total:
+            out["generator_cpu_seconds"] = {k: round(v, 3) for k, v in total.most_common()}
+        return out
 
     def _pin_host_threads(self, cores: str):
         """Moves this process's Python threads other than the main one (the rollout client,
@@ -568,10 +602,13 @@ class Session:
             params = jax.device_put(params, jax.local_devices()[0])
         self.weights.publish(params, version)
 
-    def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval):
+    def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval,
+                cpu_before):
         c = self.c
         version = int(self.state.step)
         train_wall = wall_offset + clock.elapsed
+        cpu_after = (cpus.thread_cpu_seconds(), self._generator_cpu()) if self.primary \
+            else None
         self.checkpointer.wait()
         done = version + int(self.state.skipped)
         if self.checkpointer.latest_step() != done:  # stopped early by the time limit
@@ -585,6 +622,7 @@ class Session:
                                  tokenizer=self.tokenizer, dtype=DTYPES[c.export.dtype])
         if not self.primary:
             return {}
+        cpu_spent = self._cpu_spent(cpu_before, cpu_after)
         rollout_metrics = self.rollout.metrics()
         self.rollout.close()
         if pending_eval is not None:
@@ -615,6 +653,7 @@ class Session:
             **{k: v for k, v in rollout_metrics.items()},
             "weights": dict(self.weights.totals),
             "generator_restarts": dict(self.pool.restarts), "export": str(export),
+            **cpu_spent,
         }
         idle = writer.series("generator/idle_fraction")[1]
         summary["generator_idle_fraction"] = float(np.mean(idle)) if len(idle) else None
