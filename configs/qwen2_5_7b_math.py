@@ -59,7 +59,7 @@ def get_config() -> ConfigDict:
     c.generator = ConfigDict(dict(
         kind="sglang", urls=tuple(f"http://node1:{30000 + i}" for i in range(4)),
         num_servers=4, max_slots=256, max_seq_len=4096, dtype="bfloat16", tensor_parallel=2,
-        data_parallel=1,
+        data_parallel=1, decode_steps=1,
         startup_timeout_s=1200.0, restart_dead=True, warmup_shapes=False,
         request_timeout_s=3600.0,
     ))

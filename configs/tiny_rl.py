@@ -80,6 +80,9 @@ def get_config() -> ConfigDict:
     c.generator = ConfigDict(dict(
         kind="rl_jax", urls=(), num_servers=1, max_slots=64, max_seq_len=64,
         dtype="float32", tensor_parallel=1, data_parallel=1, startup_timeout_s=600.0,
+        # Decode steps per program while no request waits for admission (SGLang's
+        # --num-continuous-decode-steps).
+        decode_steps=1,
         restart_dead=True, request_timeout_s=600.0,
         # Compile every decode shape before serving (a slower start, no stalls later).
         warmup_shapes=True,

@@ -32,6 +32,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"
 _TP = flags.DEFINE_integer("tensor_parallel", 1, "Devices the model is split over.")
 _DP = flags.DEFINE_integer("data_parallel", 1, "Replicas of the model (SGLang's --dp-size), "
                            "each on tensor_parallel devices of its own.")
+_DECODE_STEPS = flags.DEFINE_integer(
+    "num_continuous_decode_steps", 1, "Decode steps run as one program while no request waits "
+    "for admission (SGLang's --num-continuous-decode-steps): fewer host round trips per token.")
 _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")
@@ -70,7 +73,7 @@ def main(argv):
         model=_MODEL.value, host=_HOST.value, port=_PORT.value, max_slots=_MAX_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
-        data_parallel=_DP.value,
+        data_parallel=_DP.value, decode_steps=_DECODE_STEPS.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,

@@ -330,6 +330,12 @@ def test_server_commands():
         "--dtype", "bfloat16", "--max-running-requests", "64", "--context-length", "4096",
         "--weight-version", "7", "--mem-fraction-static", "0.8"]
     assert ServerPool(sglang).urls == ["http://0.0.0.0:30001", "http://0.0.0.0:30002"]
+    # Multi-step decoding, under each kind's flag name
+    steps = dict(decode_steps=4)
+    assert "--num_continuous_decode_steps=4" in server_command(
+        PoolConfig(model="/ckpt", **steps), 31000)
+    cmd = server_command(PoolConfig(model="m", kind="sglang", **steps), 30001)
+    assert cmd[cmd.index("--num-continuous-decode-steps") + 1] == "4"
 
 
 def test_sglang_kind_needs_the_sglang_extra():

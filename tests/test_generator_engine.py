@@ -161,10 +161,11 @@ def test_eos_ends_unless_ignored(weights):
         eng.shutdown()
 
 
-def _generate_across_update(weights, recompute: bool, meshes=None):
+def _generate_across_update(weights, recompute: bool, meshes=None, decode_steps: int = 1):
     params = weights[0] if meshes is None else _place(weights[0], meshes[0])
     eng = Engine(CFG, params, meshes=meshes, engine_config=EngineConfig(
-        max_slots=4, max_seq_len=96, recompute_kv_on_update=recompute))
+        max_slots=4, max_seq_len=96, recompute_kv_on_update=recompute,
+        decode_steps=decode_steps))
     try:
         eng.pause("in_place")
         futures = [eng.submit(req([1, 2 + i, 3], max_new_tokens=40, seed=i)) for i in range(3)]
@@ -188,11 +189,13 @@ def _place(params, mesh):
 
 
 
-@pytest.mark.parametrize("recompute,replicas", [(False, 1), (True, 1), (True, 2)])
+@pytest.mark.parametrize("recompute,replicas,decode_steps",
+                         [(False, 1, 1), (True, 1, 1), (True, 2, 1), (False, 1, 3),
+                          (True, 1, 3)])
 def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, recompute,
-                                                              replicas):
+                                                              replicas, decode_steps):
     meshes = make_generator_meshes(1, replicas) if replicas > 1 else None
-    outs = _generate_across_update(weights, recompute, meshes)
+    outs = _generate_across_update(weights, recompute, meshes, decode_steps)
     for i, out in enumerate(outs):
         prompt = [1, 2 + i, 3]
         versions = np.asarray(out.output_versions)
@@ -210,6 +213,51 @@ def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, rec
             # update are close to, but not exactly, the new policy's.
             gap = np.abs(np.asarray(out.output_logprobs[switch:]) - new[switch:])
             assert gap.max() > 1e-6
+
+
+def test_multi_step_decoding_gives_the_tokens_of_single_steps(spec, weights):
+    """Runs of several decode steps in one program sample every token exactly as one step at
+    a time does (per-token keys), and sequences that stop or reach their length inside a run
+    end there, whatever the run's length."""
+    workload = [req([1, 5, 9], max_new_tokens=9, seed=1, n=2),
+                req([1, 7, 7, 7, 3], max_new_tokens=13, seed=2),
+                req([1, 20], max_new_tokens=6, temperature=0.0),
+                req([1, 4, 4], max_new_tokens=11, top_k=3, seed=4, n=3),
+                req([1, 6, 8], max_new_tokens=17, seed=5)]
+
+    def run(decode_steps: int):
+        eng = Engine(CFG, weights[0], eos_token_ids=(EOS,), engine_config=EngineConfig(
+            max_slots=8, max_seq_len=64, decode_steps=decode_steps))
+        try:
+            first = eng.generate(req([1, 6, 8], max_new_tokens=17, seed=5))[0]
+            stop_at = first.output_ids[6]  # stops the last request inside a run
+            requests = workload[:-1] + [req([1, 6, 8], max_new_tokens=17, seed=5,
+                                            stop_token_ids=(stop_at,))]
+            eng.pause("in_place")  # admitted together, then decoded in runs
+            futures = [eng.submit(r) for r in requests]
+            eng.resume()
+            outs = [f.result(timeout=120) for f in futures]
+            return outs, dict(eng.stats), stop_at
+        finally:
+            eng.shutdown()
+
+    single, single_stats, stop_at = run(1)
+    multi, multi_stats, _ = run(4)
+    assert single_stats["decode_dispatches"] == single_stats["decode_steps"]
+    assert multi_stats["decode_dispatches"] < multi_stats["decode_steps"] / 2
+    for a_outs, b_outs in zip(single, multi):
+        for a, b in zip(a_outs, b_outs):
+            assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+            np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-6)
+    stopped = multi[-1][0]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_at}
+    # the first token comes from the prefill, the others in runs of 4: it ended inside one
+    assert (len(stopped.output_ids) - 1) % 4 != 0
+    assert [len(o.output_ids) for o in multi[0]] == [9, 9]
+    ref = trainer_logprobs(spec, weights[0], [1, 7, 7, 7, 3], multi[1][0].output_ids)
+    np.testing.assert_allclose(multi[1][0].output_logprobs, ref, atol=1e-4)
+    with pytest.raises(GeneratorError, match="decode_steps"):
+        EngineConfig(decode_steps=0)
 
 
 def test_pause_retract_requeues_and_finishes_identically(weights):
@@ -590,7 +638,7 @@ def _decode_across_a_cache_length(weights, compiles):
     slots = np.arange(8, dtype=np.int32)
     runner.admit(k, v, logits, slots, slots, values, np.ones(8, bool), False)
     runner.decode(decode_weights, 8, 12, False, kv_horizon=40)  # cache of 16: 32 compiles ahead
-    runner._compiling[(8, 32, False)].wait(timeout=120)
+    runner._compiling[(8, 32, False, 1)].wait(timeout=120)
     before = len(compiles)
     out = runner.decode(decode_weights, 8, 20, False, kv_horizon=40)  # grows to 32
     jax.block_until_ready(out)

@@ -225,6 +225,7 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
      "rollout.rows_per_batch=12 is not divisible by trainer.micro_batch_rows=8"),
     ({"trainer.num_microbatches": 2}, "exclude each other"),
     ({"generator.data_parallel": 0}, "generator.data_parallel must be an integer >= 1"),
+    ({"generator.decode_steps": 0}, "generator.decode_steps must be an integer >= 1"),
     ({"generator.data_parallel": 3},
      "generator.max_slots=64 does not split evenly over generator.data_parallel=3"),
 ])

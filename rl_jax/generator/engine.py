@@ -64,6 +64,16 @@ class EngineConfig:
     # and values stay those of the old weights) or recompute it under the new weights (exact
     # new-policy probabilities from the update on, at the cost of one prefill per sequence).
     recompute_kv_on_update: bool = False
+    # Decode steps run as one program, their tokens read back together (SGLang's
+    # --num-continuous-decode-steps): the per-step host work and program launch are shared by
+    # that many tokens, which is most of a step at small batches. A sequence that stops inside
+    # such a run has its later tokens dropped (computed in vain), and admissions and weight
+    # swaps wait for the run's end.
+    decode_steps: int = 1
+
+    def __post_init__(self):
+        if self.decode_steps < 1:
+            raise GeneratorError(f"decode_steps must be >= 1, got {self.decode_steps}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -599,7 +609,9 @@ class Engine:
 
     def _decode_step(self):
         """Queues one decode step of every running sequence (slots ``0..batch-1`` of each
-        replica), every replica's step before any is awaited."""
+        replica), every replica's step before any is awaited; ``decode_steps`` of them in one
+        program."""
+        steps = self.engine_config.decode_steps
         parts = []
         for replica in self._replicas:
             if not replica.running:
@@ -612,12 +624,13 @@ class Engine:
             horizon = max(seq.horizon for seq in seqs)
             filtered = any(seq.filtered for seq in seqs)
             out = replica.runner.decode(replica.decode_weights, batch, kv_needed, filtered,
-                                        horizon)
+                                        horizon, steps=steps)
             for seq in seqs:
-                seq.dispatched += 1
+                seq.dispatched += steps
             parts.append((out, seqs, list(replica.running)))
         self._inflight.append(_InFlight(parts, self.version))
-        self.stats["decode_steps"] += 1
+        self.stats["decode_steps"] += steps
+        self.stats["decode_dispatches"] += 1
         self._release_fully_dispatched([seq for _, seqs, _ in parts for seq in seqs])
 
     def _release_fully_dispatched(self, seqs: list[_Sequence]):
@@ -636,22 +649,25 @@ class Engine:
         appended = 0
         for out, seqs, columns in work.parts:
             tokens, logprobs = unpack(out)
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()
-            for seq, column in zip(seqs, columns):
-                if seq.finish_reason is not None:  # stopped in an earlier step, or aborted
-                    continue
-                tok = tokens[column]
-                seq.output_ids.append(tok)
-                seq.logprobs.append(logprobs[column])
-                seq.versions.append(work.version)
-                appended += 1
-                sp = seq.request.sampling
-                if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
-                    seq.finish_reason = {"type": "stop", "matched": tok}
-                elif len(seq.output_ids) >= seq.max_new_tokens:
-                    seq.finish_reason = {"type": "length", "length": seq.max_new_tokens}
-                if seq.finish_reason is not None:
-                    finished.append(seq)
+            if tokens.ndim == 1:  # one step (a multi-step run is [steps, n])
+                tokens, logprobs = tokens[None], logprobs[None]
+            for step_tokens, step_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+                for seq, column in zip(seqs, columns):
+                    if seq.finish_reason is not None:  # stopped in an earlier step, or aborted
+                        continue
+                    tok = step_tokens[column]
+                    seq.output_ids.append(tok)
+                    seq.logprobs.append(step_logprobs[column])
+                    seq.versions.append(work.version)
+                    appended += 1
+                    sp = seq.request.sampling
+                    if tok in sp.stop_token_ids or (not sp.ignore_eos
+                                                    and tok in self.eos_token_ids):
+                        seq.finish_reason = {"type": "stop", "matched": tok}
+                    elif len(seq.output_ids) >= seq.max_new_tokens:
+                        seq.finish_reason = {"type": "length", "length": seq.max_new_tokens}
+                    if seq.finish_reason is not None:
+                        finished.append(seq)
         self.stats["generated_tokens"] += appended
         if finished:
             with self._lock:

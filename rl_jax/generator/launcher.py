@@ -51,6 +51,9 @@ class PoolConfig:
     dtype: str = "float32"  # sglang also accepts "auto"
     tensor_parallel: int = 1
     data_parallel: int = 1  # replicas per server (rl_jax --data_parallel / sglang --dp-size)
+    # decode steps per program while nothing waits for admission (both kinds:
+    # --num_continuous_decode_steps / --num-continuous-decode-steps)
+    decode_steps: int = 1
     weight_version: int = 0
     extra_args: tuple[str, ...] = ()  # appended to every server's command line
     env: tuple[tuple[str, str], ...] = ()  # extra environment variables
@@ -99,6 +102,8 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
                f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",
                f"--data_parallel={c.data_parallel}",
                f"--weight_version={c.weight_version}", f"--parent_pid={os.getpid()}"]
+        if c.decode_steps != 1:
+            cmd.append(f"--num_continuous_decode_steps={c.decode_steps}")
         if c.cpu_cores:
             cmd.append(f"--cpu_cores={c.cpu_cores}")
         if c.publisher_url:
@@ -112,6 +117,8 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
                "--max-running-requests", str(c.max_slots),
                "--context-length", str(c.max_seq_len),
                "--weight-version", str(c.weight_version)]
+        if c.decode_steps != 1:
+            cmd += ["--num-continuous-decode-steps", str(c.decode_steps)]
         if c.cpu_cores:
             cmd = ["taskset", "-c", c.cpu_cores] + cmd
     return cmd + list(c.extra_args)

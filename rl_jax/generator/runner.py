@@ -285,15 +285,31 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     return tuple(new_k), tuple(new_v), state, _pack(tokens, logprobs)
 
 
+def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
+                v_cache: tuple[jax.Array, ...], state: SlotState, *, steps: int, batch: int,
+                filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None):
+    """``steps`` :func:`decode` steps in one program, each step's tokens feeding the next (the
+    host reads them together): ``out [steps, 2, batch]``. Each token is sampled exactly as by
+    one step at a time (its key depends on the slot's seed, sample and token index only)."""
+    outs = []
+    for _ in range(steps):  # unrolled: a step's ops stay as fused as in a single step
+        k_cache, v_cache, state, out = decode(weights, k_cache, v_cache, state, batch=batch,
+                                              filtered=filtered, cfg=cfg, dtype=dtype,
+                                              max_seq_len=max_seq_len, constrain=constrain)
+        outs.append(out)
+    return k_cache, v_cache, state, jnp.stack(outs)
+
+
 def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     """``[2, n]`` int32: tokens and the bits of float32 log-probs (one device-to-host copy)."""
     return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
 
 
 def unpack(out: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Host ``(tokens [n] int32, logprobs [n] float32)`` from a packed step output."""
+    """Host ``(tokens [n] int32, logprobs [n] float32)`` from a packed step output (``[..., n]``
+    for the ``[steps, 2, n]`` output of :func:`decode_many`)."""
     out = np.asarray(out)
-    return out[0], out[1].view(np.float32)
+    return out[..., 0, :], out[..., 1, :].view(np.float32)
 
 
 def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots, values,
@@ -593,8 +609,9 @@ class ModelRunner:
                             * config.head_dim * jnp.dtype(self.cache_dtype).itemsize)
         self._zeros: dict[int, Any] = {}
         self._resizers: dict[int, Any] = {}
-        self._compiled: set[tuple[int, int, bool]] = set()  # decode steps compiled or under way
-        self._compiling: dict[tuple[int, int, bool], threading.Event] = {}  # compiled ahead
+        # decode programs (batch, length, filtered, steps) compiled or under way
+        self._compiled: set[tuple[int, int, bool, int]] = set()
+        self._compiling: dict[tuple[int, int, bool, int], threading.Event] = {}  # ahead
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, max_seq_len))
         self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
         self.state = self._initial_state()
@@ -602,6 +619,9 @@ class ModelRunner:
         self._prefill = jax.jit(partial(prefill, **kw))
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
                                static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
+        self._decode_many = jax.jit(partial(decode_many, max_seq_len=max_seq_len, **kw),
+                                    static_argnames=("steps", "batch", "filtered"),
+                                    donate_argnums=(1, 2, 3))
         self._first_tokens = jax.jit(first_tokens, static_argnames=("filtered",))
         self._install_kv = jax.jit(install_kv, donate_argnums=(0, 1))
         self._install_state = jax.jit(install_state, donate_argnums=(0,))
@@ -649,27 +669,34 @@ class ModelRunner:
         return out
 
     def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool,
-               kv_horizon: int = 0):
+               kv_horizon: int = 0, steps: int = 1):
         """One decode step of slots ``0..batch-1`` whose next positions are ``< kv_needed``;
         returns the packed ``[2, batch]`` sampled tokens and log-probs (see :func:`unpack`).
+        With ``steps > 1``, that many steps in one program (:func:`decode_many`; the cache holds
+        the positions all of them write), returning ``[steps, 2, batch]``.
 
         ``kv_horizon`` is how many positions the running sequences may reach: when it exceeds
         the cache length, the step for the next length is compiled in a background thread, so
         that growing into it need not stall decoding for a compilation.
         """
-        length = kv_bucket(kv_needed, self.max_seq_len)
+        length = kv_bucket(kv_needed + steps - 1, self.max_seq_len)
         # Grow when needed; shrink only to half or less (each resize copies the cache).
         if length > self.kv_len or 2 * length <= self.kv_len:
-            ahead = self._compiling.pop((batch, length, filtered), None)
+            ahead = self._compiling.pop((batch, length, filtered, steps), None)
             if ahead is not None:
                 ahead.wait()  # finishing it is faster than compiling again
             self._resize(length)
-        self._compiled.add((batch, self.kv_len, filtered))
-        self.k_cache, self.v_cache, self.state, out = self._decode(
-            weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered)
+        self._compiled.add((batch, self.kv_len, filtered, steps))
+        if steps == 1:
+            self.k_cache, self.v_cache, self.state, out = self._decode(
+                weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered)
+        else:
+            self.k_cache, self.v_cache, self.state, out = self._decode_many(
+                weights, self.k_cache, self.v_cache, self.state, steps=steps, batch=batch,
+                filtered=filtered)
         if kv_horizon > self.kv_len:
             self._compile_ahead(weights, batch, kv_bucket(self.kv_len + 1, self.max_seq_len),
-                                filtered)
+                                filtered, steps)
         return out
 
     def move(self, src: np.ndarray, dst: np.ndarray):
@@ -691,10 +718,11 @@ class ModelRunner:
         index = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
         self._move.lower(*caches, jax.tree.map(abstract, self.state), index, index).compile()
 
-    def _compile_ahead(self, weights, batch: int, length: int, filtered: bool):
-        """Compiles, in a background thread, the decode step for caches of ``length`` positions
-        and the resize to it (JAX's compilation cache then serves the first real call)."""
-        key = (batch, length, filtered)
+    def _compile_ahead(self, weights, batch: int, length: int, filtered: bool, steps: int = 1):
+        """Compiles, in a background thread, the decode step (of ``steps`` steps) for caches of
+        ``length`` positions and the resize to it (JAX's compilation cache then serves the
+        first real call)."""
+        key = (batch, length, filtered, steps)
         if key in self._compiled:
             return
         self._compiled.add(key)
@@ -711,7 +739,11 @@ class ModelRunner:
         def compile_both():
             try:
                 resizer.lower(*current).compile()
-                self._decode.lower(*args, batch=batch, filtered=filtered).compile()
+                if steps == 1:
+                    self._decode.lower(*args, batch=batch, filtered=filtered).compile()
+                else:
+                    self._decode_many.lower(*args, steps=steps, batch=batch,
+                                            filtered=filtered).compile()
             except Exception:  # a missed warm-up only costs the compilation later
                 log.debug("compiling the decode step ahead failed", exc_info=True)
             finally:

@@ -78,6 +78,9 @@ class ServerConfig:
     dtype: str = "float32"
     tensor_parallel: int = 1
     data_parallel: int = 1  # replicas of the model, each on tensor_parallel devices of its own
+    # decode steps run as one program while nothing waits for admission (SGLang's
+    # --num-continuous-decode-steps; see EngineConfig.decode_steps)
+    decode_steps: int = 1
     weight_version: int = 0
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
@@ -177,7 +180,7 @@ class GeneratorServer:
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
         from rl_jax.generator.runner import generator_rules
         for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
-                     "tensor_parallel", "data_parallel"):
+                     "tensor_parallel", "data_parallel", "decode_steps"):
             if getattr(config, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
         if config.max_slots % config.data_parallel:
@@ -200,7 +203,8 @@ class GeneratorServer:
                         engine_config=EngineConfig(
                             max_slots=config.max_slots, max_seq_len=config.max_seq_len,
                             max_waiting=config.max_waiting,
-                            max_prefill_tokens=config.max_prefill_tokens))
+                            max_prefill_tokens=config.max_prefill_tokens,
+                            decode_steps=config.decode_steps))
         server = cls(engine, config, tokenizer=tokenizer, mesh=mesh, rules=rules, dtype=dtype)
         if config.publisher_url and config.pull_on_start:
             server.pull_initial_weights()
@@ -436,6 +440,7 @@ class GeneratorServer:
         return _json_response({
             **self._model_info(), "host": c.host, "port": request.url.port or c.port,
             "tp_size": c.tensor_parallel, "dp_size": c.data_parallel, "dtype": c.dtype,
+            "num_continuous_decode_steps": c.decode_steps,
             "max_running_requests": c.max_slots, "context_length": c.max_seq_len,
             "max_total_num_tokens": c.max_slots * c.max_seq_len,
             "max_queued_requests": c.max_waiting, "max_prefill_tokens": c.max_prefill_tokens,

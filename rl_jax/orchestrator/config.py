@@ -131,7 +131,7 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise RLConfigError(f"generator.urls must be http(s) URLs, got {url!r}")
     _int("generator.max_slots", g.max_slots, 1)
-    for name in ("tensor_parallel", "data_parallel"):
+    for name in ("tensor_parallel", "data_parallel", "decode_steps"):
         if name in g:
             _int(f"generator.{name}", g[name], 1)
     if g.max_slots % g.get("data_parallel", 1):

@@ -70,6 +70,7 @@ class GeneratorPool:
                 max_slots=int(block.max_slots), max_seq_len=int(block.max_seq_len),
                 dtype=block.dtype, tensor_parallel=int(block.tensor_parallel),
                 data_parallel=int(block.get("data_parallel", 1)),
+                decode_steps=int(block.get("decode_steps", 1)),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
                 cpu_cores=cpu_cores, env=tuple(tuple(kv) for kv in block.get("env", ())),
                 extra_args=tuple(block.get("extra_args", ())) + (
