@@ -542,8 +542,9 @@ def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
         warmup_shapes=True))
     try:
         first, second = (runner._compiled for runner in server.engine.runners)
-        assert {batch for batch, _, _ in first} == {4}  # 8 slots: 4 per replica
-        assert {length for _, length, _ in first} == {16, 32}
+        assert {batch for batch, _, _, _ in first} == {4}  # 8 slots: 4 per replica
+        assert {length for _, length, _, _ in first} == {16, 32}
+        assert {steps for _, _, _, steps in first} == {1}
         assert first == second
     finally:
         server.engine.shutdown()
