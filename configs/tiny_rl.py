@@ -80,7 +80,7 @@ def get_config() -> ConfigDict:
     c.generator = ConfigDict(dict(
         kind="rl_jax", urls=(), num_servers=1, max_slots=64, max_seq_len=64,
         dtype="float32", tensor_parallel=1, data_parallel=1, startup_timeout_s=600.0,
-        # Decode steps per program while no request waits for admission (SGLang's
+        # Decode steps per program, admissions between programs (SGLang's
         # --num-continuous-decode-steps).
         decode_steps=1,
         restart_dead=True, request_timeout_s=600.0,

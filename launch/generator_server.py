@@ -33,8 +33,9 @@ _TP = flags.DEFINE_integer("tensor_parallel", 1, "Devices the model is split ove
 _DP = flags.DEFINE_integer("data_parallel", 1, "Replicas of the model (SGLang's --dp-size), "
                            "each on tensor_parallel devices of its own.")
 _DECODE_STEPS = flags.DEFINE_integer(
-    "num_continuous_decode_steps", 1, "Decode steps run as one program while no request waits "
-    "for admission (SGLang's --num-continuous-decode-steps): fewer host round trips per token.")
+    "num_continuous_decode_steps", 1, "Decode steps run as one program, new requests admitted "
+    "between programs (SGLang's --num-continuous-decode-steps): fewer host round trips per "
+    "token.")
 _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")

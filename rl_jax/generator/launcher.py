@@ -51,7 +51,7 @@ class PoolConfig:
     dtype: str = "float32"  # sglang also accepts "auto"
     tensor_parallel: int = 1
     data_parallel: int = 1  # replicas per server (rl_jax --data_parallel / sglang --dp-size)
-    # decode steps per program while nothing waits for admission (both kinds:
+    # decode steps per program, admissions between programs (both kinds:
     # --num_continuous_decode_steps / --num-continuous-decode-steps)
     decode_steps: int = 1
     weight_version: int = 0

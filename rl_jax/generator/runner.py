@@ -687,13 +687,10 @@ class ModelRunner:
                 ahead.wait()  # finishing it is faster than compiling again
             self._resize(length)
         self._compiled.add((batch, self.kv_len, filtered, steps))
-        if steps == 1:
-            self.k_cache, self.v_cache, self.state, out = self._decode(
-                weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered)
-        else:
-            self.k_cache, self.v_cache, self.state, out = self._decode_many(
-                weights, self.k_cache, self.v_cache, self.state, steps=steps, batch=batch,
-                filtered=filtered)
+        program, static = self._decode_program(steps)
+        self.k_cache, self.v_cache, self.state, out = program(
+            weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered,
+            **static)
         if kv_horizon > self.kv_len:
             self._compile_ahead(weights, batch, kv_bucket(self.kv_len + 1, self.max_seq_len),
                                 filtered, steps)
@@ -718,6 +715,10 @@ class ModelRunner:
         index = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
         self._move.lower(*caches, jax.tree.map(abstract, self.state), index, index).compile()
 
+    def _decode_program(self, steps: int):
+        """The jitted decode of ``steps`` steps and its extra static arguments."""
+        return (self._decode, {}) if steps == 1 else (self._decode_many, {"steps": steps})
+
     def _compile_ahead(self, weights, batch: int, length: int, filtered: bool, steps: int = 1):
         """Compiles, in a background thread, the decode step (of ``steps`` steps) for caches of
         ``length`` positions and the resize to it (JAX's compilation cache then serves the
@@ -739,11 +740,8 @@ class ModelRunner:
         def compile_both():
             try:
                 resizer.lower(*current).compile()
-                if steps == 1:
-                    self._decode.lower(*args, batch=batch, filtered=filtered).compile()
-                else:
-                    self._decode_many.lower(*args, steps=steps, batch=batch,
-                                            filtered=filtered).compile()
+                program, static = self._decode_program(steps)
+                program.lower(*args, batch=batch, filtered=filtered, **static).compile()
             except Exception:  # a missed warm-up only costs the compilation later
                 log.debug("compiling the decode step ahead failed", exc_info=True)
             finally:

@@ -78,7 +78,7 @@ class ServerConfig:
     dtype: str = "float32"
     tensor_parallel: int = 1
     data_parallel: int = 1  # replicas of the model, each on tensor_parallel devices of its own
-    # decode steps run as one program while nothing waits for admission (SGLang's
+    # decode steps run as one program, admissions between programs (SGLang's
     # --num-continuous-decode-steps; see EngineConfig.decode_steps)
     decode_steps: int = 1
     weight_version: int = 0

@@ -548,9 +548,9 @@ class Session:
         out: dict[str, Any] = {"trainer_cpu_seconds": cpus.cpu_seconds_between(
             trainer_before, trainer_after)}
         total: collections.Counter = collections.Counter()
-        for url, after in generators_after.items():
+        for url, spent in generators_after.items():
             if url in generators_before:
-                total.update(cpus.cpu_seconds_between(generators_before[url], after))
+                total.update(cpus.cpu_seconds_between(generators_before[url], spent))
         if total:
             out["generator_cpu_seconds"] = {k: round(v, 3) for k, v in total.most_common()}
         return out
