@@ -315,6 +315,9 @@ def main(argv):
             "cores_busy": (sum(s.get("trainer_cpu_seconds", {}).values())
                            + sum(s.get("generator_cpu_seconds", {}).values()))
             / max(s["wall_s"], 1e-9),
+            # the generators' decode steps per decode batch size
+            "decode_batches": s.get("generator_decode_batches", {}),
+            "generator_counters": s.get("generator_counters", {}),
         })
     print(f"\ntarget held-out accuracy {target:.3f}; lengths p99/p50 "
           f"{lengths['p99_over_p50']:.1f}")
@@ -333,6 +336,15 @@ def main(argv):
         top = lambda d: ", ".join(f"{k} {v:.2f}" for k, v in list(d.items())[:4])  # noqa: E731
         print(f"  {r['mode']:<28} trainer [{top(r['trainer_cpu_seconds'])}]; generators "
               f"[{top(r['generator_cpu_seconds'])}]; {r['cores_busy']:.2f} cores busy")
+    print("Decode steps by decode batch size (median run of each mode):")
+    for r in rows:
+        counts = {int(b): n for b, n in r["decode_batches"].items()}
+        if counts:
+            mean = sum(b * n for b, n in counts.items()) / sum(counts.values())
+            print(f"  {r['mode']:<28} "
+                  + ", ".join(f"{b}: {n}" for b, n in sorted(counts.items()))
+                  + f" (mean batch {mean:.1f}; "
+                  f"{r['generator_counters'].get('compactions', 0)} compactions)")
     bound = None
     if "sync" in runs:
         # Overlap can at best hide the shorter of the two phases of a sync step.

@@ -302,7 +302,8 @@ def step_components(runner: ModelRunner, params, weights, batch: int, position: 
     q = jax.random.normal(jax.random.key(2), (batch, kv_heads, cfg.num_heads // kv_heads,
                                               cfg.head_dim))
     positions = jnp.full((batch,), position + 16, jnp.int32)
-    caches = [(k[:batch], v[:batch]) for k, v in zip(runner.k_cache, runner.v_cache)]
+    caches = [(jnp.concatenate(k)[:batch], jnp.concatenate(v)[:batch])  # per layer, all chunks
+              for k, v in zip(runner.k_cache, runner.v_cache)]
     attention = jax.jit(lambda q, caches: [attend(q, k, v, positions, dtype=q.dtype)
                                            for k, v in caches])
     return {

@@ -643,3 +643,43 @@ def _decode_across_a_cache_length(weights, compiles):
     out = runner.decode(decode_weights, 8, 20, False, kv_horizon=40)  # grows to 32
     jax.block_until_ready(out)
     assert runner.kv_len == 32 and len(compiles) == before
+
+
+def test_runner_cache_chunks_and_moves_across_them(weights):
+    """The cache is split at the decode batch sizes; a decode batch is whole chunks, and a move
+    carries a sequence's keys, values and state between chunks."""
+    import jax.numpy as jnp
+    from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, slot_chunks
+    assert slot_chunks(64) == ((0, 8), (8, 16), (16, 32), (32, 64))
+    assert slot_chunks(48) == ((0, 8), (8, 16), (16, 32), (32, 48))
+    assert slot_chunks(4) == ((0, 4),)
+    runner = ModelRunner(CFG, max_slots=32, max_seq_len=64)
+    assert [c.shape[0] for c in runner.k_cache[0]] == [8, 8, 16]
+    params = weights[0]
+    k, v, logits = runner.prefill(params, np.arange(1, 1 + 3 * 8).reshape(3, 8),
+                                  np.array([8, 5, 7], np.int32))
+    values = {name: np.zeros(3, dtype) for name, dtype in SLOT_FIELDS.items()}
+    values.update(position=np.array([8, 5, 7]), temperature=np.ones(3), top_p=np.ones(3),
+                  token_index=np.zeros(3))
+    slots = np.array([3, 12, 27], np.int32)  # one sequence in each chunk
+    runner.admit(k, v, logits, np.arange(3), slots, values, np.ones(3, bool), False)
+
+    def rows(cache, chunk_slots):
+        whole = [np.concatenate([np.asarray(c) for c in layer]) for layer in cache]
+        return [w[chunk_slots] for w in whole]
+
+    keys, vals = rows(runner.k_cache, slots), rows(runner.v_cache, slots)
+    state = {name: np.asarray(a)[slots] for name, a in runner.state.items()}
+    assert np.abs(keys[0]).sum(axis=(1, 2, 3)).min() > 0  # each slot got its prefill
+    runner.move(np.array([27, 12], np.int32), np.array([9, 0], np.int32))
+    for before, after in zip(keys, rows(runner.k_cache, np.array([3, 0, 9]))):
+        np.testing.assert_array_equal(after, before)
+    for before, after in zip(vals, rows(runner.v_cache, np.array([3, 0, 9]))):
+        np.testing.assert_array_equal(after, before)
+    for name, a in runner.state.items():
+        np.testing.assert_array_equal(np.asarray(a)[[3, 0, 9]], state[name])
+    with pytest.raises(ValueError, match="does not end a cache chunk"):
+        runner.decode(runner.prepare(params), 12, 16, False)
+    out = runner.decode(runner.prepare(params), 16, 16, False)  # the first two chunks
+    assert np.asarray(out).shape == (2, 16)
+    assert jnp.asarray(runner.state["token_index"])[9] == 2  # moved sequence decoded

@@ -96,6 +96,10 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     trainer_cpu, generator_cpu = summary["trainer_cpu_seconds"], summary["generator_cpu_seconds"]
     assert trainer_cpu["main"] > 0 and "engine" in generator_cpu
     assert 0 < sum(trainer_cpu.values()) + sum(generator_cpu.values()) < 2 * summary["wall_s"]
+    # decode steps per decode batch size (a power of two up to the server's slots)
+    batches = {int(b): n for b, n in summary["generator_decode_batches"].items()}
+    assert batches and all(n > 0 and b & (b - 1) == 0 for b, n in batches.items()), batches
+    assert summary["generator_counters"]["decode_steps"] == sum(batches.values())
     steps = train_records(workdir)
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
     for r in steps.values():

@@ -627,6 +627,7 @@ class Engine:
                                         horizon, steps=steps)
             for seq in seqs:
                 seq.dispatched += steps
+            self.stats[f"decode_batch_{batch}"] += steps  # how full the decode batches run
             parts.append((out, seqs, list(replica.running)))
         self._inflight.append(_InFlight(parts, self.version))
         self.stats["decode_steps"] += steps

@@ -1,9 +1,13 @@
 """Jitted device work of the inference engine: prefill, admission, decode steps and sampling.
 
-The KV cache is slot-based, one array per layer and slot per running sequence: keys
-``k_cache[l] [slots, K, Dh, kv_len]`` and values ``v_cache[l] [slots, K, kv_len, Dh]`` (heads
-before positions, and key positions innermost, so that both attention products are plain
-per-head matmuls over the cache where it lies). Its length ``kv_len`` follows
+The KV cache is slot-based, one slot per running sequence: keys ``[slots, K, Dh, kv_len]`` and
+values ``[slots, K, kv_len, Dh]`` per layer (heads before positions, and key positions innermost,
+so that both attention products are plain per-head matmuls over the cache where it lies). Each
+layer's slots are split into chunks at the decode batch sizes (:func:`slot_chunks`: 8, 8, 16, 32,
+... slots), one array each, ``k_cache[l][c]`` and ``v_cache[l][c]``: a step over the first
+``batch`` slots attends over whole chunks where they lie. (Over one array, the first ``batch`` rows
+would be a slice, which XLA copies: at batch 8 of 64 slots that copy costs a quarter of the step.)
+Its length ``kv_len`` follows
 the longest running sequence (see :func:`kv_bucket`), so a decode step reads and attends over the
 context the batch actually has, not the whole capacity; the memory bound is
 ``2·L·slots·max_seq_len·K·Dh`` elements. A slot holding a sequence of length ``n`` has
@@ -99,6 +103,28 @@ def batch_bucket(needed: int, max_slots: int, minimum: int = 8) -> int:
     while size < needed:
         size *= 2
     return min(size, max_slots)
+
+
+def slot_chunks(max_slots: int) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` of each cache chunk: the slots between consecutive decode batch sizes
+    (:func:`batch_bucket`), so that every decode batch is a whole number of chunks."""
+    stops = sorted({batch_bucket(n, max_slots) for n in range(1, max_slots + 1)})
+    return tuple(zip([0, *stops[:-1]], stops))
+
+
+def _chunk_bounds(chunks: tuple[jax.Array, ...]) -> list[tuple[int, int]]:
+    """``(start, stop)`` slots of each of one layer's cache chunks (from their shapes)."""
+    bounds, start = [], 0
+    for chunk in chunks:
+        bounds.append((start, start + chunk.shape[0]))
+        start += chunk.shape[0]
+    return bounds
+
+
+def _local_slots(slots: jax.Array, start: int, stop: int) -> jax.Array:
+    """Global slot indices as indices into the chunk ``[start, stop)``; the others past its
+    end (dropped by a scatter with ``mode="drop"``)."""
+    return jnp.where((slots >= start) & (slots < stop), slots - start, stop - start)
 
 
 # ---- prefill --------------------------------------------------------------------------------------
@@ -209,8 +235,9 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arra
 
 
 def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain):
-    """One decoder layer for one token per slot: ``h [S, D]``; key cache ``[slots, K, Dh, T]``
-    and value cache ``[slots, K, T, Dh]`` of which rows ``0..S-1`` are this step's. Mirrors
+    """One decoder layer for one token per slot: ``h [S, D]``; the layer's key cache chunks
+    ``[n, K, Dh, T]`` and value cache chunks ``[n, K, T, Dh]``, of which those of slots
+    ``0..S-1`` are this step's (``S`` ends a chunk). Mirrors
     ``models.transformer.decoder_layer``."""
     s = h.shape[0]
     kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
@@ -227,11 +254,18 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q = apply_rotary(q.reshape(s, 1, kv_heads * g, hd), cos, sin).reshape(s, kv_heads, g, hd)
     k = apply_rotary(k[:, None], cos, sin)[:, 0]
-    rows = jnp.arange(s)
-    k_cache = k_cache.at[rows, :, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
-    attn = attend(q, k_cache[:s].astype(dtype), v_cache[:s].astype(dtype), positions,
-                  dtype=dtype)
+    k_cache, v_cache, parts = list(k_cache), list(v_cache), []
+    for i, (start, stop) in enumerate(_chunk_bounds(k_cache)):
+        if start >= s:
+            break
+        kc, vc, pos = k_cache[i], v_cache[i], positions[start:stop]
+        rows = jnp.arange(stop - start)
+        kc = kc.at[rows, :, :, pos].set(k[start:stop].astype(kc.dtype), mode="drop")
+        vc = vc.at[rows, :, pos].set(v[start:stop].astype(vc.dtype), mode="drop")
+        parts.append(attend(q[start:stop], kc.astype(dtype), vc.astype(dtype), pos,
+                            dtype=dtype))
+        k_cache[i], v_cache[i] = kc, vc
+    attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     out = attn.reshape(s, kv_heads * g * hd) @ w["wo"]
     if cfg.output_bias:
         out = out + w["bo"]
@@ -240,7 +274,7 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
     gate_up = jnp.einsum("sd,dcf->scf", x, w["w_gate_up"])
     act = constrain(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], ("act_batch", "act_mlp"))
     h = constrain(h + act @ w["w_down"], ("act_batch", "act_embed"))
-    return h, k_cache, v_cache
+    return h, tuple(k_cache), tuple(v_cache)
 
 
 def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
@@ -251,10 +285,10 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
 
     Args:
       weights: :func:`prepare_decode_weights` output.
-      k_cache, v_cache: per layer keys ``[slots, K, Dh, kv_len]`` and values
-        ``[slots, K, kv_len, Dh]`` (slot positions ``< kv_len``).
+      k_cache, v_cache: per layer, per slot chunk (:func:`slot_chunks`) keys
+        ``[n, K, Dh, kv_len]`` and values ``[n, K, kv_len, Dh]`` (slot positions ``< kv_len``).
       state: :data:`SlotState`, ``[slots]`` arrays.
-      batch: slots decoded (a prefix; the others are untouched).
+      batch: slots decoded (a prefix that ends a chunk; the others are untouched).
       filtered: whether any slot uses top-k/top-p/min-p (see :func:`sample`).
 
     Returns ``(k_cache, v_cache, state, out)`` with the caches and state advanced (tokens, positions
@@ -262,6 +296,9 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     their float32 log-probabilities' bits.
     """
     constrain = constrain or (lambda x, axes: x)
+    if batch not in {stop for _, stop in _chunk_bounds(k_cache[0])}:
+        raise ValueError(f"decode batch {batch} does not end a cache chunk "
+                         f"{_chunk_bounds(k_cache[0])}")
     st = {name: value[:batch] for name, value in state.items()}
     positions = st["position"]
     cos, sin = rotary_tables(positions[:, None], cfg.head_dim, cfg.rope_theta,
@@ -352,16 +389,20 @@ def install_kv(k_cache, v_cache, k_rows, v_rows, slots):
     past the cache are dropped); the only part of admission compiled per cache length."""
     p = k_rows.shape[2]
 
-    def put_keys(cache, new):  # [M, P, K, Dh] → [M, K, Dh, P]
-        return cache.at[slots, :, :, :p].set(jnp.transpose(new, (0, 2, 3, 1)).astype(
-            cache.dtype), mode="drop")
+    def put_keys(chunk, local, new):  # [M, P, K, Dh] → [M, K, Dh, P]
+        return chunk.at[local, :, :, :p].set(jnp.transpose(new, (0, 2, 3, 1)).astype(
+            chunk.dtype), mode="drop")
 
-    def put_values(cache, new):  # [M, P, K, Dh] → [M, K, P, Dh]
-        return cache.at[slots, :, :p].set(jnp.swapaxes(new, 1, 2).astype(cache.dtype),
+    def put_values(chunk, local, new):  # [M, P, K, Dh] → [M, K, P, Dh]
+        return chunk.at[local, :, :p].set(jnp.swapaxes(new, 1, 2).astype(chunk.dtype),
                                           mode="drop")
 
-    return (tuple(put_keys(c, k_rows[i]) for i, c in enumerate(k_cache)),
-            tuple(put_values(c, v_rows[i]) for i, c in enumerate(v_cache)))
+    def put(put_one, chunks, new):
+        return tuple(put_one(c, _local_slots(slots, start, stop), new)
+                     for c, (start, stop) in zip(chunks, _chunk_bounds(chunks)))
+
+    return (tuple(put(put_keys, chunks, k_rows[i]) for i, chunks in enumerate(k_cache)),
+            tuple(put(put_values, chunks, v_rows[i]) for i, chunks in enumerate(v_cache)))
 
 
 def install_state(state: SlotState, slots, values, fresh, tokens) -> SlotState:
@@ -379,7 +420,12 @@ def move_slots(k_cache, v_cache, state: SlotState, src, dst):
     def move(a):
         return a.at[dst].set(a[src], mode="drop")
 
-    return (tuple(map(move, k_cache)), tuple(map(move, v_cache)),
+    def move_chunks(chunks):
+        rows = jnp.concatenate(chunks)[src]  # XLA fuses the concatenation into the gather
+        return tuple(c.at[_local_slots(dst, start, stop)].set(rows, mode="drop")
+                     for c, (start, stop) in zip(chunks, _chunk_bounds(chunks)))
+
+    return (tuple(map(move_chunks, k_cache)), tuple(map(move_chunks, v_cache)),
             {name: move(a) for name, a in state.items()})
 
 
@@ -633,7 +679,7 @@ class ModelRunner:
     @property
     def kv_len(self) -> int:
         """Current length of the cache's position axis."""
-        return self.v_cache[0].shape[V_SEQ_AXIS]
+        return self.v_cache[0][0].shape[V_SEQ_AXIS]
 
     def prepare(self, params: dict[str, Any]) -> dict[str, Any]:
         """Decode weights for ``params`` (:func:`prepare_decode_weights`), dispatched
@@ -699,8 +745,8 @@ class ModelRunner:
     def move(self, src: np.ndarray, dst: np.ndarray):
         """Moves the sequences of slots ``src`` into the free slots ``dst`` (see
         :func:`move_slots`), so that the running ones fit a smaller decode batch."""
-        n = self.max_slots
-        s, d = np.zeros(n, np.int32), np.full(n, n, np.int32)
+        n = self._move_pairs(len(src))
+        s, d = np.zeros(n, np.int32), np.full(n, self.max_slots, np.int32)
         s[:len(src)], d[:len(dst)] = src, dst
         self.k_cache, self.v_cache, self.state = self._move(
             self.k_cache, self.v_cache, self.state, jnp.asarray(s), jnp.asarray(d))
@@ -708,12 +754,16 @@ class ModelRunner:
     def compile_move(self, length: int):
         """Compiles :meth:`move` for caches of ``length`` positions (without running it)."""
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
-        caches = tuple((jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding),)
-                       * self.config.num_layers
-                       for shape, sharding in zip(self._cache_shapes(length),
-                                                  self._cache_shardings(length)))
-        index = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
-        self._move.lower(*caches, jax.tree.map(abstract, self.state), index, index).compile()
+        index = jax.ShapeDtypeStruct((self._move_pairs(1),), jnp.int32)
+        self._move.lower(*self._cache_structs(length), jax.tree.map(abstract, self.state),
+                         index, index).compile()
+
+    def _move_pairs(self, pairs: int) -> int:
+        """Pairs a move of ``pairs`` sequences is padded to: half the slots (a compaction moves
+        at most that many: the sequences above the smaller batch, no more than fit below it;
+        each padding pair reads a slot), else all of them."""
+        half = max(self.max_slots // 2, 1)
+        return half if pairs <= half else self.max_slots
 
     def _decode_program(self, steps: int):
         """The jitted decode of ``steps`` steps and its extra static arguments."""
@@ -730,11 +780,8 @@ class ModelRunner:
         done = self._compiling[key] = threading.Event()
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
         current = jax.tree.map(abstract, (self.k_cache, self.v_cache))
-        grown = tuple((jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding),)
-                      * self.config.num_layers
-                      for shape, sharding in zip(self._cache_shapes(length),
-                                                 self._cache_shardings(length)))
-        args = (jax.tree.map(abstract, weights), *grown, jax.tree.map(abstract, self.state))
+        args = (jax.tree.map(abstract, weights), *self._cache_structs(length),
+                jax.tree.map(abstract, self.state))
         resizer = self._resizer(length)
 
         def compile_both():
@@ -772,33 +819,36 @@ class ModelRunner:
         return {name: jax.device_put(np.zeros((s,), dtype), self._state_sharding)
                 for name, dtype in SLOT_FIELDS.items()}
 
-    def _cache_shapes(self, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-layer key and value cache shapes for ``length`` positions."""
-        s, k, hd = self.max_slots, self.config.num_kv_heads, self.config.head_dim
-        return (s, k, hd, length), (s, k, length, hd)
+    def _cache_structs(self, length: int):
+        """``(k_cache, v_cache)`` of ``length`` positions as shape/dtype/sharding structures:
+        per layer, per slot chunk (:func:`slot_chunks`), keys ``[n, K, Dh, length]`` and values
+        ``[n, K, length, Dh]``."""
+        k, hd = self.config.num_kv_heads, self.config.head_dim
 
-    def _cache_shardings(self, length: int):
-        k_shape, v_shape = self._cache_shapes(length)
-        return (self._sharding(K_CACHE_AXES, k_shape, "key cache"),
-                self._sharding(V_CACHE_AXES, v_shape, "value cache"))
+        def chunks(axes, shape_of, name):
+            return tuple(jax.ShapeDtypeStruct(
+                shape_of(stop - start), self.cache_dtype,
+                sharding=self._sharding(axes, shape_of(stop - start), name))
+                for start, stop in slot_chunks(self.max_slots))
+
+        keys = chunks(K_CACHE_AXES, lambda n: (n, k, hd, length), "key cache")
+        values = chunks(V_CACHE_AXES, lambda n: (n, k, length, hd), "value cache")
+        layers = self.config.num_layers
+        return (keys,) * layers, (values,) * layers
 
     def _zero_cache(self, length: int):
         if length not in self._zeros:
-            layers = self.config.num_layers
-            shapes, shardings = self._cache_shapes(length), self._cache_shardings(length)
+            structs = self._cache_structs(length)
             self._zeros[length] = jax.jit(
-                lambda: tuple(tuple(jnp.zeros(shape, self.cache_dtype) for _ in range(layers))
-                              for shape in shapes),
-                out_shardings=tuple((sharding,) * layers for sharding in shardings))
+                lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs),
+                out_shardings=jax.tree.map(lambda x: x.sharding, structs))
         return self._zeros[length]()
 
     def _resizer(self, length: int):
         if length not in self._resizers:
-            layers = self.config.num_layers
             self._resizers[length] = jax.jit(  # no donation: the shapes differ
                 partial(_resize_cache, length=length),
-                out_shardings=tuple((sharding,) * layers
-                                    for sharding in self._cache_shardings(length)))
+                out_shardings=jax.tree.map(lambda x: x.sharding, self._cache_structs(length)))
         return self._resizers[length]
 
     def _resize(self, length: int):
@@ -813,5 +863,5 @@ def _resize_cache(k_cache, v_cache, *, length: int):
         pad = [(0, 0)] * c.ndim
         pad[axis] = (0, length - c.shape[axis])
         return jnp.pad(c, pad)
-    return (tuple(one(c, K_SEQ_AXIS) for c in k_cache),
-            tuple(one(c, V_SEQ_AXIS) for c in v_cache))
+    return (tuple(tuple(one(c, K_SEQ_AXIS) for c in chunks) for chunks in k_cache),
+            tuple(tuple(one(c, V_SEQ_AXIS) for c in chunks) for chunks in v_cache))

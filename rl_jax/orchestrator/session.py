@@ -524,35 +524,59 @@ class Session:
                         refresh=False)
         bar.update(1)
 
-    def _generator_cpu(self) -> dict[str, dict[str, float]]:
-        """Each generator server's CPU seconds per thread so far (this project's servers report
-        them in ``/get_server_info``; SGLang's do not, and give nothing here)."""
+    def _generator_cpu(self) -> dict[str, dict[str, Any]]:
+        """Each generator server's CPU seconds per thread so far and its engine counters (this
+        project's servers report them in ``/get_server_info``; SGLang's do not, and give nothing
+        here): ``{url: {"cpu": {thread: s}, "counters": {name: count}}}``."""
         try:
             answers = self.control_loop.run(self.control.broadcast("GET", "/get_server_info"),
                                             timeout=30)
         except Exception as e:  # diagnostics only: never stop a run for them
             log.warning("generator CPU times unavailable: %r", e)
             return {}
-        return {url: body["cpu_seconds_by_thread"] for url, (status, body) in answers.items()
-                if status == 200 and isinstance(body, dict)
-                and isinstance(body.get("cpu_seconds_by_thread"), dict)}
+        out = {}
+        for url, (status, body) in answers.items():
+            if status != 200 or not isinstance(body, dict) \
+                    or not isinstance(body.get("cpu_seconds_by_thread"), dict):
+                continue
+            states = body.get("internal_states") or [{}]
+            counters = states[0] if isinstance(states[0], dict) else {}
+            out[url] = {"cpu": body["cpu_seconds_by_thread"], "counters": {
+                name: value for name, value in counters.items()
+                if isinstance(value, int) and not isinstance(value, bool)}}
+        return out
 
     @staticmethod
     def _cpu_spent(before, after) -> dict[str, Any]:
         """CPU seconds per thread name spent in the loop (between the readings ``before`` and
         ``after``) by this process (``trainer_cpu_seconds``) and by the generator servers
-        (``generator_cpu_seconds``, summed over the servers that answered both times)."""
+        (``generator_cpu_seconds``, summed over the servers that answered both times), and the
+        servers' engine counters (``generator_counters``: decode steps, prefills, compactions,
+        ...; ``generator_decode_batches``: decode steps per decode batch size)."""
         if before is None or after is None:
             return {}
         (trainer_before, generators_before), (trainer_after, generators_after) = before, after
         out: dict[str, Any] = {"trainer_cpu_seconds": cpus.cpu_seconds_between(
             trainer_before, trainer_after)}
         total: collections.Counter = collections.Counter()
-        for url, spent in generators_after.items():
+        counters: collections.Counter = collections.Counter()
+        for url, reading in generators_after.items():
             if url in generators_before:
-                total.update(cpus.cpu_seconds_between(generators_before[url], spent))
+                earlier = generators_before[url]
+                total.update(cpus.cpu_seconds_between(earlier["cpu"], reading["cpu"]))
+                counters.update({name: n - earlier["counters"].get(name, 0)
+                                 for name, n in reading["counters"].items()})
         if total:
             out["generator_cpu_seconds"] = {k: round(v, 3) for k, v in total.most_common()}
+        prefix = "decode_batch_"
+        batches = {name[len(prefix):]: n for name, n in counters.items()
+                   if name.startswith(prefix) and n}
+        if batches:
+            out["generator_decode_batches"] = dict(sorted(batches.items(),
+                                                          key=lambda kv: int(kv[0])))
+        others = {name: n for name, n in counters.items() if not name.startswith(prefix)}
+        if others:
+            out["generator_counters"] = dict(sorted(others.items()))
         return out
 
     def _pin_host_threads(self, cores: str):
