@@ -532,6 +532,49 @@ def test_a_stopped_engine_answers_503_instead_of_hanging(ckpts):
     asyncio.run(main())
 
 
+def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
+    """After ``warmup_shapes``, a long sequence that grows the cache to its longest length and
+    then short ones that shrink it again run without a single compilation (each would stall
+    decoding for a fraction of a second on a CPU core)."""
+    from jax import monitoring
+
+    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.types import GenerateRequest, SamplingParams
+
+    server = GeneratorServer.from_config(ServerConfig(
+        model=str(ckpts["a"]), max_slots=8, max_seq_len=128, warmup=True, warmup_shapes=True))
+    engine, runner = server.engine, server.engine.runner
+    compiles, lengths = [], []
+
+    def count(name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    def request(tokens):
+        return GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=tokens, ignore_eos=True,
+                                                         seed=tokens))
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        start = engine.stats["generated_tokens"]
+        long_ = engine.submit(request(120))
+        while engine.stats["generated_tokens"] - start < 75:  # past 64 positions
+            time.sleep(0.001)
+        medium = engine.submit(request(60))
+        assert runner.kv_len == 128
+        long_.result(timeout=120)
+        while not medium.done():  # the cache shrinks from 128 to 64 when the long one ends
+            lengths.append(runner.kv_len)
+            time.sleep(0.001)
+        assert lengths and lengths[-1] in (32, 64), lengths
+        engine.generate(request(2), timeout=120)  # and to 16
+        assert runner.kv_len == 16
+        assert compiles == []
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+        server.engine.shutdown()
+
+
 def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
     """``warmup_shapes`` with two replicas: each replica compiles the same decode shapes (every
     batch bucket of its own slots, every cache length), not just the first one."""

@@ -758,6 +758,20 @@ class ModelRunner:
         self._move.lower(*self._cache_structs(length), jax.tree.map(abstract, self.state),
                          index, index).compile()
 
+    def compile_shrinks(self, lengths) -> int:
+        """Compiles every cache resize a decode step may shrink by between ``lengths`` (to half
+        the length or less; growing is compiled ahead as the sequences approach it), without
+        running them; returns how many."""
+        lengths = sorted(set(lengths))
+        count = 0
+        for longer in lengths:
+            current = self._cache_structs(longer)
+            for shorter in lengths:
+                if 2 * shorter <= longer:
+                    self._resizer(shorter).lower(*current).compile()
+                    count += 1
+        return count
+
     def _move_pairs(self, pairs: int) -> int:
         """Pairs a move of ``pairs`` sequences is padded to: half the slots (a compaction moves
         at most that many: the sequences above the smaller batch, no more than fit below it;

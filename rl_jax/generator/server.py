@@ -256,9 +256,10 @@ class GeneratorServer:
                     self._burst(prompts, n, tag=f"{prompts}x{n}")
         lengths = sorted({kv_bucket(n, self.config.max_seq_len)
                           for n in range(1, self.config.max_seq_len + 1)})
-        for length in lengths:  # moving sequences to lower slots (see Engine._compact)
-            for runner in self.engine.runners:
+        for runner in self.engine.runners:
+            for length in lengths:  # moving sequences to lower slots (see Engine._compact)
                 runner.compile_move(length)
+            runner.compile_shrinks(lengths)  # the cache shrinking as long sequences finish
         for length in lengths[1:]:
             for n in sizes:
                 if n >= MIN_ADMIT or n == slots:
