@@ -405,7 +405,7 @@ class Session:
         if self.primary and c.cpus.get("rollout"):
             self._pin_host_threads(c.cpus.rollout)
         log_step = None  # the previous step's logging, done while this step trains
-        cpu_before = (cpus.thread_cpu_seconds(), self._generator_cpu()) if self.primary \
+        cpu_before = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
             else None
         for i in range(start_iter, c.trainer.steps):
             t0, cpu0 = time.perf_counter(), time.process_time()
@@ -524,7 +524,7 @@ class Session:
                         refresh=False)
         bar.update(1)
 
-    def _generator_cpu(self) -> dict[str, dict[str, Any]]:
+    def _generator_readings(self) -> dict[str, dict[str, Any]]:
         """Each generator server's CPU seconds per thread so far and its engine counters (this
         project's servers report them in ``/get_server_info``; SGLang's do not, and give nothing
         here): ``{url: {"cpu": {thread: s}, "counters": {name: count}}}``."""
@@ -631,7 +631,7 @@ class Session:
         c = self.c
         version = int(self.state.step)
         train_wall = wall_offset + clock.elapsed
-        cpu_after = (cpus.thread_cpu_seconds(), self._generator_cpu()) if self.primary \
+        cpu_after = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
             else None
         self.checkpointer.wait()
         done = version + int(self.state.skipped)
