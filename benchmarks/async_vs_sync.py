@@ -6,7 +6,7 @@ lengths generated with ``ignore_eos`` (p99/p50 >= 8; one per sample, as samples 
 differ in length, or with ``--noper_sample_lengths`` one per prompt), and reports side by side:
 trained tokens/s (and the ratio to sync), wall time to a target held-out accuracy, each pool's
 idle fraction, and the staleness distribution. A run named ``MODE/KEY=VALUE`` is that mode with
-one more config override, measured beside the others (by default ``async`` without batch
+one more config override (``MODE/K1=V1/K2=V2``: with two), measured beside the others (by default ``async`` without batch
 prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
 ``results/async_vs_sync.png``.
 
@@ -43,8 +43,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of every mode, interleaved (
                                 "machine's speed drifts by ~10% between runs.")
 _MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async",
                                      "async/trainer.prefetch=False"],
-                           "Runs: a mode, or MODE/KEY=VALUE for that mode with one more config "
-                           "override (a variant measured beside the others).")
+                           "Runs: a mode, or MODE/KEY=VALUE[/KEY=VALUE...] for that mode with more "
+                           "config overrides (a variant measured beside the others).")
 _BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the recipe's base "
                             "policy, trained once into the work directory.")
 _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sync"),
@@ -126,9 +126,9 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
 
 
 def run_mode(label: str, base: Path, workdir: Path, steps: int, repeat: int = 0) -> dict:
-    """One RL run, ``label`` being a mode or ``MODE/KEY=VALUE`` (that mode with the override
-    ``--config.KEY=VALUE``); returns its summary and per-step records."""
-    mode, _, variant = label.partition("/")
+    """One RL run, ``label`` being a mode or ``MODE/KEY=VALUE[/KEY=VALUE...]`` (that mode with
+    the overrides ``--config.KEY=VALUE``); returns its summary and per-step records."""
+    mode, *variant = label.split("/")
     out = workdir / (label.replace("/", "_") + (f"_{repeat}" if repeat else ""))
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -148,7 +148,7 @@ def run_mode(label: str, base: Path, workdir: Path, steps: int, repeat: int = 0)
            f"--config.trainer.micro_batch_rows={micro_rows()}",
            f"--config.eval.every={max(steps // 4, 1)}", "--config.checkpoint.every=1000000",
            *[f"--config.{o}" for o in _EXTRA.value],
-           *([f"--config.{variant}"] if variant else [])]
+           *[f"--config.{v}" for v in variant]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     print(f"[{label}] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()

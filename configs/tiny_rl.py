@@ -91,7 +91,9 @@ def get_config() -> ConfigDict:
     # the trainer process's host threads (rollout client, evaluation, weight sync); "" = the
     # trainer's cores. Here either core, wherever the OS finds one idle: on the trainer's core
     # alone they take ~10% of it from training; on the generator's alone they slow generation.
-    c.cpus = ConfigDict(dict(trainer="0", generators="1", rollout="0,1"))
+    # `generators_nice`: the servers' CPU priority (0 default, 19 lowest; see
+    # rl_jax.generator.launcher.PoolConfig.nice).
+    c.cpus = ConfigDict(dict(trainer="0", generators="1", rollout="0,1", generators_nice=0))
     c.transfer = ConfigDict(dict(transports=("shm",), transport="auto", host="127.0.0.1",
                                  port=0, timeout_s=120.0))
 

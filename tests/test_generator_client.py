@@ -336,6 +336,14 @@ def test_server_commands():
         PoolConfig(model="/ckpt", **steps), 31000)
     cmd = server_command(PoolConfig(model="m", kind="sglang", **steps), 30001)
     assert cmd[cmd.index("--num-continuous-decode-steps") + 1] == "4"
+    # A lower CPU priority, for either kind (outermost, so that it covers taskset too)
+    assert server_command(PoolConfig(model="/ckpt", nice=7), 31000)[:4] == [
+        "nice", "-n", "7", sys.executable]
+    assert server_command(PoolConfig(model="m", kind="sglang", nice=3, cpu_cores="1"),
+                          30001)[:6] == ["nice", "-n", "3", "taskset", "-c", "1"]
+    for bad in (-1, 20, 1.5, True):
+        with pytest.raises(LaunchError, match="generator nice must be an integer from 0"):
+            PoolConfig(model="/ckpt", nice=bad)
 
 
 def test_sglang_kind_needs_the_sglang_extra():
@@ -424,12 +432,13 @@ def test_lenient_servers_ignore_what_strict_ones_refuse():
 
 
 def test_servers_exit_when_their_launcher_dies(ckpts, tmp_path):
-    """A killed launcher (e.g. a test run stopped by a timeout) leaves no servers behind."""
+    """A killed launcher (e.g. a test run stopped by a timeout) leaves no servers behind. (The
+    server also runs at a lower CPU priority, ``nice``, which is checked on the way.)"""
     script = (
         "import sys, time\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from generator_fixtures import start_pool\n"
-        "pool = start_pool(sys.argv[2], 1, sys.argv[3])\n"
+        "pool = start_pool(sys.argv[2], 1, sys.argv[3], nice=5)\n"
         "print(pool.urls[0], pool.processes[0].pid, flush=True)\n"
         "time.sleep(600)\n")
     launcher = subprocess.Popen(
@@ -438,6 +447,9 @@ def test_servers_exit_when_their_launcher_dies(ckpts, tmp_path):
     try:
         url, pid = launcher.stdout.readline().split()
         assert http(url, "/health")[0] == 200
+        # started at the lower CPU priority it was given
+        assert os.getpriority(os.PRIO_PROCESS, int(pid)) == os.getpriority(
+            os.PRIO_PROCESS, 0) + 5
     finally:
         launcher.kill()
         launcher.wait()

@@ -230,6 +230,8 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"trainer.num_microbatches": 2}, "exclude each other"),
     ({"generator.data_parallel": 0}, "generator.data_parallel must be an integer >= 1"),
     ({"generator.decode_steps": 0}, "generator.decode_steps must be an integer >= 1"),
+    ({"cpus.generators_nice": -5}, "cpus.generators_nice must be an integer from 0"),
+    ({"cpus.generators_nice": 20}, "cpus.generators_nice must be an integer from 0"),
     ({"generator.data_parallel": 3},
      "generator.max_slots=64 does not split evenly over generator.data_parallel=3"),
 ])

@@ -62,6 +62,11 @@ class PoolConfig:
     # CPU cores each server may run on ("" = any), e.g. "1" or "2-3" (``taskset`` syntax);
     # this project's servers pin themselves, SGLang servers are started under ``taskset``.
     cpu_cores: str = ""
+    # CPU priority of the servers: their ``nice`` value, 0 (the default priority) to 19 (the
+    # lowest). Above 0, processes at the default priority on the same cores (the trainer's
+    # rollout client and batch packing) run first whenever they have work, and the servers
+    # decode in the time left; raising priority (a negative value) needs privileges.
+    nice: int = 0
     # The trainer's weight publisher (rl_jax.transfer): servers pull the newest published
     # version before they report ready (so a restarted server never serves old weights) and on
     # /update_weights_from_transfer.
@@ -72,6 +77,10 @@ class PoolConfig:
             raise LaunchError(f"generator kind must be one of {KINDS}, got {self.kind!r}")
         if not self.ports:
             raise LaunchError("the generator pool needs at least one port")
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or \
+                not 0 <= self.nice <= 19:
+            raise LaunchError(f"generator nice must be an integer from 0 (default priority) to "
+                              f"19 (lowest), got {self.nice!r}")
 
     @classmethod
     def from_config(cls, block: Any) -> "PoolConfig":
@@ -121,6 +130,8 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
             cmd += ["--num-continuous-decode-steps", str(c.decode_steps)]
         if c.cpu_cores:
             cmd = ["taskset", "-c", c.cpu_cores] + cmd
+    if c.nice:
+        cmd = ["nice", "-n", str(c.nice)] + cmd
     return cmd + list(c.extra_args)
 
 

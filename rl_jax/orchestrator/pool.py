@@ -53,11 +53,12 @@ class GeneratorPool:
       model_dir: the HF checkpoint the servers start from.
       publisher_url: the weight publisher servers pull from.
       cpu_cores: cores the servers run on ("" = any).
+      nice: the servers' CPU priority (``PoolConfig.nice``).
       log_dir: where server logs go.
     """
 
     def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
-                 cpu_cores: str = "", log_dir: str | Path):
+                 cpu_cores: str = "", nice: int = 0, log_dir: str | Path):
         self.block = block
         self.external = tuple(block.urls)
         self.restarts: collections.Counter = collections.Counter()
@@ -72,7 +73,7 @@ class GeneratorPool:
                 data_parallel=int(block.get("data_parallel", 1)),
                 decode_steps=int(block.get("decode_steps", 1)),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
-                cpu_cores=cpu_cores, env=tuple(tuple(kv) for kv in block.get("env", ())),
+                cpu_cores=cpu_cores, nice=nice, env=tuple(tuple(kv) for kv in block.get("env", ())),
                 extra_args=tuple(block.get("extra_args", ())) + (
                     ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else ""))

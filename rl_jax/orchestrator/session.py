@@ -269,6 +269,7 @@ class Session:
         self._closers.append(self.publisher.close)
         self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
                                   publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
+                                  nice=int(c.cpus.get("generators_nice", 0)),
                                   log_dir=self.workdir / "generators")
         self._closers.append(self.pool.stop)
         started = time.perf_counter()
