@@ -88,12 +88,14 @@ def get_config() -> ConfigDict:
         warmup_shapes=True,
     ))
     # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1". `rollout`:
-    # the trainer process's host threads (rollout client, evaluation, weight sync); "" = the
-    # trainer's cores. Here either core, wherever the OS finds one idle: on the trainer's core
-    # alone they take ~10% of it from training; on the generator's alone they slow generation.
-    # `generators_nice`: the servers' CPU priority (0 default, 19 lowest; see
-    # rl_jax.generator.launcher.PoolConfig.nice).
-    c.cpus = ConfigDict(dict(trainer="0", generators="1", rollout="0,1", generators_nice=0))
+    # the trainer process's host threads (rollout client, batch packing, evaluation, weight
+    # sync); "" = the trainer's cores. `generators_nice`: the servers' CPU priority (0 default,
+    # 19 lowest; rl_jax.generator.launcher.PoolConfig.nice). Here the host threads share the
+    # generator's core and the servers yield it to them: they run as soon as they have work, so
+    # the trainer's core is left to training and its batches are not held up by decoding.
+    # (On the trainer's core the host threads take ~10% of it from training; on the generator's
+    # core at equal priority they wait behind decoding and the trainer waits for batches.)
+    c.cpus = ConfigDict(dict(trainer="0", generators="1", rollout="1", generators_nice=10))
     c.transfer = ConfigDict(dict(transports=("shm",), transport="auto", host="127.0.0.1",
                                  port=0, timeout_s=120.0))
 
