@@ -63,7 +63,7 @@ def get_config() -> ConfigDict:
         # The servers' GPUs (server i uses GPU i of these, --base-gpu-id i).
         env=(("CUDA_VISIBLE_DEVICES", "4,5,6,7"),), extra_args=(),
     ))
-    c.cpus = ConfigDict(dict(trainer="", generators="", rollout=""))
+    c.cpus = ConfigDict(dict(trainer="", generators="", rollout="", generators_nice=0))
     c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",
                                  port=0, timeout_s=600.0))
     c.eval = ConfigDict(dict(examples=500, every=25, max_new_tokens=3072,

@@ -63,7 +63,7 @@ def get_config() -> ConfigDict:
         startup_timeout_s=1200.0, restart_dead=True, warmup_shapes=False,
         request_timeout_s=3600.0,
     ))
-    c.cpus = ConfigDict(dict(trainer="", generators="", rollout=""))
+    c.cpus = ConfigDict(dict(trainer="", generators="", rollout="", generators_nice=0))
     c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",
                                  port=0, timeout_s=600.0))
     c.eval = ConfigDict(dict(examples=500, every=25, max_new_tokens=3072,
