@@ -128,6 +128,28 @@ def test_n_samples_share_one_prefill(engine):
     assert len({o.rid for o in outs}) == 4
 
 
+def test_requests_for_one_prompt_sent_together_share_its_prefill(engine):
+    """A GRPO group sent as one request per sample (each with its own length and seed) is
+    prefilled once, like the samples of one request, and samples exactly as requests sent
+    alone; a different prompt between them starts a prefill group of its own."""
+    prompt, other = [1, 4, 5, 6, 7], [1, 4, 5, 6, 8]
+    requests = [req(prompt, max_new_tokens=3 + i, seed=10 + i) for i in range(3)]
+    alone = [engine.generate(r)[0] for r in requests]
+    engine.pause("in_place")  # all four wait together, admitted in one scheduler pass
+    deadline = time.monotonic() + 60
+    while not engine.paused and time.monotonic() < deadline:
+        time.sleep(0.001)
+    futures = [engine.submit(r) for r in requests[:2]]
+    futures.append(engine.submit(req(other, max_new_tokens=2, seed=3)))
+    futures.append(engine.submit(requests[2]))
+    engine.resume()
+    outs = [f.result(timeout=120)[0] for f in futures]
+    assert [o.cached_tokens for o in outs] == [0, 5, 0, 0]
+    for got, want in zip(outs[:2] + outs[3:], alone):
+        assert got.output_ids == want.output_ids
+        np.testing.assert_allclose(got.output_logprobs, want.output_logprobs, atol=1e-5)
+
+
 def test_greedy_filters_and_stop_tokens(engine):
     greedy = engine.generate(req([1, 6, 8], max_new_tokens=10, temperature=0.0))[0]
     top1 = engine.generate(req([1, 6, 8], max_new_tokens=10, top_k=1, seed=5))[0]

@@ -501,19 +501,25 @@ class Engine:
         self.stats["weight_swap_ms"] += int((time.perf_counter() - start) * 1000)
 
     def _admit(self):
-        """Prefills waiting sequences into free slots (samples of one request share a prefill on
-        one replica; a new prefill goes to the replica with the most free slots) and queues the
-        sampling of their first tokens."""
+        """Prefills waiting sequences into free slots (fresh samples of one prompt waiting
+        together share a prefill on one replica; a new prefill goes to the replica with the most
+        free slots) and queues the sampling of their first tokens."""
         budget = self.engine_config.max_prefill_tokens
         free = [len(r.free_slots) for r in self._replicas]
         groups: list[tuple[int, list[_Sequence]]] = []  # (replica, sequences sharing a prefill)
         with self._lock:
             while self._waiting:
                 seq = self._waiting[0]
-                # Fresh samples of the same request waiting together share one prefill.
+                # Fresh samples waiting together share one prefill when they have the same
+                # prompt: the samples of one request, or requests for the same prompt sent
+                # together (e.g. a GRPO group sent as one request per sample, each with its own
+                # length or seed).
                 last = groups[-1] if groups else None
-                joins = (last is not None and free[last[0]] > 0 and not seq.output_ids
-                         and not last[1][0].output_ids and last[1][0].request is seq.request)
+                head = last[1][0] if last is not None else None
+                joins = (head is not None and free[last[0]] > 0 and not seq.output_ids
+                         and not head.output_ids
+                         and (head.request is seq.request
+                              or head.request.input_ids == seq.request.input_ids))
                 if not joins:
                     target = max(range(len(free)), key=free.__getitem__)
                     if not free[target]:
