@@ -6,8 +6,8 @@ lengths generated with ``ignore_eos`` (p99/p50 >= 8; one per sample, as samples 
 differ in length, or with ``--noper_sample_lengths`` one per prompt), and reports side by side:
 trained tokens/s (and the ratio to sync), wall time to a target held-out accuracy, each pool's
 idle fraction, and the staleness distribution. A run named ``MODE/KEY=VALUE`` is that mode with
-one more config override (``MODE/K1=V1/K2=V2``: with two), measured beside the others (by default ``async`` without batch
-prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
+one more config override (``MODE/K1=V1/K2=V2``: with two), measured beside the others (by
+default ``async`` without batch prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
 ``results/async_vs_sync.png``.
 
 It also prints what bounds the overlapped modes: the most any overlap can gain over the sync run
@@ -43,8 +43,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs of every mode, interleaved (
                                 "machine's speed drifts by ~10% between runs.")
 _MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async",
                                      "async/trainer.prefetch=False"],
-                           "Runs: a mode, or MODE/KEY=VALUE[/KEY=VALUE...] for that mode with more "
-                           "config overrides (a variant measured beside the others).")
+                           "Runs: a mode, or MODE/KEY=VALUE[/KEY=VALUE...] for that mode with "
+                           "more config overrides (a variant measured beside the others).")
 _BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the recipe's base "
                             "policy, trained once into the work directory.")
 _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sync"),

@@ -77,10 +77,7 @@ class PoolConfig:
             raise LaunchError(f"generator kind must be one of {KINDS}, got {self.kind!r}")
         if not self.ports:
             raise LaunchError("the generator pool needs at least one port")
-        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or \
-                not 0 <= self.nice <= 19:
-            raise LaunchError(f"generator nice must be an integer from 0 (default priority) to "
-                              f"19 (lowest), got {self.nice!r}")
+        check_nice(self.nice)
 
     @classmethod
     def from_config(cls, block: Any) -> "PoolConfig":
@@ -99,6 +96,13 @@ class PoolConfig:
             env = values["env"]
             values["env"] = tuple((env.items() if isinstance(env, Mapping) else env))
         return cls(**values)
+
+
+def check_nice(value: Any, name: str = "generator nice") -> None:
+    """A ``LaunchError`` unless ``value`` is a ``nice`` value servers can be started with."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+        raise LaunchError(f"{name} must be an integer from 0 (default priority) to 19 "
+                          f"(lowest), got {value!r}")
 
 
 def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:

@@ -138,10 +138,11 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
         raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "
                             f"generator.data_parallel={g.data_parallel} replicas")
     if "cpus" in c and "generators_nice" in c.cpus:
-        nice = c.cpus.generators_nice
-        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-            raise RLConfigError(f"cpus.generators_nice must be an integer from 0 (default "
-                                f"priority) to 19 (lowest), got {nice!r}")
+        from rl_jax.generator.launcher import LaunchError, check_nice
+        try:
+            check_nice(c.cpus.generators_nice, "cpus.generators_nice")
+        except LaunchError as e:
+            raise RLConfigError(str(e)) from None
     _int("eval.examples", c.eval.examples, 0)
     _int("eval.every", c.eval.every, 0)
     if "concurrency" in c.eval:

@@ -73,7 +73,8 @@ class GeneratorPool:
                 data_parallel=int(block.get("data_parallel", 1)),
                 decode_steps=int(block.get("decode_steps", 1)),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
-                cpu_cores=cpu_cores, nice=nice, env=tuple(tuple(kv) for kv in block.get("env", ())),
+                cpu_cores=cpu_cores, nice=nice,
+                env=tuple(tuple(kv) for kv in block.get("env", ())),
                 extra_args=tuple(block.get("extra_args", ())) + (
                     ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else ""))
