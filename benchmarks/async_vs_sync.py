@@ -5,7 +5,15 @@ process pinned to one core, generator server pinned to the other), with lognorma
 lengths generated with ``ignore_eos`` (p99/p50 >= 8; one per sample, as samples of one prompt
 differ in length, or with ``--noper_sample_lengths`` one per prompt), and reports side by side:
 trained tokens/s (and the ratio to sync), wall time to a target held-out accuracy, each pool's
-idle fraction, and the staleness distribution. A run named ``MODE/KEY=VALUE`` is that mode with
+idle fraction, and the staleness distribution.
+
+Learning is measured outside the runs: each run writes its policy every ``--snapshot_every``
+steps (``export.every``) with the wall time it had then, and runs no periodic evals (on the
+servers, an eval takes generator time from the rollout in the overlapped modes only); after the
+runs, every snapshot of each mode's reported run is evaluated greedily on ``--eval_examples``
+held-out problems in this process. The target accuracy (unless given) is the base policy's plus
+half of what the sync run gained (the mean of its last three snapshots), and each mode's time
+to it is the wall time of its first snapshot at or above it. A run named ``MODE/KEY=VALUE`` is that mode with
 one more config override (``MODE/K1=V1/K2=V2``: with two), measured beside the others (by
 default ``async`` without batch prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
 ``results/async_vs_sync.png``.
@@ -50,7 +58,12 @@ _BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the reci
 _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "bench_async_vs_sync"),
                                "Where the runs write.")
 _TARGET = flags.DEFINE_float("target_accuracy", 0.0, "Held-out accuracy whose first crossing "
-                             "is timed (0: the base accuracy + 0.02).")
+                             "is timed (0: the base accuracy plus half of the sync run's gain).")
+_EVAL_EXAMPLES = flags.DEFINE_integer("eval_examples", 1024, "Held-out problems each snapshot "
+                                      "is evaluated on (the standard error of an accuracy p is "
+                                      "sqrt(p (1 - p) / n): 0.012 at p = 0.2).")
+_SNAPSHOT_EVERY = flags.DEFINE_integer("snapshot_every", 0, "Steps between policy snapshots "
+                                       "(0: a twentieth of the steps).")
 _MAX_LAG = flags.DEFINE_integer("max_lag", 4, "Staleness bound of the async run.")
 _MEDIAN = flags.DEFINE_float("median", 16.0, "Median completion tokens.")
 _SIGMA = flags.DEFINE_float("sigma", 1.5, "Sigma of log completion length (p99/p50 = "
@@ -146,7 +159,8 @@ def run_mode(label: str, base: Path, workdir: Path, steps: int, repeat: int = 0)
            f"--config.rollout.seq_len={seq_len()}", f"--config.generator.max_seq_len={seq_len()}",
            f"--config.generator.max_slots={_SLOTS}", "--config.eval.examples=128",
            f"--config.trainer.micro_batch_rows={micro_rows()}",
-           f"--config.eval.every={max(steps // 4, 1)}", "--config.checkpoint.every=1000000",
+           "--config.eval.every=0", f"--config.export.every={snapshot_every(steps)}",
+           "--config.checkpoint.every=1000000",
            *[f"--config.{o}" for o in _EXTRA.value],
            *[f"--config.{v}" for v in variant]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -159,15 +173,78 @@ def run_mode(label: str, base: Path, workdir: Path, steps: int, repeat: int = 0)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     print(f"[{label}] done in {time.perf_counter() - start:.0f} s: "
           f"{summary['trained_tokens_per_s']:.0f} trained tokens/s", flush=True)
-    return {"summary": summary, "records": records}
+    return {"summary": summary, "records": records, "workdir": out}
 
 
-def time_to(records: list[dict], target: float) -> float | None:
-    """Wall seconds of the first held-out eval at or above ``target``."""
-    for r in records:
-        if r.get("eval/accuracy", -1.0) >= target and r.get("step", 0) > 0:
-            return float(r["wall_s"])
-    return None
+def snapshot_every(steps: int) -> int:
+    return _SNAPSHOT_EVERY.value or max(steps // 20, 1)
+
+
+def held_out_accuracies(model_dirs: list[Path], examples: int) -> list[float]:
+    """Greedy held-out accuracy of each HF checkpoint in ``model_dirs`` (same architecture), on
+    the recipe's first ``examples`` eval-split problems, with one engine in this process."""
+    import asyncio
+
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT))
+    from configs.tiny_rl import get_config
+    from rl_jax import envs
+    from rl_jax.generator.base import LocalGenerator
+    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.runner import generator_rules
+    from rl_jax.generator.server import eos_ids, load_params
+    from rl_jax.models.hf import load_tokenizer
+    from rl_jax.orchestrator.evaluation import evaluate, held_out_prompts
+    from rl_jax.orchestrator.session import Codec
+    c = get_config()
+    env = envs.get(c.env.name, **c.env.kwargs.to_dict())
+    prompts = held_out_prompts(env, examples)
+    cfg, params = load_params(model_dirs[0], mesh=None, rules=generator_rules(),
+                              dtype=jnp.float32)
+    codec = Codec(load_tokenizer(model_dirs[0]), cfg.bos_token_id, c.data.template)
+    slots = 128
+    engine = Engine(cfg, params, rules=generator_rules(), dtype=jnp.float32,
+                    eos_token_ids=eos_ids(cfg), engine_config=EngineConfig(
+                        max_slots=slots, max_seq_len=2 * PROMPT_TOKENS + c.eval.max_new_tokens))
+
+    async def run() -> list[float]:
+        generator = LocalGenerator(engine, owns_engine=True)
+        accuracies = []
+        try:
+            for i, path in enumerate(model_dirs):
+                if i:
+                    await generator.update_weights_from_disk(path)
+                result = await evaluate(generator, env, prompts, encode=codec.encode,
+                                        decode=codec.decode, max_new_tokens=c.eval.max_new_tokens,
+                                        concurrency=slots)
+                accuracies.append(result.accuracy)
+        finally:
+            await generator.close()
+        return accuracies
+    return asyncio.run(run())
+
+
+def learning_curves(runs: dict, base: Path) -> dict[str, list[tuple[float, int, float]]]:
+    """Per run, ``(wall_s, version, held-out accuracy)`` of the base policy (at 0 s) and of
+    every snapshot, all evaluated on the same ``--eval_examples`` problems."""
+    from rl_jax.orchestrator.snapshots import list_snapshots
+    snapshots = {mode: list_snapshots(run["workdir"]) for mode, run in runs.items()}
+    dirs = [base] + [path for found in snapshots.values() for _, path in found]
+    print(f"evaluating the base policy and {len(dirs) - 1} snapshots on "
+          f"{_EVAL_EXAMPLES.value} held-out problems ...", flush=True)
+    start = time.perf_counter()
+    accuracies = iter(held_out_accuracies(dirs, _EVAL_EXAMPLES.value))
+    base_acc = next(accuracies)
+    print(f"  done in {time.perf_counter() - start:.0f} s; base policy {base_acc:.3f}")
+    return {mode: [(0.0, 0, base_acc)] + [(meta["wall_s"], meta["version"], next(accuracies))
+                                         for meta, _ in found]
+            for mode, found in snapshots.items()}
+
+
+def time_to(curve: list[tuple[float, int, float]], target: float) -> float | None:
+    """Wall seconds of the first snapshot at or above ``target``."""
+    return next((wall for wall, version, acc in curve if version > 0 and acc >= target), None)
 
 
 def response_lengths(prompts: int) -> list[int]:
@@ -285,9 +362,15 @@ def main(argv):
     # Each mode by its median run (the lower middle one of an even count).
     runs = {mode: sorted(rs, key=lambda r: r["summary"]["trained_tokens_per_s"])[
         (len(rs) - 1) // 2] for mode, rs in every.items()}
-    first = next(iter(runs.values()))["records"]
-    base_acc = next((r["eval/accuracy"] for r in first if "eval/accuracy" in r), 0.0)
-    target = _TARGET.value or base_acc + 0.02
+    curves = learning_curves(runs, base)
+    base_acc = next(iter(curves.values()))[0][2]
+    # The accuracy sync ends at: the mean of its last three snapshots (one is noisy).
+    sync_end = (float(np.mean([acc for _, _, acc in curves["sync"][-3:]]))
+                if "sync" in curves else None)
+    fractions = (0.25, 0.5, 0.75)
+    targets = ({f: base_acc + f * (sync_end - base_acc) for f in fractions}
+               if sync_end is not None else {})
+    target = _TARGET.value or targets.get(0.5, base_acc + 0.02)
     sync_rate = runs["sync"]["summary"]["trained_tokens_per_s"] if "sync" in runs else None
     rows = []
     for mode, run in runs.items():
@@ -298,13 +381,17 @@ def main(argv):
             "trained_tokens_per_s_runs": [r["summary"]["trained_tokens_per_s"]
                                           for r in every[mode]],
             "vs_sync": s["trained_tokens_per_s"] / sync_rate if sync_rate else None,
-            "time_to_target_s": time_to(run["records"], target),
+            "time_to_target_s": time_to(curves[mode], target),
+            "time_to_fraction_of_sync_gain_s": {str(f): time_to(curves[mode], t)
+                                                for f, t in targets.items()},
+            "learning_curve": [{"wall_s": w, "version": v, "accuracy": a}
+                               for w, v, a in curves[mode]],
             "trainer_idle_fraction": s["trainer_idle_fraction"],
             "generator_idle_fraction": s["generator_idle_fraction"],
             "staleness_max": s["staleness/max"], "staleness_mean": s["staleness/mean"],
             "staleness_histogram": s["staleness_histogram"],
-            "accuracy_before": s["held_out_accuracy_before"],
-            "accuracy_after": s["held_out_accuracy_after"],
+            "accuracy_before": base_acc,
+            "accuracy_after": curves[mode][-1][2],
             # The trainer's own speed: trained tokens per second spent in train steps.
             "trainer_tokens_per_s_training": s["trained_tokens"] / max(
                 s["trainer_seconds"]["training"], 1e-9),
@@ -319,17 +406,24 @@ def main(argv):
             "decode_batches": s.get("generator_decode_batches", {}),
             "generator_counters": s.get("generator_counters", {}),
         })
-    print(f"\ntarget held-out accuracy {target:.3f}; lengths p99/p50 "
+    print(f"\ntarget held-out accuracy {target:.3f} (base {base_acc:.3f}"
+          + (f", sync ends at {sync_end:.3f}" if sync_end is not None else "")
+          + f"; {_EVAL_EXAMPLES.value} problems); lengths p99/p50 "
           f"{lengths['p99_over_p50']:.1f}")
     print(f"{'mode':<30}{'tok/s':>8}{'vs sync':>9}{'t->target':>11}{'trainer idle':>14}"
           f"{'gen idle':>10}{'stale max':>11}{'stale mean':>12}{'acc':>14}")
     for r in rows:
-        ttt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
+        ttt = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "-"
         print(f"{r['mode']:<30}{r['trained_tokens_per_s']:>8.0f}"
               f"{(r['vs_sync'] or math.nan):>9.2f}{ttt:>11}{r['trainer_idle_fraction']:>14.2f}"
               f"{(r['generator_idle_fraction'] or math.nan):>10.2f}{r['staleness_max']:>11.0f}"
               f"{r['staleness_mean']:>12.2f}"
               f"{r['accuracy_before']:>7.2f}->{r['accuracy_after']:.2f}")
+    if targets:
+        print("wall seconds to a fraction of the sync run's accuracy gain: " + "; ".join(
+            f"{r['mode']} " + ", ".join(
+                f"{float(f):.0%} {'-' if t is None else f'{t:.1f}'}"
+                for f, t in r["time_to_fraction_of_sync_gain_s"].items()) for r in rows))
     print("CPU seconds over the steps, by thread (median run of each mode; XLA's pool is "
           "tf_XLAEigen):")
     for r in rows:
@@ -384,11 +478,18 @@ def main(argv):
         worst = max(r["summary"]["staleness/max"] for r in every["async"])
         print(f"async / sync trained tokens/s (medians): {ratio:.2f} (aim >= 1.8); async max "
               f"staleness over every run {worst:.0f} <= max_lag {_MAX_LAG.value}")
+        times = {r["mode"]: r["time_to_target_s"] for r in rows}
+        if "sync" in times:
+            show = lambda t: "not reached" if t is None else f"{t:.1f} s"  # noqa: E731
+            print(f"time to held-out accuracy {target:.3f}: async {show(times['async'])}, "
+                  f"sync {show(times['sync'])} (aim: async sooner)")
     result = {"benchmark": "async_vs_sync", "steps": steps, "repeats": repeats,
               "quick": _QUICK.value,
               "lengths": {"median": _MEDIAN.value, "sigma": _SIGMA.value,
                           "max": _MAX_LEN.value, "per_sample": _PER_SAMPLE.value, **lengths},
-              "target_accuracy": target, "overrides": list(_EXTRA.value),
+              "target_accuracy": target, "base_accuracy": base_acc, "sync_end_accuracy": sync_end,
+              "eval_examples": _EVAL_EXAMPLES.value, "snapshot_every": snapshot_every(steps),
+              "overrides": list(_EXTRA.value),
               "micro_batch_rows": micro_rows(),
               "batch": {"groups_per_batch": batch_shape()[0], "group_size": batch_shape()[1]},
               "rows": rows, "overlap_bound_vs_sync": bound,
@@ -401,11 +502,11 @@ def main(argv):
     results.mkdir(parents=True, exist_ok=True)
     name = "async_vs_sync_quick" if _QUICK.value else "async_vs_sync"
     (results / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot(runs, rows, results / f"{name}.png")
+    plot(rows, target, results / f"{name}.png")
     print(f"wrote {results / name}.json and .png")
 
 
-def plot(runs: dict, rows: list[dict], path: Path):
+def plot(rows: list[dict], target: float, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -420,13 +521,14 @@ def plot(runs: dict, rows: list[dict], path: Path):
     ax.set_ylabel("trained tokens/s")
     ax.set_title("throughput (same cores)")
     ax = axes[1]
-    for mode, run in runs.items():
-        pts = [(r["wall_s"], r["eval/accuracy"]) for r in run["records"] if "eval/accuracy" in r]
-        if pts:
-            ax.plot(*zip(*pts), marker=".", label=mode)
+    for r in rows:
+        ax.plot([p["wall_s"] for p in r["learning_curve"]],
+                [p["accuracy"] for p in r["learning_curve"]], marker=".", label=r["mode"],
+                color=colors.get(r["mode"]))
+    ax.axhline(target, color="black", linestyle=":", linewidth=1, label="target")
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("held-out accuracy")
-    ax.legend()
+    ax.set_ylabel("held-out accuracy (policy snapshots)")
+    ax.legend(fontsize=7)
     ax = axes[2]
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):

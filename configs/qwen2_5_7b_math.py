@@ -71,5 +71,7 @@ def get_config() -> ConfigDict:
     c.checkpoint = ConfigDict(dict(every=25, keep=3, use_async=True))
     c.logging = ConfigDict(dict(every=1, tensorboard=True))
     c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))
-    c.export = ConfigDict(dict(dtype="bfloat16"))
+    # The final policy goes to <workdir>/hf; every > 0 also writes one every that many steps
+    # to <workdir>/hf_steps/step_N (rl_jax.orchestrator.snapshots), e.g. to evaluate later.
+    c.export = ConfigDict(dict(dtype="bfloat16", every=0))
     return c

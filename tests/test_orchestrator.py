@@ -76,10 +76,11 @@ def base_policy(tmp_path_factory) -> Path:
 
 def test_async_run_end_to_end(base_policy, tmp_path):
     """Async mode: every output is written, staleness stays within max_lag, the generators
-    ran every version the trainer published, and the last line is the accuracy line."""
+    ran every version the trainer published, policy snapshots are written, and the last line
+    is the accuracy line."""
     workdir = tmp_path / "async"
     result = launch(workdir, "--config.trainer.steps=6", "--config.rollout.max_lag=2",
-                    "--config.eval.every=3", base=base_policy)
+                    "--config.eval.every=3", "--config.export.every=3", base=base_policy)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert lines[-1].startswith("held-out accuracy: "), lines[-3:]
@@ -118,6 +119,18 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     new, old = load_file(workdir / "hf/model.safetensors"), \
         load_file(base_policy / "model.safetensors")
     assert any(not np.array_equal(new[k], old[k]) for k in old)
+    # Snapshots of versions 3 and 6 with the wall time of their step; the last is the export.
+    from rl_jax.orchestrator.snapshots import list_snapshots
+    snapshots = list_snapshots(workdir)
+    assert [meta["version"] for meta, _ in snapshots] == [3, 6]
+    for meta, path in snapshots:
+        assert meta["step"] == meta["version"]
+        # taken after its train step, before the step's record
+        assert steps[meta["step"] - 1]["wall_s"] <= meta["wall_s"] <= steps[meta["step"]]["wall_s"]
+        assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    first, last = (load_file(path / "model.safetensors") for _, path in snapshots)
+    assert all(np.array_equal(last[k], new[k]) for k in new)
+    assert any(not np.array_equal(first[k], last[k]) for k in new)
 
 
 def test_sync_resume_after_kill_repeats_the_losses(base_policy, tmp_path):
@@ -232,6 +245,7 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"generator.decode_steps": 0}, "generator.decode_steps must be an integer >= 1"),
     ({"cpus.generators_nice": -5}, "cpus.generators_nice must be an integer from 0"),
     ({"cpus.generators_nice": 20}, "cpus.generators_nice must be an integer from 0"),
+    ({"export.every": -1}, "export.every must be an integer >= 0"),
     ({"generator.data_parallel": 3},
      "generator.max_slots=64 does not split evenly over generator.data_parallel=3"),
 ])

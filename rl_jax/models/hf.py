@@ -261,8 +261,8 @@ def load_tokenizer(path: str | os.PathLike):
 
 # ---- writing ------------------------------------------------------------------------------------
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
+def _to_host(x: jax.Array | np.ndarray) -> np.ndarray:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

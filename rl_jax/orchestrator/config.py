@@ -148,6 +148,8 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     if "concurrency" in c.eval:
         _int("eval.concurrency", c.eval.concurrency, 1)
     _int("checkpoint.every", c.checkpoint.every, 1)
+    if "every" in c.export:
+        _int("export.every", c.export.every, 0)
     _int("logging.every", c.logging.every, 1)
     if c.loss.name not in _loss_names():
         raise RLConfigError(f"loss.name must be one of {_loss_names()}, got {c.loss.name!r}")

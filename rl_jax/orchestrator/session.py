@@ -34,6 +34,7 @@ from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tok
 from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompts
 from rl_jax.orchestrator.policy import POLICY_FIELDS, PolicyBatch, make_policy_loss
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
+from rl_jax.orchestrator.snapshots import SnapshotWriter
 from rl_jax.orchestrator.weights import WeightSync
 from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
                                      RolloutDataset)
@@ -403,6 +404,11 @@ class Session:
             self._closers.append(prefetcher.close)
             if start_iter < c.trainer.steps:
                 prefetcher.request()
+        self.snapshots = None
+        if self.primary and c.export.get("every", 0):
+            self.snapshots = SnapshotWriter(self.workdir, self.spec, tokenizer=self.tokenizer,
+                                            dtype=DTYPES[c.export.dtype], every=c.export.every)
+            self._closers.append(self.snapshots.close)
         if self.primary and c.cpus.get("rollout"):
             self._pin_host_threads(c.cpus.rollout)
         log_step = None  # the previous step's logging, done while this step trains
@@ -432,7 +438,11 @@ class Session:
             metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
             version = int(self.state.step)
             t2 = time.perf_counter()
-            self._publish(version)
+            published = self._publish(version)
+            if published is not None and self.snapshots is not None \
+                    and self.snapshots.due(version):
+                self.snapshots.submit(published, version=version, step=i + 1,
+                                      wall_s=wall_offset + clock.elapsed)
             t3, cpu3 = time.perf_counter(), time.process_time()
             if self.primary and self.settings.wait_for_update:
                 self.weights.wait_applied(version)
@@ -611,21 +621,23 @@ class Session:
         merged.update({k: np.asarray(v) for k, v in shared.items()})
         return merged, False
 
-    def _publish(self, version: int):
+    def _publish(self, version: int) -> Any:
         """The new version to the generators (process 0; in a multi-process run every process
-        takes part in gathering the parameters)."""
+        takes part in gathering the parameters); returns the parameters published (None if
+        nothing was)."""
         if self.primary:
             self.rollout.set_trainer_version(version)
             if version == self.weights.published:
-                return
+                return None
         params = self.state.params
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             params = multihost_utils.process_allgather(params, tiled=True)
             if not self.primary:
-                return
+                return None
             params = jax.device_put(params, jax.local_devices()[0])
         self.weights.publish(params, version)
+        return params
 
     def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval,
                 cpu_before):
@@ -635,6 +647,8 @@ class Session:
         cpu_after = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
             else None
         self.checkpointer.wait()
+        if self.snapshots is not None:
+            self.snapshots.close()
         done = version + int(self.state.skipped)
         if self.checkpointer.latest_step() != done:  # stopped early by the time limit
             self.checkpointer.save(done, self.state,
