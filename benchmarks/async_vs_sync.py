@@ -513,10 +513,12 @@ def plot(rows: list[dict], target: float, path: Path):
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
-    colors = {"sync": "tab:gray", "one_step_off": "tab:blue", "async": "tab:green"}
+    # one color per run in every panel (variants: the ones after the modes' own)
+    named = {"sync": "tab:gray", "one_step_off": "tab:blue", "async": "tab:green"}
+    spare = iter(["tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:brown", "tab:pink"])
+    colors = {r["mode"]: named.get(r["mode"]) or next(spare, "tab:cyan") for r in rows}
     ax.bar([r["mode"].replace("/", "\n") for r in rows],
-           [r["trained_tokens_per_s"] for r in rows],
-           color=[colors.get(r["mode"], "tab:olive") for r in rows])
+           [r["trained_tokens_per_s"] for r in rows], color=[colors[r["mode"]] for r in rows])
     ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("trained tokens/s")
     ax.set_title("throughput (same cores)")
@@ -524,7 +526,7 @@ def plot(rows: list[dict], target: float, path: Path):
     for r in rows:
         ax.plot([p["wall_s"] for p in r["learning_curve"]],
                 [p["accuracy"] for p in r["learning_curve"]], marker=".", label=r["mode"],
-                color=colors.get(r["mode"]))
+                color=colors[r["mode"]])
     ax.axhline(target, color="black", linestyle=":", linewidth=1, label="target")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("held-out accuracy (policy snapshots)")
@@ -536,7 +538,7 @@ def plot(rows: list[dict], target: float, path: Path):
         total = sum(hist.values()) or 1
         ks = sorted(hist)
         ax.bar([k + i * width for k in ks], [hist[k] / total for k in ks], width=width,
-               label=r["mode"])
+               label=r["mode"], color=colors[r["mode"]])
     ax.set_xlabel("staleness (optimizer steps)")
     ax.set_ylabel("fraction of groups")
     ax.legend()
