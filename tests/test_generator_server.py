@@ -82,6 +82,9 @@ def test_info_and_health_endpoints(server, ckpts):
         # CPU seconds per thread since start: the scheduler's and XLA's among them
         assert info["cpu_seconds_by_thread"]["engine"] > 0
         assert sum(info["cpu_seconds_by_thread"].values()) > 1.0  # it loaded and compiled
+        # what loading and compiling left is frozen out of the garbage collector
+        assert info["gc"]["frozen_objects"] > 10_000
+        assert len(info["gc"]["collections"]) == len(info["gc"]["max_pause_s"]) == 3
     status, models, _ = http(server, "/v1/models")
     assert status == 200 and models["object"] == "list"
     assert models["data"][0]["id"] == str(ckpts["a"])

@@ -97,6 +97,9 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     trainer_cpu, generator_cpu = summary["trainer_cpu_seconds"], summary["generator_cpu_seconds"]
     assert trainer_cpu["main"] > 0 and "engine" in generator_cpu
     assert 0 < sum(trainer_cpu.values()) + sum(generator_cpu.values()) < 2 * summary["wall_s"]
+    # garbage collections during the loop, setup's objects frozen out of them (rl_jax.heap)
+    assert summary["trainer_gc"]["frozen_objects"] > 10_000
+    assert 0 <= summary["generator_gc_pause_s"] < summary["wall_s"]
     # decode steps per decode batch size (a power of two up to the server's slots)
     batches = {int(b): n for b, n in summary["generator_decode_batches"].items()}
     assert batches and all(n > 0 and b & (b - 1) == 0 for b, n in batches.items()), batches

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from rl_jax import cpus, distributed, envs
+from rl_jax import cpus, distributed, envs, heap
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
 from rl_jax.generator.client import ClientConfig, GeneratorClient
@@ -412,6 +412,11 @@ class Session:
         if self.primary and c.cpus.get("rollout"):
             self._pin_host_threads(c.cpus.rollout)
         log_step = None  # the previous step's logging, done while this step trains
+        # Setup's objects out of the garbage collector: a full collection over them pauses this
+        # loop for ~0.5 s (rl_jax.heap); the monitor counts the loop's own collections.
+        heap.freeze_long_lived()
+        self.gc = heap.GcMonitor().install()
+        self._closers.append(self.gc.uninstall)
         cpu_before = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
             else None
         for i in range(start_iter, c.trainer.steps):
@@ -552,9 +557,11 @@ class Session:
                 continue
             states = body.get("internal_states") or [{}]
             counters = states[0] if isinstance(states[0], dict) else {}
+            gc_pauses = (body.get("gc") or {}).get("pause_s") or [0.0]
             out[url] = {"cpu": body["cpu_seconds_by_thread"], "counters": {
                 name: value for name, value in counters.items()
-                if isinstance(value, int) and not isinstance(value, bool)}}
+                if isinstance(value, int) and not isinstance(value, bool)},
+                "gc_pause_s": float(sum(gc_pauses))}
         return out
 
     @staticmethod
@@ -571,14 +578,18 @@ class Session:
             trainer_before, trainer_after)}
         total: collections.Counter = collections.Counter()
         counters: collections.Counter = collections.Counter()
+        gc_pause = 0.0
         for url, reading in generators_after.items():
             if url in generators_before:
                 earlier = generators_before[url]
                 total.update(cpus.cpu_seconds_between(earlier["cpu"], reading["cpu"]))
+                gc_pause += reading["gc_pause_s"] - earlier["gc_pause_s"]
                 counters.update({name: n - earlier["counters"].get(name, 0)
                                  for name, n in reading["counters"].items()})
         if total:
             out["generator_cpu_seconds"] = {k: round(v, 3) for k, v in total.most_common()}
+            # seconds the servers' garbage collections paused them (summed over servers)
+            out["generator_gc_pause_s"] = round(gc_pause, 4)
         prefix = "decode_batch_"
         batches = {name[len(prefix):]: n for name, n in counters.items()
                    if name.startswith(prefix) and n}
@@ -644,6 +655,7 @@ class Session:
         c = self.c
         version = int(self.state.step)
         train_wall = wall_offset + clock.elapsed
+        gc_stats = self.gc.stats()  # the loop's collections and pauses
         cpu_after = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
             else None
         self.checkpointer.wait()
@@ -662,6 +674,7 @@ class Session:
         if not self.primary:
             return {}
         cpu_spent = self._cpu_spent(cpu_before, cpu_after)
+        cpu_spent["trainer_gc"] = gc_stats
         rollout_metrics = self.rollout.metrics()
         self.rollout.close()
         if pending_eval is not None:
