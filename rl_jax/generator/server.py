@@ -51,10 +51,10 @@ from aiohttp import web
 import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
-from rl_jax.heap import GcMonitor, freeze_long_lived
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate)
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
+from rl_jax.heap import GcMonitor, freeze_long_lived
 from rl_jax.models.config import DTYPES, ConfigError, ModelConfig
 from rl_jax.models.hf import CheckpointError, load_pretrained, load_tokenizer, read_config
 
