@@ -13,9 +13,11 @@ servers, an eval takes generator time from the rollout in the overlapped modes o
 runs, every snapshot of each mode's reported run is evaluated greedily on ``--eval_examples``
 held-out problems in this process. The target accuracy (unless given) is the base policy's plus
 half of what the sync run gained (the mean of its last three snapshots), and each mode's time
-to it is the wall time of its first snapshot at or above it. A run named ``MODE/KEY=VALUE`` is that mode with
-one more config override (``MODE/K1=V1/K2=V2``: with two), measured beside the others (by
-default ``async`` without batch prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
+to it is the wall time of its first snapshot at or above it.
+
+A run named ``MODE/KEY=VALUE`` is that mode with one more config override
+(``MODE/K1=V1/K2=V2``: with two), measured beside the others (by default ``async`` without
+batch prefetching, ``trainer.prefetch=False``). Writes ``results/async_vs_sync.json`` and
 ``results/async_vs_sync.png``.
 
 It also prints what bounds the overlapped modes: the most any overlap can gain over the sync run
