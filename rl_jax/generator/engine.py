@@ -43,8 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rl_jax.generator.runner import (MIN_ADMIT, SLOT_FIELDS, ModelRunner, batch_bucket,
-                                     unpack)
+from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, batch_bucket, unpack
 from rl_jax.generator.types import (GenerateOutput, GenerateRequest, GeneratorError, Overloaded,
                                     SamplingParams)
 from rl_jax.models.config import ModelConfig
@@ -558,7 +557,7 @@ class Engine:
         k, v, logits = runner.prefill(replica.params, tokens, lengths)
 
         seqs = [seq for group in groups for seq in group]
-        m = max(MIN_ADMIT, _bucket(len(seqs), 1, max(runner.max_slots, 1)))  # as installed
+        m = _bucket(len(seqs), 1, max(runner.max_slots, 1))
         values = {name: np.zeros((m,), dtype) for name, dtype in SLOT_FIELDS.items()}
         rows = np.zeros((m,), np.int32)
         slots = np.full((m,), runner.max_slots, np.int32)  # padding: an out-of-range slot, dropped

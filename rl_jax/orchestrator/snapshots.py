@@ -56,19 +56,17 @@ class SnapshotWriter:
         self.workdir, self.spec, self.tokenizer, self.dtype = Path(workdir), spec, tokenizer, dtype
         self.every = every
         self.written = 0
-        self._last = -1
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="snapshots", daemon=True)
         self._thread.start()
 
     def due(self, version: int) -> bool:
-        return version % self.every == 0 and version != self._last
+        return version % self.every == 0
 
     def submit(self, params: Any, *, version: int, step: int, wall_s: float):
         """Copies ``params`` to host memory (blocking until they are computed) and queues them."""
         self._raise()
-        self._last = version
         host = jax.device_get(params)
         self._queue.put((host, {"version": int(version), "step": int(step),
                                 "wall_s": float(wall_s)}))
