@@ -384,6 +384,15 @@ class Session:
                   f"max_lag {self.settings.max_lag}, {len(self.pool.urls)} generator "
                   f"server(s); held-out accuracy before RL: {before:.3f}", flush=True)
 
+        # Setup's objects out of the garbage collector: a full collection over them pauses the
+        # loop for ~0.5 s (rl_jax.heap); the monitor counts the loop's own collections. Done
+        # before the clock starts and before the rollout sends its first request: the collection
+        # holds the GIL for ~0.2 s.
+        heap.freeze_long_lived()
+        self.gc = heap.GcMonitor().install()
+        self._closers.append(self.gc.uninstall)
+        cpu_before = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
+            else None
         wall_offset = float(self.meta.get("wall_s", 0.0))
         totals = collections.Counter({k: float(v) for k, v in
                                       self.meta.get("totals", {}).items()})
@@ -412,13 +421,6 @@ class Session:
         if self.primary and c.cpus.get("rollout"):
             self._pin_host_threads(c.cpus.rollout)
         log_step = None  # the previous step's logging, done while this step trains
-        # Setup's objects out of the garbage collector: a full collection over them pauses this
-        # loop for ~0.5 s (rl_jax.heap); the monitor counts the loop's own collections.
-        heap.freeze_long_lived()
-        self.gc = heap.GcMonitor().install()
-        self._closers.append(self.gc.uninstall)
-        cpu_before = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
-            else None
         for i in range(start_iter, c.trainer.steps):
             t0, cpu0 = time.perf_counter(), time.process_time()
             groups, host, staleness, packing = None, None, [], 0.0
