@@ -284,7 +284,8 @@ def step_components(runner: ModelRunner, params, weights, batch: int, position: 
     (every layer's attention over the cache at the length the step reads, ``attention_kv_len``),
     ``sample`` (sampling from ``[batch, V]`` logits), plus ``sample_filtered``, the sampling path
     that top-k/top-p requests switch on (top-k 50 and top-p 0.9 here; not used by the
-    benchmark's requests)."""
+    benchmark's requests), and ``sample_top_p``, the same path with top-p 0.9 alone (one search
+    of the threshold instead of two)."""
     cfg = runner.config
     prompts = prompts_for(cfg, batch, 16, seed=7)
     jax.block_until_ready(admit_prompts(runner, params, prompts, position=position))
@@ -295,6 +296,7 @@ def step_components(runner: ModelRunner, params, weights, batch: int, position: 
     seeds = jnp.arange(batch, dtype=jnp.uint32)
     plain = (ones, zeros - 1, ones, ones * 0, seeds, zeros, zeros)
     filtered = (ones, zeros + 50, ones * 0.9, ones * 0, seeds, zeros, zeros)
+    top_p = (ones, zeros - 1, ones * 0.9, ones * 0, seeds, zeros, zeros)
     sample_fn = jax.jit(sample, static_argnames="filtered")
     x = jax.random.normal(jax.random.key(1), (batch, cfg.hidden_size))
     matmuls = jax.jit(dense_matmuls)
@@ -314,7 +316,9 @@ def step_components(runner: ModelRunner, params, weights, batch: int, position: 
         "sample": best_time(lambda: jax.block_until_ready(
             sample_fn(logits, *plain, filtered=False)), repeats=10),
         "sample_filtered": best_time(lambda: jax.block_until_ready(
-            sample_fn(logits, *filtered, filtered=True)), warmup=1, repeats=5)}
+            sample_fn(logits, *filtered, filtered=True)), warmup=1, repeats=5),
+        "sample_top_p": best_time(lambda: jax.block_until_ready(
+            sample_fn(logits, *top_p, filtered=True)), warmup=1, repeats=5)}
 
 
 def component_rooflines(cfg: ModelConfig, batch: int, context: float, kv_len: int,
@@ -500,7 +504,8 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             f"{parts['attention'] * 1e3:.2f} ({own['attention'] * 1e3:.2f}; reading "
             f"{parts['attention_kv_len']} positions {own['attention_read'] * 1e3:.2f}), sampling "
             f"{parts['sample'] * 1e3:.2f} ({own['sample'] * 1e3:.2f}); filtered sampling "
-            f"{parts['sample_filtered'] * 1e3:.2f}")
+            f"{parts['sample_filtered'] * 1e3:.2f} (top-p alone "
+            f"{parts['sample_top_p'] * 1e3:.2f})")
     del hf_model
     gc.collect()
     return {"model": name, "params": cfg.num_params(), "config": cfg.to_hf(),

@@ -506,7 +506,10 @@ def reference_filter(scaled, top_k, top_p, min_p):
     return keep & (probs >= min_p)
 
 
-def test_filter_mask_matches_a_sorting_reference():
+@pytest.mark.parametrize("filters", ["top_k and top_p", "top_k only", "top_p only", "min_p only"])
+def test_filter_mask_matches_a_sorting_reference(filters):
+    """Batches whose rows mix every filter, and batches where no row asks for top-p, or for
+    top-k, or for either (the searches nobody asks for are skipped)."""
     import jax
     from rl_jax.generator.runner import filter_mask
     rng = np.random.default_rng(0)
@@ -516,6 +519,10 @@ def test_filter_mask_matches_a_sorting_reference():
     top_k = rng.choice([-1, 1, 3, 17, 299, 300, 1000], rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.9, 0.5, 0.05, 1e-6], rows).astype(np.float32)
     min_p = rng.choice([0.0, 0.0, 0.1, 0.5], rows).astype(np.float32)
+    if filters in ("top_p only", "min_p only"):
+        top_k[:] = -1
+    if filters in ("top_k only", "min_p only"):
+        top_p[:] = 1.0
     top = scaled.max(-1, keepdims=True)
     unnormalised = np.exp(scaled - top)
     mask = jax.jit(filter_mask)(scaled, unnormalised, unnormalised.sum(-1), top_k, top_p, min_p)

@@ -558,20 +558,28 @@ def filter_cut(logits: jax.Array, probs: jax.Array, top_k: jax.Array, top_p: jax
     ``probs [S, V]`` is the sampling distribution (ordered as ``logits``). Top-k keeps values
     ``>=`` the k-th largest (``top_k > 0``); top-p keeps a value when the probability of strictly
     larger values is ``< top_p`` (``top_p < 1``). Ties are kept together. Thresholds are found by
-    bisection over the values' bits, without sorting.
+    bisection over the values' bits, without sorting; a search that no row of the batch asks for
+    (top-k, or top-p) is skipped, as it would only find 0.
     """
     use_k, use_p = top_k > 0, top_p < 1.0
 
-    def search():
-        keys = _ordered_bits(logits)
-        k_limit = jnp.where(use_k, top_k, logits.shape[-1] + 1).astype(jnp.float32)
-        p_limit = jnp.where(use_p, top_p, 2.0)
-        k_cut, p_cut = _smallest_key_below(keys, (jnp.ones_like(probs), probs),
-                                           (k_limit, p_limit))
-        return jnp.maximum(k_cut, p_cut)
+    def search(with_k: bool, with_p: bool):
+        def run():
+            weights, limits = [], []
+            if with_k:
+                weights.append(jnp.ones_like(probs))
+                limits.append(jnp.where(use_k, top_k, logits.shape[-1] + 1).astype(jnp.float32))
+            if with_p:
+                weights.append(probs)
+                limits.append(jnp.where(use_p, top_p, 2.0))
+            cuts = _smallest_key_below(_ordered_bits(logits), tuple(weights), tuple(limits))
+            return cuts[0] if len(cuts) == 1 else jnp.maximum(*cuts)
+        return run
 
-    return jax.lax.cond(jnp.any(use_k | use_p), search,
-                        lambda: jnp.zeros(logits.shape[:1], jnp.uint32))
+    branch = jnp.any(use_k).astype(jnp.int32) + 2 * jnp.any(use_p).astype(jnp.int32)
+    return jax.lax.switch(branch, [lambda: jnp.zeros(logits.shape[:1], jnp.uint32),
+                                   search(True, False), search(False, True),
+                                   search(True, True)])
 
 
 def filter_mask(scaled: jax.Array, unnormalised: jax.Array, total: jax.Array, top_k: jax.Array,
