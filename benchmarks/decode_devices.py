@@ -85,7 +85,6 @@ def main():
     sys.path.insert(0, str(Path(__file__).parent))
     sys.path.insert(0, str(Path(__file__).parent.parent))
     import jax
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from generator_throughput import MODELS, admit_prompts, log, prompts_for
 

@@ -63,7 +63,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 
 def _data_parallel_arg(argv: list[str]) -> int:

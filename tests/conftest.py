@@ -6,8 +6,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~30 s on 2 CPU cores")

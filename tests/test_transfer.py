@@ -3,7 +3,6 @@ and verification, and publisher → puller round trips over each transport, incl
 superseded versions, refused layouts and deadlines. The cross-process behaviour is in
 ``test_transfer_multiprocess.py``."""
 
-import io
 import os
 import threading
 import time

@@ -22,7 +22,6 @@ Tensors go one at a time, so the transient replication costs one tensor, not the
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import dataclasses
 import fcntl
 import functools
@@ -41,7 +40,7 @@ from jax.sharding import NamedSharding
 from rl_jax.transfer import checksum
 from rl_jax.transfer.chunks import ChunkPlan, Entry, numpy_dtype, plan_chunks
 from rl_jax.transfer.errors import LayoutError
-from rl_jax.transfer.layout import Index, Layout, index_shape, index_slices, normalize_index
+from rl_jax.transfer.layout import Index, Layout, index_shape, normalize_index
 from rl_jax.transfer.manifest import ShardInfo, TensorInfo
 
 STAMP_WRITING = -1  # the slot is being written
