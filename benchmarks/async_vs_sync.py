@@ -253,8 +253,9 @@ SMOOTH = 3
 def time_to(curve: list[tuple[float, int, float]], target: float,
             window: int = 1) -> float | None:
     """Wall seconds of the first snapshot at or above ``target``; with ``window > 1``, of the
-    first snapshot whose accuracy averaged with the ``window - 1`` before it (never the base
-    policy's) is: a single lucky evaluation of a noisy curve cannot decide it."""
+    first snapshot whose accuracy, averaged with that of the ``window - 1`` snapshots before it
+    (never the base policy's), is at or above ``target``, so that a single lucky evaluation of a
+    noisy curve cannot decide it."""
     trained = [(wall, acc) for wall, version, acc in curve if version > 0]
     return next((trained[i][0] for i in range(window - 1, len(trained))
                  if np.mean([acc for _, acc in trained[i - window + 1:i + 1]]) >= target), None)
