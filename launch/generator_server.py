@@ -36,6 +36,10 @@ _DECODE_STEPS = flags.DEFINE_integer(
     "num_continuous_decode_steps", 1, "Decode steps run as one program, new requests admitted "
     "between programs (SGLang's --num-continuous-decode-steps): fewer host round trips per "
     "token.")
+_ATTENTION = flags.DEFINE_enum(
+    "attention_backend", "auto", ["auto", "native", "xla"], "Decode attention (SGLang's "
+    "--attention-backend): the native CPU kernel, compiled on first use, which reads each "
+    "sequence's cache up to its length only; XLA's; or auto: native where it runs.")
 _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")
@@ -75,6 +79,7 @@ def main(argv):
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
         data_parallel=_DP.value, decode_steps=_DECODE_STEPS.value,
+        attention_backend=_ATTENTION.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,

@@ -70,10 +70,16 @@ class EngineConfig:
     # such a run has its later tokens dropped (computed in vain), and admissions and weight
     # swaps wait for the run's end.
     decode_steps: int = 1
+    # Decode attention: "auto" (the native CPU kernel where it runs, else XLA's), "native" or
+    # "xla" (see rl_jax.generator.kernels and ModelRunner).
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.decode_steps < 1:
             raise GeneratorError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.attention not in ("auto", "native", "xla"):
+            raise GeneratorError(f"attention must be 'auto', 'native' or 'xla', got "
+                                 f"{self.attention!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -199,9 +205,12 @@ class Engine:
         for i, m in enumerate(meshes):
             runner = ModelRunner(config, max_slots=engine_config.max_slots // len(meshes),
                                  max_seq_len=engine_config.max_seq_len, mesh=m, rules=rules,
-                                 dtype=dtype or jnp.float32)
+                                 dtype=dtype or jnp.float32, attention=engine_config.attention)
             self._replicas.append(_Replica(i, runner, params))
         self.version = version
+        # the decode attention the replicas run: "native" (the CPU kernel) or "xla"
+        self.attention_backend = ("native" if all(r.runner.native_attention
+                                                  for r in self._replicas) else "xla")
         self.eos_token_ids = tuple(eos_token_ids)
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the scheduler and callers wait on this

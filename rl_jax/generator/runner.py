@@ -46,6 +46,8 @@ from jax.sharding import Mesh
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import (apply_rotary, attention_mask, decoder_layer, rms_norm,
                                        rotary_tables)
+from rl_jax.generator import kernels
+from rl_jax.generator.types import GeneratorError
 from rl_jax.sharding import ShardingRules
 
 log = logging.getLogger(__name__)
@@ -234,11 +236,14 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arra
     return (attn / jnp.sum(weights, axis=-1)[..., None]).astype(dtype)
 
 
-def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain):
+def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain,
+                  native_attention=False):
     """One decoder layer for one token per slot: ``h [S, D]``; the layer's key cache chunks
     ``[n, K, Dh, T]`` and value cache chunks ``[n, K, T, Dh]``, of which those of slots
     ``0..S-1`` are this step's (``S`` ends a chunk). Mirrors
-    ``models.transformer.decoder_layer``."""
+    ``models.transformer.decoder_layer``. With ``native_attention`` the attention is the
+    native kernel's (:mod:`rl_jax.generator.kernels`), which reads each slot's cache up to its
+    position only."""
     s = h.shape[0]
     kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // kv_heads
@@ -262,8 +267,11 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
         rows = jnp.arange(stop - start)
         kc = kc.at[rows, :, :, pos].set(k[start:stop].astype(kc.dtype), mode="drop")
         vc = vc.at[rows, :, pos].set(v[start:stop].astype(vc.dtype), mode="drop")
-        parts.append(attend(q[start:stop], kc.astype(dtype), vc.astype(dtype), pos,
-                            dtype=dtype))
+        if native_attention:
+            parts.append(kernels.decode_attention(q[start:stop], kc, vc, pos).astype(dtype))
+        else:
+            parts.append(attend(q[start:stop], kc.astype(dtype), vc.astype(dtype), pos,
+                                dtype=dtype))
         k_cache[i], v_cache[i] = kc, vc
     attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     out = attn.reshape(s, kv_heads * g * hd) @ w["wo"]
@@ -279,7 +287,8 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
 
 def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
            v_cache: tuple[jax.Array, ...], state: SlotState, *, batch: int, filtered: bool,
-           cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None):
+           cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
+           native_attention: bool = False):
     """One decode step of slots ``0..batch-1``: feeds each slot's last token, writes its keys and
     values, samples the next token.
 
@@ -290,6 +299,8 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
       state: :data:`SlotState`, ``[slots]`` arrays.
       batch: slots decoded (a prefix that ends a chunk; the others are untouched).
       filtered: whether any slot uses top-k/top-p/min-p (see :func:`sample`).
+      native_attention: attention by the native CPU kernel (float32 caches; see
+        :mod:`rl_jax.generator.kernels`) instead of :func:`attend`.
 
     Returns ``(k_cache, v_cache, state, out)`` with the caches and state advanced (tokens, positions
     and token indices of slots ``< batch``) and ``out [2, batch]`` int32: the sampled tokens and
@@ -307,7 +318,7 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     new_k, new_v = [], []
     for w, kc, vc in zip(weights["layers"], k_cache, v_cache):
         h, kc, vc = _decode_layer(h, w, kc, vc, positions, cos, sin, cfg=cfg, dtype=dtype,
-                                  constrain=constrain)
+                                  constrain=constrain, native_attention=native_attention)
         new_k.append(kc)
         new_v.append(vc)
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
@@ -324,7 +335,8 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
 
 def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
                 v_cache: tuple[jax.Array, ...], state: SlotState, *, steps: int, batch: int,
-                filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None):
+                filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
+                native_attention: bool = False):
     """``steps`` :func:`decode` steps in one program, each step's tokens feeding the next (the
     host reads them together): ``out [steps, 2, batch]``. Each token is sampled exactly as by
     one step at a time (its key depends on the slot's seed, sample and token index only)."""
@@ -332,7 +344,8 @@ def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     for _ in range(steps):  # unrolled: a step's ops stay as fused as in a single step
         k_cache, v_cache, state, out = decode(weights, k_cache, v_cache, state, batch=batch,
                                               filtered=filtered, cfg=cfg, dtype=dtype,
-                                              max_seq_len=max_seq_len, constrain=constrain)
+                                              max_seq_len=max_seq_len, constrain=constrain,
+                                              native_attention=native_attention)
         outs.append(out)
     return k_cache, v_cache, state, jnp.stack(outs)
 
@@ -658,7 +671,7 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, *, max_slots: int, max_seq_len: int,
                  mesh: Mesh | None = None, rules: ShardingRules | None = None,
-                 dtype: Any = jnp.float32, cache_dtype: Any = None):
+                 dtype: Any = jnp.float32, cache_dtype: Any = None, attention: str = "auto"):
         self.config = config
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
@@ -681,7 +694,9 @@ class ModelRunner:
         self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
         self.state = self._initial_state()
         kw = dict(cfg=config, dtype=dtype, constrain=constrain)
+        self.native_attention = self._use_native_attention(attention)
         self._prefill = jax.jit(partial(prefill, **kw))
+        kw["native_attention"] = self.native_attention
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
                                static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
         self._decode_many = jax.jit(partial(decode_many, max_seq_len=max_seq_len, **kw),
@@ -694,6 +709,30 @@ class ModelRunner:
         prepare_kw = {} if mesh is None else {"out_shardings": self._weight_shardings()}
         self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
                                 **prepare_kw)
+
+    def _use_native_attention(self, attention: str) -> bool:
+        """``attention``: ``"xla"`` (:func:`attend`), ``"native"`` (the CPU kernel, an error
+        where it cannot run) or ``"auto"`` (the kernel where it can run: a single CPU device,
+        float32 computation and cache, the kernel built)."""
+        if attention not in ("auto", "native", "xla"):
+            raise GeneratorError(f"attention must be 'auto', 'native' or 'xla', got "
+                                 f"{attention!r}")
+        if attention == "xla":
+            return False
+        devices = (jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat))
+        problems = []
+        if len(devices) != 1 or devices[0].platform != "cpu":
+            problems.append("it runs on one CPU device only")
+        if jnp.dtype(self.dtype) != jnp.float32 or jnp.dtype(self.cache_dtype) != jnp.float32:
+            problems.append("it computes in float32 over a float32 cache")
+        if self.config.num_heads // self.config.num_kv_heads > 64:
+            problems.append("it takes at most 64 query heads per key/value head")
+        if not problems and not kernels.decode_attention_available():
+            problems.append("it could not be built (see the log)")
+        if problems and attention == "native":
+            raise GeneratorError("native decode attention requested, but "
+                                 + "; ".join(problems))
+        return not problems
 
     @property
     def kv_len(self) -> int:

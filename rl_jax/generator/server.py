@@ -82,6 +82,9 @@ class ServerConfig:
     # decode steps run as one program, admissions between programs (SGLang's
     # --num-continuous-decode-steps; see EngineConfig.decode_steps)
     decode_steps: int = 1
+    # decode attention (SGLang's --attention-backend): "auto" | "native" | "xla"
+    # (see EngineConfig.attention)
+    attention_backend: str = "auto"
     weight_version: int = 0
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
@@ -190,6 +193,9 @@ class GeneratorServer:
                               f"data_parallel={config.data_parallel} replicas")
         if config.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        if config.attention_backend not in ("auto", "native", "xla"):
+            raise ConfigError(f"attention_backend must be 'auto', 'native' or 'xla', got "
+                              f"{config.attention_backend!r}")
         dtype = DTYPES[config.dtype]
         meshes = None  # one device
         if config.tensor_parallel * config.data_parallel > 1:
@@ -206,7 +212,8 @@ class GeneratorServer:
                             max_slots=config.max_slots, max_seq_len=config.max_seq_len,
                             max_waiting=config.max_waiting,
                             max_prefill_tokens=config.max_prefill_tokens,
-                            decode_steps=config.decode_steps))
+                            decode_steps=config.decode_steps,
+                            attention=config.attention_backend))
         server = cls(engine, config, tokenizer=tokenizer, mesh=mesh, rules=rules, dtype=dtype)
         if config.publisher_url and config.pull_on_start:
             server.pull_initial_weights()
@@ -444,6 +451,7 @@ class GeneratorServer:
             **self._model_info(), "host": c.host, "port": request.url.port or c.port,
             "tp_size": c.tensor_parallel, "dp_size": c.data_parallel, "dtype": c.dtype,
             "num_continuous_decode_steps": c.decode_steps,
+            "attention_backend": self.engine.attention_backend,
             "max_running_requests": c.max_slots, "context_length": c.max_seq_len,
             "max_total_num_tokens": c.max_slots * c.max_seq_len,
             "max_queued_requests": c.max_waiting, "max_prefill_tokens": c.max_prefill_tokens,

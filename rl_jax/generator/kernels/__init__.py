@@ -1,0 +1,128 @@
+"""Native CPU kernels for the decode step, as XLA FFI custom calls.
+
+``decode_attention.cc`` is decode attention over the slot KV cache that reads each slot's keys
+and values only up to its own position (XLA's form reads the cache's whole length and runs on
+one thread of XLA:CPU). It is compiled on first use with the C++ compiler of this machine
+(``$CXX``, else ``g++``/``c++``), for this CPU, against the XLA FFI headers shipped with
+jaxlib, into a cache directory (``$RL_JAX_KERNEL_CACHE``, default ``~/.cache/rl_jax/kernels``)
+keyed by the source, the jaxlib version, the compiler and the CPU. Processes share the built
+library (one builds under a file lock, the others wait for it).
+
+Without a compiler, or when the build fails, :func:`decode_attention_available` says False
+(once, with the reason, in the log) and the decode step keeps XLA's attention.
+``RL_JAX_NATIVE_ATTENTION=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.cc")
+TARGET = "rl_jax_decode_attention"
+SYMBOL = "RlJaxDecodeAttention"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
+         "-fPIC", "-w")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RL_JAX_KERNEL_CACHE",
+                               Path.home() / ".cache" / "rl_jax" / "kernels"))
+
+
+def _build(compiler: str) -> Path:
+    """The built library (compiled now unless a matching one is cached)."""
+    import jaxlib
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout.splitlines()[:1]
+    key = hashlib.sha256(b"\0".join([
+        source, jaxlib.__version__.encode(), " ".join(FLAGS).encode(),
+        "".join(version).encode(), _cpu_signature().encode()])).hexdigest()[:20]
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"decode_attention-{key}.so"
+    if library.exists():
+        return library
+    with open(directory / f"decode_attention-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same one
+        if library.exists():
+            return library
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+                   str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(partial, library)  # whole or not at all, for the processes waiting
+    return library
+
+
+def decode_attention_available() -> bool:
+    """Whether the native decode attention is built and registered with XLA (builds it on the
+    first call in a process)."""
+    with _lock:
+        if "available" in _state:
+            return bool(_state["available"])
+        reason = None
+        if os.environ.get("RL_JAX_NATIVE_ATTENTION", "1") in ("0", "false", "False", "no"):
+            reason = "turned off by RL_JAX_NATIVE_ATTENTION"
+        elif (compiler := _compiler()) is None:
+            reason = "no C++ compiler found ($CXX, g++, c++)"
+        else:
+            try:
+                library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)),
+                                            platform="cpu")
+                _state["library"] = library  # keeps it loaded
+            except Exception as e:  # noqa: BLE001 - any failure means "use XLA's attention"
+                reason = f"{type(e).__name__}: {e}"
+        _state["available"] = reason is None
+        if reason is not None:
+            log.warning("native decode attention unavailable, using XLA's: %s", reason)
+        return reason is None
+
+
+def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+    """Attention of one query per slot over its cache (call inside jit, CPU backend, after
+    :func:`decode_attention_available`): ``q [S, K, G, Dh]``, ``keys [S, K, Dh, T]``,
+    ``values [S, K, T, Dh]``, float32; cache positions ``<= positions [S]`` are attended.
+    Returns ``[S, K, G, Dh]`` float32, softmax scaled by ``Dh ** -0.5``."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32),
+                positions.astype(jnp.int32))

@@ -1,0 +1,150 @@
+"""The native decode attention kernel (rl_jax.generator.kernels) against XLA's attention, in
+the runner and the engine, and its fallbacks."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from rl_jax.generator import kernels
+from rl_jax.models import ModelConfig
+
+pytestmark = pytest.mark.skipif(not kernels.decode_attention_available(),
+                                reason="no C++ compiler for the native kernel")
+
+
+def _inputs(rng, s, k, g, d, t):
+    return (rng.standard_normal((s, k, g, d), np.float32),
+            rng.standard_normal((s, k, d, t), np.float32),
+            rng.standard_normal((s, k, t, d), np.float32))
+
+
+# (query heads per kv head, head_dim): compiled specialisations (D of 32/64/128, G of 1/2/4/8)
+# and the generic path (other shapes).
+@pytest.mark.parametrize("g,d", [(1, 64), (2, 32), (4, 128), (8, 32), (2, 24), (3, 16),
+                                 (2, 8)])
+@pytest.mark.parametrize("t", [16, 40, 192])
+def test_kernel_matches_xla_attention(g, d, t):
+    import jax
+    import jax.numpy as jnp
+    from rl_jax.generator.runner import attend
+    rng = np.random.default_rng(g * 1000 + d + t)
+    s, k = 13, 3
+    q, keys, values = _inputs(rng, s, k, g, d, t)
+    # every position from none-but-the-first to the whole cache, and past it
+    positions = np.array([0, 1, t - 1, t, t + 7, 5 % t, 15 % t, 16 % t, 17 % t,
+                          *rng.integers(0, t, s - 9)], np.int32)
+    got = jax.jit(kernels.decode_attention)(q, keys, values, positions)
+    want = jax.jit(lambda *a: attend(*a, dtype=jnp.float32))(q, keys, values, positions)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_ignores_the_cache_past_each_position():
+    """Keys and values after a slot's position do not change its output (not even NaN)."""
+    import jax
+    rng = np.random.default_rng(0)
+    q, keys, values = _inputs(rng, 4, 2, 2, 32, 64)
+    positions = np.array([3, 20, 40, 63], np.int32)
+    fn = jax.jit(kernels.decode_attention)
+    before = np.asarray(fn(q, keys, values, positions))
+    for i, p in enumerate(positions):
+        keys[i, :, :, p + 1:] = np.nan
+        values[i, :, p + 1:] = np.nan
+    np.testing.assert_array_equal(np.asarray(fn(q, keys, values, positions)), before)
+
+
+def test_kernel_on_two_devices_at_once_does_not_deadlock():
+    """Programs with several kernel calls, dispatched to two host devices before either is
+    awaited (as data-parallel replicas do), share XLA's thread pool: none waits forever for a
+    helper task that cannot start."""
+    import jax
+    rng = np.random.default_rng(1)
+
+    def four_calls(q, keys, values, positions):
+        return [kernels.decode_attention(q[i::4], keys[i::4], values[i::4], positions[i::4])
+                for i in range(4)]
+
+    fn = jax.jit(four_calls)
+    per_device = []
+    for device in jax.devices()[:2]:
+        q, keys, values = _inputs(rng, 64, 4, 2, 32, 128)
+        positions = rng.integers(0, 128, 64).astype(np.int32)
+        per_device.append([jax.device_put(x, device) for x in (q, keys, values, positions)])
+    for _ in range(200):
+        out = [fn(*args) for args in per_device]
+        jax.block_until_ready(out)
+
+
+CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=32)
+
+
+def test_engine_samples_the_same_with_either_attention():
+    """Seeded generations of a mixed batch (several lengths, so different positions per slot):
+    the same tokens with the native kernel and with XLA's attention, log-probs within 1e-5."""
+    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.types import GenerateRequest, SamplingParams
+    from rl_jax.trainer.state import ModelSpec
+    params = ModelSpec(CFG, mesh=None).init_params(3)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, CFG.vocab_size, n).tolist() for n in (3, 9, 17, 30, 5, 12)]
+    outputs = {}
+    for attention in ("native", "xla"):
+        engine = Engine(CFG, params, engine_config=EngineConfig(
+            max_slots=8, max_seq_len=96, attention=attention))
+        try:
+            assert engine.attention_backend == attention
+            futures = [engine.submit(GenerateRequest(p, SamplingParams(
+                max_new_tokens=40, temperature=1.0, ignore_eos=True, seed=7 + i)))
+                for i, p in enumerate(prompts)]
+            outputs[attention] = [f.result(timeout=300) for f in futures]
+        finally:
+            engine.shutdown()
+    for (native,), (xla,) in zip(outputs["native"], outputs["xla"]):
+        assert len(native.output_ids) == 40
+        assert native.output_ids == xla.output_ids
+        np.testing.assert_allclose(native.output_logprobs, xla.output_logprobs, atol=1e-5)
+
+
+def test_native_attention_refused_where_it_cannot_run():
+    import jax.numpy as jnp
+    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.types import GeneratorError
+    with pytest.raises(GeneratorError, match="float32"):
+        ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16, attention="native")
+    with pytest.raises(GeneratorError, match="'auto', 'native' or 'xla'"):
+        ModelRunner(CFG, max_slots=8, max_seq_len=32, attention="flash")
+    assert not ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16).native_attention
+
+
+def test_without_a_compiler_the_engine_falls_back_to_xla(tmp_path):
+    """No compiler (and nothing cached): a warning naming the reason, XLA's attention."""
+    code = textwrap.dedent("""
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+        from rl_jax.generator import kernels
+        print("available", kernels.decode_attention_available())
+    """)
+    env = {"PATH": str(tmp_path), "CXX": "", "RL_JAX_KERNEL_CACHE": str(tmp_path / "cache"),
+           "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "available False" in result.stdout
+    assert "no C++ compiler found" in result.stdout
+
+
+def test_a_failing_build_is_reported_and_falls_back(tmp_path, monkeypatch, caplog):
+    """A compiler that fails: the reason is logged, and the kernel is not used."""
+    compiler = tmp_path / "broken-cxx"
+    compiler.write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("RL_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_state", {})
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert not kernels.decode_attention_available()
+    assert "broken compiler" in caplog.text
