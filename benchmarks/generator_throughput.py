@@ -8,7 +8,11 @@ machine:
    and again for every batch size, interleaved with its timed runs (see below);
 2. per model and batch size ``B``, the decode step latency and tokens/s of
    - ``raw``: the engine's jitted decode step with its sampling (``ModelRunner.decode``), tokens
-     fed back on the device, no host sync inside the loop: the engine's ceiling;
+     fed back on the device, no host sync inside the loop: the engine's ceiling. Its attention
+     is the native CPU kernel where it builds (``rl_jax.generator.kernels``: each slot's cache
+     read up to its position only, slots split over XLA's threads); the same step with XLA's
+     attention (the whole cache length, one thread) is timed beside it as
+     ``raw_xla_attention``;
    - ``engine``: ``Engine.generate`` end to end with ``B`` concurrent requests (scheduler, host
      transfers and per-token bookkeeping included);
    - ``engine dp``: the same engine with ``--data-parallel`` replicas (default 2), each with
@@ -82,6 +86,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+from rl_jax.generator import kernels  # noqa: E402
 from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
 from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, attend, sample  # noqa: E402
 from rl_jax.generator.server import make_generator_meshes  # noqa: E402
@@ -280,7 +285,8 @@ def dense_matmuls(weights: dict, x: jax.Array) -> jax.Array:
 def step_components(runner: ModelRunner, params, weights, batch: int, position: int) -> dict:
     """Seconds of a raw step (``decode``: the model and sampling, ``batch`` slots at about
     ``position``) and of its pieces alone: ``matmuls`` (:func:`dense_matmuls`), ``attention``
-    (every layer's attention over the cache at the length the step reads, ``attention_kv_len``),
+    (every layer's attention over the cache at the length the step reads, ``attention_kv_len``,
+    in the runner's form; with the native kernel, XLA's form as ``attention_xla``),
     ``sample`` (sampling from ``[batch, V]`` logits), plus ``sample_filtered``, the sampling path
     that top-k/top-p requests switch on (top-k 50 and top-p 0.9 here; not used by the
     benchmark's requests), and ``sample_top_p``, the same path with top-p 0.9 alone (one search
@@ -305,9 +311,16 @@ def step_components(runner: ModelRunner, params, weights, batch: int, position: 
     positions = jnp.full((batch,), position + 16, jnp.int32)
     caches = [(jnp.concatenate(k)[:batch], jnp.concatenate(v)[:batch])  # per layer, all chunks
               for k, v in zip(runner.k_cache, runner.v_cache)]
-    attention = jax.jit(lambda q, caches: [attend(q, k, v, positions, dtype=q.dtype)
-                                           for k, v in caches])
-    return {
+    attention_xla = jax.jit(lambda q, caches: [attend(q, k, v, positions, dtype=q.dtype)
+                                               for k, v in caches])
+    attention = attention_xla
+    extra = {}
+    if runner.native_attention:  # the runner's form, and XLA's beside it
+        attention = jax.jit(lambda q, caches: [
+            kernels.decode_attention(q, k, v, positions) for k, v in caches])
+        extra["attention_xla"] = best_time(
+            lambda: jax.block_until_ready(attention_xla(q, caches)), repeats=10)
+    return {**extra,
         "decode": decode_s,
         "matmuls": best_time(lambda: jax.block_until_ready(matmuls(weights, x)), repeats=10),
         "attention": best_time(lambda: jax.block_until_ready(attention(q, caches)), repeats=10),
@@ -414,6 +427,9 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
         prompts = prompts_for(cfg, b, p, seed=b)
         runner = ModelRunner(cfg, max_slots=b, max_seq_len=args.max_seq_len)
         weights = runner.prepare(params)
+        # the same raw step with XLA's attention, beside the native kernel's
+        runner_xla = (ModelRunner(cfg, max_slots=b, max_seq_len=args.max_seq_len,
+                                  attention="xla") if runner.native_attention else None)
         engine_config = EngineConfig(max_slots=b, max_seq_len=args.max_seq_len,
                                      max_prefill_tokens=max(2048, b * p))
         engine = Engine(cfg, params, engine_config=engine_config)
@@ -422,6 +438,8 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             engines["engine_dp"] = data_parallel_engine(cfg, params, dp, engine_config)
         # Warm-up: compiles every shape the timed runs meet (prefill, decode, sampling buckets).
         raw_decode_steps(runner, params, weights, prompts, n)
+        if runner_xla is not None:
+            raw_decode_steps(runner_xla, params, weights, prompts, n)
         for _ in range(2):  # the second run meets the cache sizes of a timed one
             for eng in engines.values():
                 engine_generate(eng, prompts, n)
@@ -429,11 +447,13 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
         threads = [] if hf_model is None else HF_THREADS
         for t in threads:
             hf_generate(hf_model, prompts, min(n, 8), threads=t)
-        raw, measured = [], []
+        raw, raw_xla, measured = [], [], []
         eng_n, eng_1 = {k: [] for k in engines}, {k: [] for k in engines}
         hf_n, hf_1 = {t: [] for t in threads}, {t: [] for t in threads}
         for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
             raw.append(raw_decode_steps(runner, params, weights, prompts, n))
+            if runner_xla is not None:
+                raw_xla.append(raw_decode_steps(runner_xla, params, weights, prompts, n))
             for kind, eng in engines.items():
                 eng_n[kind].append(engine_generate(eng, prompts, n))
                 eng_1[kind].append(engine_generate(eng, prompts, 1))
@@ -445,7 +465,7 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
         parts_context = p + n // 2 + 16  # the components' step attends over this many tokens
         for eng in engines.values():
             eng.shutdown()
-        del runner, engine, engines, eng
+        del runner, runner_xla, engine, engines, eng
         gc.collect()
         best = lambda xs: float(np.min(xs))  # noqa: E731
         row_ceilings = best_ceilings(measured)
@@ -454,6 +474,7 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
         roof_dram = roofline_step(cfg, b, context, peak_flops=row_ceilings["peak_flops"],
                                   bandwidth=row_ceilings["dram_bandwidth"])
         row = {"batch": b, "raw_step_s": best(raw),
+               **({"raw_xla_attention_step_s": best(raw_xla)} if raw_xla else {}),
                **{f"{kind}_step_s": (best(eng_n[kind]) - best(eng_1[kind])) / (n - 1)
                   for kind in eng_n},
                **{f"{kind}_wall_s": best(eng_n[kind]) for kind in eng_n},
@@ -489,8 +510,10 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             row["raw_over_hf"] = row["hf_step_s"] / row["raw_step_s"]
         rows.append(row)
         own = row["components_roofline_s"]
-        log(f"{name} B={b:<3} step ms: raw {row['raw_step_s'] * 1e3:7.2f}  engine "
-            f"{row['engine_step_s'] * 1e3:7.2f}  "
+        log(f"{name} B={b:<3} step ms: raw {row['raw_step_s'] * 1e3:7.2f}  "
+            + (f"(XLA attention {row['raw_xla_attention_step_s'] * 1e3:.2f})  "
+               if raw_xla else "")
+            + f"engine {row['engine_step_s'] * 1e3:7.2f}  "
             + (f"engine dp{dp} {row['engine_dp_step_s'] * 1e3:7.2f}  "
                if "engine_dp_step_s" in row else "")
             + (f"hf {row['hf_step_s'] * 1e3:7.2f} ({row['hf_threads']} thr)  " if threads else "")
@@ -501,7 +524,10 @@ def bench_model(name: str, cfg: ModelConfig, args, ceilings: dict, workdir: Path
             f"\n    alone, ms (own roofline): step {parts['decode'] * 1e3:.2f}; matmuls "
             f"{parts['matmuls'] * 1e3:.2f} ({own['matmuls'] * 1e3:.2f}), attention "
             f"{parts['attention'] * 1e3:.2f} ({own['attention'] * 1e3:.2f}; reading "
-            f"{parts['attention_kv_len']} positions {own['attention_read'] * 1e3:.2f}), sampling "
+            f"{parts['attention_kv_len']} positions {own['attention_read'] * 1e3:.2f}"
+            + (f"; XLA's form {parts['attention_xla'] * 1e3:.2f}" if "attention_xla" in parts
+               else "")
+            + f"), sampling "
             f"{parts['sample'] * 1e3:.2f} ({own['sample'] * 1e3:.2f}); filtered sampling "
             f"{parts['sample_filtered'] * 1e3:.2f} (top-p alone "
             f"{parts['sample_top_p'] * 1e3:.2f})")
