@@ -69,11 +69,11 @@ def test_kernel_on_two_devices_at_once_does_not_deadlock():
 
     fn = jax.jit(four_calls)
     per_device = []
-    for device in jax.devices()[:2]:
-        q, keys, values = _inputs(rng, 64, 4, 2, 32, 128)
-        positions = rng.integers(0, 128, 64).astype(np.int32)
+    for device in jax.devices()[:2]:  # each call large enough to be split over threads
+        q, keys, values = _inputs(rng, 256, 4, 2, 32, 128)
+        positions = rng.integers(0, 128, 256).astype(np.int32)
         per_device.append([jax.device_put(x, device) for x in (q, keys, values, positions)])
-    for _ in range(200):
+    for _ in range(100):
         out = [fn(*args) for args in per_device]
         jax.block_until_ready(out)
 
@@ -118,6 +118,12 @@ def test_native_attention_refused_where_it_cannot_run():
     with pytest.raises(GeneratorError, match="'auto', 'native' or 'xla'"):
         ModelRunner(CFG, max_slots=8, max_seq_len=32, attention="flash")
     assert not ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16).native_attention
+    assert ModelRunner(CFG, max_slots=8, max_seq_len=32).native_attention
+    # heads without a specialisation: XLA's attention unless the kernel is asked for
+    odd = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=24)
+    assert not ModelRunner(odd, max_slots=8, max_seq_len=32).native_attention
+    assert ModelRunner(odd, max_slots=8, max_seq_len=32, attention="native").native_attention
 
 
 def test_without_a_compiler_the_engine_falls_back_to_xla(tmp_path):

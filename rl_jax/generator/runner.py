@@ -712,8 +712,9 @@ class ModelRunner:
 
     def _use_native_attention(self, attention: str) -> bool:
         """``attention``: ``"xla"`` (:func:`attend`), ``"native"`` (the CPU kernel, an error
-        where it cannot run) or ``"auto"`` (the kernel where it can run: a single CPU device,
-        float32 computation and cache, the kernel built)."""
+        where it cannot run) or ``"auto"`` (the kernel where it can run -- a single CPU device,
+        float32 computation and cache, the kernel built -- and has a specialisation for the
+        model's heads, :data:`kernels.SPECIALISED`)."""
         if attention not in ("auto", "native", "xla"):
             raise GeneratorError(f"attention must be 'auto', 'native' or 'xla', got "
                                  f"{attention!r}")
@@ -725,8 +726,11 @@ class ModelRunner:
             problems.append("it runs on one CPU device only")
         if jnp.dtype(self.dtype) != jnp.float32 or jnp.dtype(self.cache_dtype) != jnp.float32:
             problems.append("it computes in float32 over a float32 cache")
-        if self.config.num_heads // self.config.num_kv_heads > 64:
+        group = self.config.num_heads // self.config.num_kv_heads
+        if group > 64:
             problems.append("it takes at most 64 query heads per key/value head")
+        if attention == "auto" and (group, self.config.head_dim) not in kernels.SPECIALISED:
+            return False  # its generic loops are no faster than XLA's attention
         if not problems and not kernels.decode_attention_available():
             problems.append("it could not be built (see the log)")
         if problems and attention == "native":

@@ -117,6 +117,12 @@ def decode_attention_available() -> bool:
         return reason is None
 
 
+# (query heads per key/value head, head_dim) with a compiled specialisation in the kernel
+# (``Specialised`` in decode_attention.cc); other shapes take its generic loops, which are no
+# faster than XLA's attention.
+SPECIALISED = {(g, d) for g in (1, 2, 4, 8) for d in (32, 64, 128)}
+
+
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
                      positions: jax.Array) -> jax.Array:
     """Attention of one query per slot over its cache (call inside jit, CPU backend, after

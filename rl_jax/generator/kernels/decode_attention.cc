@@ -27,6 +27,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMaxGroup = 64;  // query heads per key/value head
+// Keys and values a call must read before its slots are split over threads (~40 us of work).
+constexpr int64_t kMinParallelBytes = 1 << 20;
 
 // Sixteen floats, in as many vector registers as the target needs (one with AVX-512).
 typedef float Vec __attribute__((vector_size(64)));
@@ -187,7 +189,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // for a helper that has not started: the pool's threads may all be busy (this call itself
   // runs on one, and other programs' calls may hold the others), so a helper may start only
   // after this call returned and then finds nothing left to do.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), S));
+  // Small calls (a decode step makes one per layer and slot chunk) run on this thread alone:
+  // waking a helper costs more than their work.
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) total += std::min<int64_t>(std::max(pp[s] + 1, 1), T);
+  const int64_t bytes = total * K * D * 2 * static_cast<int64_t>(sizeof(float));
+  const int64_t threads =
+      bytes < kMinParallelBytes ? 1 : std::max<int64_t>(1, std::min(pool.num_threads(), S));
   if (threads == 1) {
     run(0, S);
     return ffi::Error::Success();
@@ -200,8 +208,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     std::condition_variable done;
   };
   auto work = std::make_shared<Work>();
-  int64_t total = 0;
-  for (int64_t s = 0; s < S; ++s) total += std::min<int64_t>(std::max(pp[s] + 1, 1), T);
   const int64_t pieces = 4 * threads;
   int64_t acc = 0;
   for (int64_t s = 0; s < S; ++s) {
