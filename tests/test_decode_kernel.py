@@ -12,7 +12,9 @@ import pytest
 from rl_jax.generator import kernels
 from rl_jax.models import ModelConfig
 
-pytestmark = pytest.mark.skipif(not kernels.decode_attention_available(),
+# Only a machine without a C++ compiler skips these; where one exists, a kernel that fails to
+# build makes them fail.
+pytestmark = pytest.mark.skipif(kernels._compiler() is None,
                                 reason="no C++ compiler for the native kernel")
 
 
@@ -115,7 +117,7 @@ def test_native_attention_refused_where_it_cannot_run():
     from rl_jax.generator.types import GeneratorError
     with pytest.raises(GeneratorError, match="float32"):
         ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16, attention="native")
-    with pytest.raises(GeneratorError, match="'auto', 'native' or 'xla'"):
+    with pytest.raises(GeneratorError, match="attention must be one of"):
         ModelRunner(CFG, max_slots=8, max_seq_len=32, attention="flash")
     assert not ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16).native_attention
     assert ModelRunner(CFG, max_slots=8, max_seq_len=32).native_attention

@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rl_jax.generator import kernels
 from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, batch_bucket, unpack
 from rl_jax.generator.types import (GenerateOutput, GenerateRequest, GeneratorError, Overloaded,
                                     SamplingParams)
@@ -77,8 +78,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.decode_steps < 1:
             raise GeneratorError(f"decode_steps must be >= 1, got {self.decode_steps}")
-        if self.attention not in ("auto", "native", "xla"):
-            raise GeneratorError(f"attention must be 'auto', 'native' or 'xla', got "
+        if self.attention not in kernels.BACKENDS:
+            raise GeneratorError(f"attention must be one of {kernels.BACKENDS}, got "
                                  f"{self.attention!r}")
 
 

@@ -715,8 +715,8 @@ class ModelRunner:
         where it cannot run) or ``"auto"`` (the kernel where it can run -- a single CPU device,
         float32 computation and cache, the kernel built -- and has a specialisation for the
         model's heads, :data:`kernels.SPECIALISED`)."""
-        if attention not in ("auto", "native", "xla"):
-            raise GeneratorError(f"attention must be 'auto', 'native' or 'xla', got "
+        if attention not in kernels.BACKENDS:
+            raise GeneratorError(f"attention must be one of {kernels.BACKENDS}, got "
                                  f"{attention!r}")
         if attention == "xla":
             return False

@@ -53,6 +53,7 @@ from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate)
+from rl_jax.generator import kernels
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
 from rl_jax.heap import GcMonitor, freeze_long_lived
 from rl_jax.models.config import DTYPES, ConfigError, ModelConfig
@@ -193,8 +194,8 @@ class GeneratorServer:
                               f"data_parallel={config.data_parallel} replicas")
         if config.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        if config.attention_backend not in ("auto", "native", "xla"):
-            raise ConfigError(f"attention_backend must be 'auto', 'native' or 'xla', got "
+        if config.attention_backend not in kernels.BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {kernels.BACKENDS}, got "
                               f"{config.attention_backend!r}")
         dtype = DTYPES[config.dtype]
         meshes = None  # one device

@@ -37,6 +37,9 @@ SYMBOL = "RlJaxDecodeAttention"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
 
+# ModelRunner(attention=...), EngineConfig.attention, the server's --attention_backend
+BACKENDS = ("auto", "native", "xla")
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -125,10 +128,13 @@ SPECIALISED = {(g, d) for g in (1, 2, 4, 8) for d in (32, 64, 128)}
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
                      positions: jax.Array) -> jax.Array:
-    """Attention of one query per slot over its cache (call inside jit, CPU backend, after
-    :func:`decode_attention_available`): ``q [S, K, G, Dh]``, ``keys [S, K, Dh, T]``,
-    ``values [S, K, T, Dh]``, float32; cache positions ``<= positions [S]`` are attended.
-    Returns ``[S, K, G, Dh]`` float32, softmax scaled by ``Dh ** -0.5``."""
+    """Attention of one query per slot over its cache (call inside jit, CPU backend):
+    ``q [S, K, G, Dh]``, ``keys [S, K, Dh, T]``, ``values [S, K, T, Dh]``, float32; cache
+    positions ``<= positions [S]`` are attended.
+    Returns ``[S, K, G, Dh]`` float32, softmax scaled by ``Dh ** -0.5``. Raises
+    :class:`RuntimeError` when the kernel is unavailable."""
+    if not decode_attention_available():  # builds and registers it on the first call
+        raise RuntimeError("the native decode attention is unavailable (the log says why)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32),
                 positions.astype(jnp.int32))

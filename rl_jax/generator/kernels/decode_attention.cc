@@ -144,6 +144,11 @@ AttendFn Specialised(int64_t G, int64_t D) {
   }
 }
 
+// Positions a slot attends: 0..position, within the cache.
+inline int64_t LiveLength(int32_t position, int64_t T) {
+  return std::min<int64_t>(std::max<int64_t>(int64_t{position} + 1, 1), T);
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                            ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
@@ -172,7 +177,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto run = [=](int64_t s0, int64_t s1) {
     std::vector<float> scores(G * T);
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t L = std::min<int64_t>(std::max<int64_t>(int64_t{pp[s]} + 1, 1), T);
+      const int64_t L = LiveLength(pp[s], T);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t sk = s * K + k;
         if (fixed != nullptr)
@@ -184,15 +189,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       }
     }
   };
-  // Pieces of about equal live context (slots differ in their positions), claimed from a
-  // shared counter by this thread and by helpers scheduled on the pool. The caller never waits
-  // for a helper that has not started: the pool's threads may all be busy (this call itself
-  // runs on one, and other programs' calls may hold the others), so a helper may start only
-  // after this call returned and then finds nothing left to do.
   // Small calls (a decode step makes one per layer and slot chunk) run on this thread alone:
   // waking a helper costs more than their work.
   int64_t total = 0;
-  for (int64_t s = 0; s < S; ++s) total += std::min<int64_t>(std::max(pp[s] + 1, 1), T);
+  for (int64_t s = 0; s < S; ++s) total += LiveLength(pp[s], T);
   const int64_t bytes = total * K * D * 2 * static_cast<int64_t>(sizeof(float));
   const int64_t threads =
       bytes < kMinParallelBytes ? 1 : std::max<int64_t>(1, std::min(pool.num_threads(), S));
@@ -200,6 +200,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     run(0, S);
     return ffi::Error::Success();
   }
+  // Pieces of about equal live context (slots differ in their positions), claimed from a
+  // shared counter by this thread and by helpers scheduled on the pool. The caller never waits
+  // for a helper that has not started: the pool's threads may all be busy (this call itself
+  // runs on one, and other programs' calls may hold the others), so a helper may start only
+  // after this call returned and then finds nothing left to do.
   struct Work {
     std::vector<int64_t> bounds{0};
     std::atomic<int64_t> next{0};
@@ -211,7 +216,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t pieces = 4 * threads;
   int64_t acc = 0;
   for (int64_t s = 0; s < S; ++s) {
-    acc += std::min<int64_t>(std::max(pp[s] + 1, 1), T);
+    acc += LiveLength(pp[s], T);
     if (acc * pieces >= total * static_cast<int64_t>(work->bounds.size()) && s + 1 < S)
       work->bounds.push_back(s + 1);
   }
