@@ -42,6 +42,23 @@ def cap_weights(w, mode, cap):
     return np.minimum(w, cap) if mode == "tis" else np.where(w > cap, 0.0, w)
 
 
+def ref_m2po_keep(log_ratio, mask, threshold):
+    """M2PO's mask, by its definition: drop the largest ``(log r)²`` one token at a time (ties in
+    row-major order) until the mask-weighted mean of the rest is ``≤ threshold``."""
+    idx = [tuple(i) for i in np.argwhere(mask > 0)]
+    m2 = {i: log_ratio[i] ** 2 for i in idx}
+    keep = set(idx)
+    for i in sorted(idx, key=lambda i: -m2[i]):  # sorted() is stable: ties in row-major order
+        w = sum(mask[j] for j in keep)
+        if w <= 0 or sum(mask[j] * m2[j] for j in keep) <= threshold * w:
+            break
+        keep.discard(i)
+    out = np.zeros(mask.shape, bool)
+    for i in keep:
+        out[i] = True
+    return out
+
+
 def ref_loss(name, cfg, d, lp=None, weight_lp=None):
     """``(loss, metrics, scales)`` of loss ``name`` under ``cfg``.
 
@@ -54,9 +71,12 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
     weight_lp = lp if weight_lp is None else weight_lp
     old = d["prox"] if needs_prox(name, cfg) else d["blp"]
     seqs = ref_sequences(d["mask"], d["seg"])
+    if name == "m2po":
+        m2_keep = ref_m2po_keep(np.where(d["mask"] > 0, np.clip(
+            weight_lp - old, -CLAMP, CLAMP), 0.0), d["mask"], cfg.m2_threshold)
     num = abs_num = tokens = 0.0
     stats = dict(clipped=0.0, dual=0.0, ratio=0.0, ratio_sq=0.0, ratio_max=0.0, kl=0.0, ent=0.0,
-                 beh=0.0, beh_sq=0.0, capped=0.0, adv_abs=0.0, kl_abs=0.0)
+                 beh=0.0, beh_sq=0.0, capped=0.0, adv_abs=0.0, kl_abs=0.0, m2=0.0)
     for b, ts in seqs:
         m = d["mask"][b, ts]
         a = d["adv"][b] * np.ones(len(ts)) if d["adv"].ndim == 1 else d["adv"][b, ts]
@@ -70,6 +90,11 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
             hi = 1 + cfg.epsilon_high
             pg = -np.clip(wr, lo, hi) * a * lp[b, ts]
             clipped = (wr > hi) | (wr < lo)
+        elif name == "m2po":
+            keep = m2_keep[b, ts]
+            pg = np.where(keep, -r * a, 0.0)
+            clipped = ~keep
+            stats["m2"] += np.sum(m * np.clip(weight_lp[b, ts] - old[b, ts], -CLAMP, CLAMP) ** 2)
         elif name == "gspo":
             s = np.exp(np.sum(m * np.clip(lp[b, ts] - old[b, ts], -CLAMP, CLAMP)) / m.sum())
             a_seq = np.sum(m * a) / m.sum()
@@ -131,6 +156,8 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
                    ratio_mean=mean(stats["ratio"]), ratio_max=stats["ratio_max"],
                    ratio_ess=stats["ratio"] ** 2 / (tokens * stats["ratio_sq"]) if tokens else 0,
                    kl_mean=mean(stats["kl"]), entropy_mean=mean(stats["ent"]))
+    if name == "m2po":
+        metrics["m2_mean"] = mean(stats["m2"])
     if name in PPO_FAMILY + ("decoupled_ppo",) and cfg.dual_clip:
         metrics["dual_clipped_fraction"] = mean(stats["dual"])
     if needs_prox(name, cfg):

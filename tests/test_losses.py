@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from loss_reference import (CLAMP, assert_same_gradient, assert_same_metrics, assert_same_value,
-                            finite_difference_grad, needs_prox, ref_advantages, ref_loss)
+                            finite_difference_grad, needs_prox, ref_advantages, ref_loss,
+                            ref_m2po_keep)
 from rl_jax import losses
 from rl_jax.losses import (GroupSizeError, LossConfigError, check_groups, dr_grpo_advantages,
                            finalize_metrics, get, grpo_advantages, make_config, rloo_advantages)
 from rl_jax.trainer.step import split_microbatches
 
 ALL_LOSSES = ("reinforce_tis", "ppo_clip", "grpo", "dapo", "dr_grpo", "gspo", "cispo",
-              "decoupled_ppo")
+              "decoupled_ppo", "m2po")
 
 # ----------------------------------------------------------------------------------------------
 # Inputs
@@ -108,6 +109,8 @@ CASES = [
     ("cispo", dict(epsilon_low=0.2, epsilon_high=0.3, entropy_coef=0.02), {}),
     ("decoupled_ppo", {}, {}),
     ("decoupled_ppo", dict(behaviour_weight_mode="tis", dual_clip=True), dict(spread=1.5)),
+    ("m2po", {}, dict(spread=0.5)),
+    ("m2po", dict(m2_threshold=0.2, kl_coef=0.1, correction="tis"), dict(packed=True)),
 ]
 CASE_IDS = [f"{n}-{i}" for i, (n, _, _) in enumerate(CASES)]
 
@@ -172,8 +175,11 @@ def microbatched(name, cfg, d, num_micro):
 
 
 # Every loss and every normalisation, packed and unpacked rows, corrections and regularisers.
+# M2PO's mask is a function of the whole call's tokens: micro-batches reduce exactly to the
+# full batch only where the bound does not bind (test_m2po_mask_* cover the mask itself).
 MICRO_CASES = [CASES[i] for i in (0, 1, 3, 5, 6, 8, 12, 14)] + [
-    ("gspo", dict(epsilon_low=0.2, epsilon_high=0.2, correction="mis"), dict(packed=True))]
+    ("gspo", dict(epsilon_low=0.2, epsilon_high=0.2, correction="mis"), dict(packed=True)),
+    ("m2po", dict(m2_threshold=1e6), dict(packed=True))]
 
 
 @pytest.mark.parametrize("name,overrides,options", MICRO_CASES,
@@ -255,7 +261,8 @@ def test_zero_advantages_give_zero_loss_and_gradient(name):
     d["adv"] = np.zeros_like(d["adv"])
     value, grad, out = value_and_grad(name, cfg, d)
     assert float(value) == 0.0 and not np.any(np.asarray(grad))
-    assert float(finalize_metrics(out.metrics)["clipped_fraction"]) == 0.0
+    if name != "m2po":  # M2PO's mask depends on the log-ratios alone, not on the advantages
+        assert float(finalize_metrics(out.metrics)["clipped_fraction"]) == 0.0
 
 
 def extreme_batch():
@@ -306,6 +313,42 @@ def test_extreme_weights_are_truncated_as_documented():
     np.testing.assert_allclose(float(grad_tis[0, 0]), -5.0 * 1.0 / 11, rtol=1e-6)
 
 
+@pytest.mark.parametrize("seed,threshold", [(0, 0.04), (1, 0.3), (2, 1.0), (3, 1e-4)])
+def test_m2po_mask_is_the_fewest_largest_tokens_within_the_bound(seed, threshold):
+    rng = np.random.default_rng(seed)
+    log_ratio = rng.normal(scale=0.6, size=(5, 9)).astype(np.float32)
+    log_ratio[0, :3] = log_ratio[0, 3]  # ties
+    mask = (rng.uniform(size=(5, 9)) < 0.7).astype(np.float32)
+    mask[2] *= 0.5  # weighted tokens
+    keep = np.asarray(jax.jit(losses.second_moment_mask, static_argnums=2)(
+        jnp.asarray(log_ratio), jnp.asarray(mask), threshold))
+    np.testing.assert_array_equal(keep, ref_m2po_keep(log_ratio.astype(np.float64), mask,
+                                                      threshold))
+    m2, w = log_ratio.astype(np.float64) ** 2, mask * keep
+    assert w.sum() == 0 or (w * m2).sum() <= threshold * w.sum() * (1 + 1e-6)
+    dropped = (mask > 0) & ~keep
+    if dropped.any():  # only the largest go, and one fewer would not be within the bound
+        assert m2[dropped].min() >= m2[keep].max(initial=0.0)
+        last = np.argwhere(dropped)[np.argmin(m2[dropped])]
+        w1 = w.copy()
+        w1[tuple(last)] = mask[tuple(last)]
+        assert (w1 * m2).sum() > threshold * w1.sum()
+    assert not keep[mask == 0].any()
+
+
+def test_m2po_masks_more_as_the_policies_drift_apart():
+    fractions = []
+    for spread in (0.05, 0.3, 1.0, 3.0):
+        d = make_batch(11, batch=16, time=12, spread=spread)
+        _, grad, out = value_and_grad("m2po", make_config("m2po"), d)
+        m = finalize_metrics(out.metrics)
+        fractions.append(float(m["clipped_fraction"]))
+        kept = (d["mask"] > 0) & (np.asarray(grad) != 0)
+        lr = np.clip(d["lp"] - d["blp"], -CLAMP, CLAMP)
+        assert np.mean(lr[kept] ** 2) <= 0.04 * (1 + 1e-5)
+    assert fractions[0] == 0.0 and fractions == sorted(fractions) and fractions[-1] > 0.5
+
+
 # ----------------------------------------------------------------------------------------------
 # Registry, configs, errors
 # ----------------------------------------------------------------------------------------------
@@ -333,7 +376,7 @@ def test_published_defaults():
     norms = {n: make_config(n).normalization for n in ALL_LOSSES}
     assert norms == {"reinforce_tis": "sequence_sum", "ppo_clip": "token", "grpo": "sequence",
                      "dapo": "token", "dr_grpo": "constant", "gspo": "sequence",
-                     "cispo": "token", "decoupled_ppo": "token"}
+                     "cispo": "token", "decoupled_ppo": "token", "m2po": "token"}
     for name in ALL_LOSSES:
         assert make_config(name).kl_coef == 0.0 and make_config(name).entropy_coef == 0.0
 
@@ -346,6 +389,7 @@ def test_published_defaults():
     ("reinforce_tis", dict(truncation=0.0), "truncation"),
     ("decoupled_ppo", dict(correction="tis"), "correction"),
     ("dr_grpo", dict(max_tokens=0), "max_tokens"),
+    ("m2po", dict(m2_threshold=0.0), "m2_threshold"),
     ("grpo", dict(epsilon=0.2), "no field"),
 ])
 def test_bad_configs_are_refused(name, overrides, match):

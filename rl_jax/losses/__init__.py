@@ -9,7 +9,7 @@ shards reduce exactly (``Σ loss_sum / Σ denominator``); see :mod:`rl_jax.losse
 normalisations and :mod:`rl_jax.losses.policy` for the common signature.
 
 Registered policy losses: ``reinforce_tis``, ``ppo_clip``, ``grpo``, ``dapo``, ``dr_grpo``,
-``gspo``, ``cispo``, ``decoupled_ppo``. Advantage estimators (:func:`get_advantage_estimator`):
+``gspo``, ``cispo``, ``decoupled_ppo``, ``m2po``. Advantage estimators (:func:`get_advantage_estimator`):
 ``grpo``, ``rloo``, ``dr_grpo``.
 """
 
@@ -24,11 +24,12 @@ from rl_jax.losses.advantages import (ADVANTAGE_ESTIMATORS, GroupSizeError, chec
                                       grpo_advantages, rloo_advantages)
 from rl_jax.losses.configs import (LOG_RATIO_CLAMP, NORMALIZATIONS, CISPOConfig, DAPOConfig,
                                    DecoupledPPOConfig, DrGRPOConfig, GRPOConfig, GSPOConfig,
-                                   LossConfigError, PolicyLossConfig, PPOClipConfig,
+                                   LossConfigError, M2POConfig, PolicyLossConfig, PPOClipConfig,
                                    ReinforceTISConfig)
 from rl_jax.losses.core import LossOutput, count_sequences, finalize_metrics, per_sequence_sum
 from rl_jax.losses.policy import (cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, grpo,
-                                  gspo, ppo_clip, reinforce_tis)
+                                  gspo, m2po, ppo_clip, reinforce_tis,
+                                  second_moment_mask)
 from rl_jax.losses.regularizers import importance_weights, kl_penalty
 
 PolicyLoss = Callable[..., LossOutput]
@@ -51,6 +52,7 @@ _REGISTRY: dict[str, RegisteredLoss] = {
     "gspo": RegisteredLoss(gspo, GSPOConfig),
     "cispo": RegisteredLoss(cispo, CISPOConfig),
     "decoupled_ppo": RegisteredLoss(decoupled_ppo, DecoupledPPOConfig),
+    "m2po": RegisteredLoss(m2po, M2POConfig),
 }
 
 
@@ -96,10 +98,10 @@ def register(name: str, fn: PolicyLoss, config_cls: type[PolicyLossConfig]) -> N
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CISPOConfig", "DAPOConfig", "DecoupledPPOConfig", "DrGRPOConfig",
     "GRPOConfig", "GSPOConfig", "GroupSizeError", "LOG_RATIO_CLAMP", "LossConfigError",
-    "LossOutput", "NORMALIZATIONS", "PPOClipConfig", "PolicyLoss", "PolicyLossConfig",
+    "LossOutput", "M2POConfig", "NORMALIZATIONS", "PPOClipConfig", "PolicyLoss", "PolicyLossConfig",
     "RegisteredLoss", "ReinforceTISConfig", "check_groups", "cispo", "clipped_surrogate",
     "config_class", "count_sequences", "dapo", "decoupled_ppo", "dr_grpo", "dr_grpo_advantages",
     "finalize_metrics", "get", "get_advantage_estimator", "grpo", "grpo_advantages", "gspo",
-    "importance_weights", "kl_penalty", "make_config", "names", "per_sequence_sum", "ppo_clip",
-    "register", "reinforce_tis", "rloo_advantages",
+    "importance_weights", "kl_penalty", "m2po", "make_config", "names", "per_sequence_sum", "ppo_clip",
+    "register", "reinforce_tis", "rloo_advantages", "second_moment_mask",
 ]

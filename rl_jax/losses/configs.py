@@ -207,3 +207,16 @@ class DecoupledPPOConfig(PPOClipConfig):
         if self.behaviour_weight_mode not in ("tis", "mis"):
             raise LossConfigError("behaviour_weight_mode must be 'tis' or 'mis', got "
                                   f"{self.behaviour_weight_mode!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class M2POConfig(PolicyLossConfig):
+    """``m2po``: the fewest tokens with the largest ``(log r)²`` are masked so that the mean
+    ``(log r)²`` of the kept tokens is at most ``m2_threshold`` (the paper's ``τ_M2 = 0.04``);
+    token-level mean."""
+
+    m2_threshold: float = 0.04
+
+    def _check(self) -> None:
+        super()._check()
+        _positive("m2_threshold", self.m2_threshold)

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from rl_jax.losses.configs import (CISPOConfig, DAPOConfig, DecoupledPPOConfig, DrGRPOConfig,
-                                   GRPOConfig, GSPOConfig, LossConfigError, PolicyLossConfig,
-                                   PPOClipConfig, ReinforceTISConfig)
+                                   GRPOConfig, GSPOConfig, LossConfigError, M2POConfig,
+                                   PolicyLossConfig, PPOClipConfig, ReinforceTISConfig)
 from rl_jax.losses.core import (LossOutput, TokenInputs, clamped_log_ratio, masked_sum,
                                 normalization_weights, per_sequence_sum, prepare_inputs,
                                 ratio_metrics, safe_divide)
@@ -71,6 +71,35 @@ def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, epsilon_low: floa
     bound = -dual_clip_c * advantages
     dual_clipped = (advantages < 0) & (loss > bound)
     return jnp.where(dual_clipped, bound, loss), clipped, dual_clipped
+
+
+def second_moment_mask(log_ratio: jax.Array, weights: jax.Array, threshold: float
+                       ) -> jax.Array:
+    """M2PO's trust region: ``[B, T]`` bool, the tokens to keep.
+
+    With ``m_t = (log r_t)²`` and token weights ``w_t`` (the loss mask; ``0`` excludes a token),
+    the tokens with the largest ``m_t`` are dropped one at a time, largest first, until the
+    weighted mean ``Σ w m / Σ w`` of those left is ``≤ threshold``: the fewest tokens whose removal
+    brings the second moment of the log-ratios within the bound. Ties are dropped in index
+    order. Nothing is dropped when the batch is already within the bound. The mask covers the
+    tokens of this call (one batch, or one micro-batch when the trainer splits batches).
+    """
+    shape = log_ratio.shape
+    w = jnp.where(weights > 0, weights, 0.0).reshape(-1)
+    m2 = jnp.where(w > 0, jnp.square(log_ratio).reshape(-1), -1.0)
+    order = jnp.argsort(-m2, stable=True)  # largest first, excluded tokens last
+    sorted_w, sorted_m2 = w[order], jnp.maximum(m2[order], 0.0)
+    # Before dropping the k largest: the sums over the tokens still kept.
+    dropped_w = jnp.cumsum(sorted_w) - sorted_w
+    dropped_wm2 = jnp.cumsum(sorted_w * sorted_m2) - sorted_w * sorted_m2
+    kept_w = jnp.sum(w) - dropped_w
+    kept_wm2 = jnp.sum(w * jnp.maximum(m2, 0.0)) - dropped_wm2
+    within = (kept_w <= 0) | (kept_wm2 <= threshold * kept_w)
+    # The first k at which the tokens still kept are within the bound (n: drop every token).
+    first = jnp.min(jnp.where(within, jnp.arange(w.size), w.size))
+    keep_sorted = jnp.arange(w.size) >= first
+    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+    return keep.reshape(shape) & (weights > 0)
 
 
 def _config(config, cls: type[PolicyLossConfig], default: type[PolicyLossConfig] | None = None):
@@ -315,6 +344,43 @@ def cispo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayL
     weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
     pg = -weight * x.advantages * x.logprobs
     metrics = {"clipped_tokens": _count((ratio > high) | (ratio < low), x)}
+    return _finish(x, config, pg, log_ratio, ratio, metrics)
+
+
+def m2po(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+         loss_mask: ArrayLike, *, config: M2POConfig | None = None,
+         proximal_logprobs: ArrayLike | None = None,
+         ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+         segment_ids: ArrayLike | None = None) -> LossOutput:
+    """M2PO: importance-weighted policy gradient with a second-moment trust region.
+
+    ``ℓ_t = −M_t · r_t · A_t`` with ``r_t = π_θ(y_t) / π_old(y_t)`` (no clipping), token-level
+    mean, where ``M_t ∈ {0, 1}`` masks the fewest tokens with the largest ``(log r_t)²`` such that
+    the mean ``(log r)²`` of the kept tokens is ``≤ τ_M2`` (``config.m2_threshold``, 0.04): see
+    :func:`second_moment_mask`. Bounding the second moment of the log-ratios, rather than each
+    ratio, removes only the extreme outliers that very stale samples produce, and keeps the
+    informative high-ratio tokens PPO's clip would silence; the paper reports training that
+    stays stable with data 256 updates stale.
+
+    H. Zheng, J. Zhao, B. Chen, "Prosperity before Collapse: How Far Can Off-Policy RL Reach
+    with Stale Data on LLMs?" (2025), arXiv:2510.01161.
+
+    The mask is computed over the tokens of one call: exactly the paper's global batch when the
+    batch is one call, a per-micro-batch mask when the trainer accumulates micro-batches.
+
+    Arguments and return value: see the module docstring. Metrics: ``clipped_tokens`` counts
+    the masked tokens; ``m2_sum`` gives ``m2_mean``, the second moment before masking.
+    """
+    config = _config(config, M2POConfig)
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    log_ratio = clamped_log_ratio(x.logprobs, x.old_logprobs, x.valid, config.log_ratio_clamp)
+    ratio = jnp.exp(log_ratio)
+    keep = second_moment_mask(jax.lax.stop_gradient(log_ratio), x.mask, config.m2_threshold)
+    pg = jnp.where(keep, -ratio * x.advantages, 0.0)
+    metrics = {"clipped_tokens": _count(~keep, x),
+               "m2_sum": masked_sum(jnp.square(jax.lax.stop_gradient(log_ratio)), x.mask)}
     return _finish(x, config, pg, log_ratio, ratio, metrics)
 
 
