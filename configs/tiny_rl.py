@@ -49,7 +49,9 @@ def get_config() -> ConfigDict:
         max_new_tokens=8,
         ignore_eos=False,
         advantage="grpo",
-        filter_zero_signal=False,
+        # Dynamic sampling (DAPO): groups whose samples all got the same reward carry no
+        # signal; they are dropped before training and another prompt takes their place.
+        filter_zero_signal=True,
         seq_len=128,  # tokens per packed training row
         rows_per_batch=0,  # 0: as many rows as each batch needs (a few bucketed sizes)
         max_retries=3,
@@ -59,8 +61,8 @@ def get_config() -> ConfigDict:
     ))
     c.loss = ConfigDict(dict(name="grpo", options=ConfigDict(dict())))
     c.trainer = ConfigDict(dict(
-        steps=400,
-        time_limit_s=540.0,  # > 0: stop (and export) after this many seconds of RL
+        steps=2000,  # an upper bound: the time limit ends the run first on 2 CPU cores
+        time_limit_s=570.0,  # > 0: stop (and export) after this many seconds of RL
         num_microbatches=1,
         # > 0: every batch runs as fixed [micro_batch_rows, seq_len] micro-batches (one compiled
         # program whatever the batch's size; padding at most micro_batch_rows - 1 rows).
@@ -70,10 +72,16 @@ def get_config() -> ConfigDict:
         logits_block_size=4096,
         # Take and pack the next batch in a background thread while the current one trains.
         prefetch=True,
+        # Benchmarks: seconds of sleep after every step (a slower trainer, so that generation
+        # runs ahead and samples reach the staleness bound).
+        step_delay_s=0.0,
     ))
+    # schedule_on="progress": the cosine decay follows the run's progress, the larger of
+    # steps / trainer.steps and wall time / trainer.time_limit_s, so a run stopped by its time
+    # limit has decayed exactly when it stops ("steps": over trainer.steps updates).
     c.optimizer = ConfigDict(dict(learning_rate=5e-4, warmup_steps=5, final_lr_ratio=0.1,
                                   b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.0,
-                                  max_grad_norm=1.0))
+                                  max_grad_norm=1.0, schedule_on="progress"))
 
     # Generator pool: `urls` of running servers (this project's or SGLang's), or servers started
     # here (`num_servers`, kind "rl_jax" or "sglang").

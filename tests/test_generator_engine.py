@@ -183,14 +183,16 @@ def test_eos_ends_unless_ignored(weights):
         eng.shutdown()
 
 
-def _generate_across_update(weights, recompute: bool, meshes=None, decode_steps: int = 1):
+def _generate_across_update(weights, recompute: bool, meshes=None, decode_steps: int = 1,
+                            **sampling):
     params = weights[0] if meshes is None else _place(weights[0], meshes[0])
     eng = Engine(CFG, params, meshes=meshes, engine_config=EngineConfig(
         max_slots=4, max_seq_len=96, recompute_kv_on_update=recompute,
         decode_steps=decode_steps))
     try:
         eng.pause("in_place")
-        futures = [eng.submit(req([1, 2 + i, 3], max_new_tokens=40, seed=i)) for i in range(3)]
+        futures = [eng.submit(req([1, 2 + i, 3], max_new_tokens=40, seed=i, **sampling))
+                   for i in range(3)]
         eng.resume()
         while eng.stats["generated_tokens"] < 3 * 10:
             time.sleep(0.005)
@@ -235,6 +237,61 @@ def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, rec
             # update are close to, but not exactly, the new policy's.
             gap = np.abs(np.asarray(out.output_logprobs[switch:]) - new[switch:])
             assert gap.max() > 1e-6
+
+
+def trainer_filtered_logprobs(spec, params, prompt, output, temperature, top_k, top_p):
+    """Per output token: log-probs under ``softmax(logits / T)`` and under the same restricted
+    to top-k then top-p and renormalised, from the trainer's full logits (float64)."""
+    model = spec.merge(params)
+    hidden = model(jnp.asarray([prompt + output[:-1]]))
+    logits = np.asarray(model.logits(hidden))[0, len(prompt) - 1:].astype(np.float64)
+    full, filtered = [], []
+    for row, tok in zip(logits, output):
+        scaled = row / temperature
+        p = np.exp(scaled - scaled.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        above = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+        keep = np.zeros(len(p), bool)
+        keep[order] = (np.arange(len(p)) < top_k) & (above < top_p)
+        full.append(np.log(p[tok]))
+        filtered.append(np.log(p[tok] / p[keep].sum()) if keep[tok] else -np.inf)
+    return np.asarray(full), np.asarray(filtered)
+
+
+def test_filtered_in_flight_tokens_carry_their_version_and_sampled_distribution(spec, weights):
+    """Top-k/top-p sampling across an in-flight update (KV recomputed, so the reference is
+    exact): every token carries the version that sampled it, its behaviour log-prob is under
+    that version's filtered distribution, and the unfiltered one beside it under the full
+    distribution; a per-token ratio against the trainer's log-probs of the same version is 1
+    over the kept mass."""
+    outs = _generate_across_update(weights, True, temperature=0.9, top_k=6, top_p=0.9)
+    for i, out in enumerate(outs):
+        prompt = [1, 2 + i, 3]
+        versions = np.asarray(out.output_versions)
+        assert set(versions.tolist()) == {0, 1} and np.all(np.diff(versions) >= 0)
+        assert out.output_unfiltered_logprobs is not None
+        full = np.empty(len(versions))
+        filtered = np.empty(len(versions))
+        for v in (0, 1):
+            f, g = trainer_filtered_logprobs(spec, weights[v], prompt, out.output_ids, 0.9, 6,
+                                             0.9)
+            full[versions == v], filtered[versions == v] = f[versions == v], g[versions == v]
+        assert np.all(np.isfinite(filtered))  # every sampled token was inside the filter
+        # The trainer's own log-probs at the sampling temperature (what the policy loss uses).
+        for v in (0, 1):
+            model = spec.merge(weights[v])
+            stats = model.token_stats(jnp.asarray([prompt + out.output_ids[:-1]]),
+                                      jnp.asarray([prompt[1:] + out.output_ids]),
+                                      temperature=0.9)
+            np.testing.assert_allclose(np.asarray(stats["logprobs"][0, len(prompt) - 1:])[
+                versions == v], full[versions == v], atol=2e-5)
+        np.testing.assert_allclose(out.output_unfiltered_logprobs, full, atol=2e-4)
+        np.testing.assert_allclose(out.output_logprobs, filtered, atol=2e-4)
+        assert np.all(np.asarray(out.output_logprobs) >= np.asarray(
+            out.output_unfiltered_logprobs) - 1e-6)
+        assert np.any(np.asarray(out.output_logprobs) > np.asarray(
+            out.output_unfiltered_logprobs) + 1e-3)  # the filter cut some mass
 
 
 def test_multi_step_decoding_gives_the_tokens_of_single_steps(spec, weights):
@@ -560,8 +617,9 @@ def test_sampled_tokens_follow_the_distribution_and_greedy_takes_the_first_maxim
     tile = np.broadcast_to(logits, (rows, vocab))
     ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.int32)
     seeds = np.arange(rows, dtype=np.uint32)
-    tokens, logprobs = sample(tile, ones * 0.7, zeros - 1, ones, ones * 0, seeds, zeros, zeros,
-                              filtered=False)
+    tokens, logprobs, unfiltered = sample(tile, ones * 0.7, zeros - 1, ones, ones * 0, seeds,
+                                          zeros, zeros, filtered=False)
+    np.testing.assert_array_equal(np.asarray(unfiltered), np.asarray(logprobs))
     scaled = logits.astype(np.float64) / 0.7
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
@@ -570,9 +628,52 @@ def test_sampled_tokens_follow_the_distribution_and_greedy_takes_the_first_maxim
     assert chi2 < 80  # 39 degrees of freedom: p < 1e-4 for a correct sampler
     np.testing.assert_allclose(np.asarray(logprobs), np.log(probs)[np.asarray(tokens)],
                                atol=1e-5)
-    greedy, _ = sample(tile[:3], ones[:3] * 0, zeros[:3] - 1, ones[:3], ones[:3] * 0,
-                       seeds[:3], zeros[:3], zeros[:3], filtered=False)
+    greedy, _, _ = sample(tile[:3], ones[:3] * 0, zeros[:3] - 1, ones[:3], ones[:3] * 0,
+                          seeds[:3], zeros[:3], zeros[:3], filtered=False)
     assert np.asarray(greedy).tolist() == [7, 7, 7]
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (-1, 0.6, 0.0), (-1, 1.0, 0.2),
+                                               (8, 0.8, 0.05)])
+def test_filtered_sampling_reports_the_sampled_distribution_and_unbiased_ratios(top_k, top_p,
+                                                                                min_p):
+    """With top-k/top-p/min-p the behaviour log-prob is that of the filtered, renormalised
+    distribution the token was drawn from; importance ratios ``π(y) / μ(y)`` against it estimate
+    ``E_π[f]`` over the kept tokens without bias, against the unfiltered one they do not."""
+    from rl_jax.generator.runner import sample
+    rows, vocab, temperature = 16384, 40, 0.8
+    logits = np.random.default_rng(4).standard_normal(vocab).astype(np.float32) * 1.5
+    tile = np.broadcast_to(logits, (rows, vocab))
+    ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.int32)
+    tokens, logprobs, unfiltered = (np.asarray(x) for x in sample(
+        tile, ones * temperature, zeros + top_k, ones * top_p, ones * min_p,
+        np.arange(rows, dtype=np.uint32), zeros, zeros, filtered=True))
+    # The reference filter (float64): top-k, then top-p over the probabilities sorted
+    # descending (keep while the mass strictly above is < top_p), then min-p.
+    scaled = logits.astype(np.float64) / temperature
+    pi = np.exp(scaled - scaled.max())
+    pi /= pi.sum()
+    order = np.argsort(-pi, kind="stable")
+    keep = np.zeros(vocab, bool)
+    above = np.concatenate([[0.0], np.cumsum(pi[order])[:-1]])
+    keep[order] = (np.arange(vocab) < (top_k if top_k > 0 else vocab)) & (above < top_p)
+    keep &= pi >= min_p * pi.max()
+    mu = np.where(keep, pi, 0.0) / np.where(keep, pi, 0.0).sum()
+    assert keep.sum() < vocab and np.all(keep[tokens])
+    np.testing.assert_allclose(logprobs, np.log(mu[tokens]), atol=2e-5)
+    np.testing.assert_allclose(unfiltered, np.log(pi[tokens]), atol=2e-5)
+    counts = np.bincount(tokens, minlength=vocab)[keep]
+    expected = rows * mu[keep]
+    assert ((counts - expected) ** 2 / expected).sum() < 3 * keep.sum() + 30
+    # Importance-weighted estimate of E_π[f · 1{kept}] for a test function f.
+    f = np.cos(np.arange(vocab))
+    target = np.sum(pi[keep] * f[keep])
+    ratio = np.exp(np.log(pi[tokens]) - logprobs)
+    estimate = np.mean(ratio * f[tokens])
+    stderr = np.std(ratio * f[tokens]) / np.sqrt(rows)
+    assert abs(estimate - target) < 4 * stderr
+    biased = np.mean(np.exp(np.log(pi[tokens]) - unfiltered) * f[tokens])
+    assert abs(biased - target) > 4 * stderr
 
 
 def test_kv_and_batch_buckets():

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 from rl_jax.sharding import make_mesh
-from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, init_state, learning_rate_schedule,
-                                  make_optimizer)
+from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, init_state, learning_rate_at,
+                                  learning_rate_schedule, make_optimizer, set_learning_rate)
 from rl_jax.trainer.step import (batch_partition_spec, causal_lm_loss, global_batch,
                                  make_train_step, split_microbatches, StreamingTrainStep)
 from trainer_fixtures import TINY, random_batch
@@ -118,6 +118,45 @@ def test_schedule_warms_up_then_decays():
     assert float(lr(10)) == pytest.approx(1.0)
     assert float(lr(110)) == pytest.approx(0.1)
     assert float(lr(60)) < 1.0
+
+
+def test_progress_schedule_matches_the_step_schedule_and_follows_progress():
+    cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=10, total_steps=110,
+                          final_lr_ratio=0.1, schedule_on="progress")
+    by_steps = learning_rate_schedule(cfg)
+    for step in (0, 4, 9):  # warm-up by updates
+        assert learning_rate_at(cfg, step, 0.5) == pytest.approx(float(by_steps(step)))
+    assert learning_rate_at(cfg, 10, 0.0) == pytest.approx(1.0)
+    assert learning_rate_at(cfg, 10, 0.5) == pytest.approx(0.55)
+    assert learning_rate_at(cfg, 50, 1.0) == pytest.approx(0.1)
+    assert learning_rate_at(cfg, 50, 3.0) == pytest.approx(0.1)  # past the end: the floor
+    with pytest.raises(ValueError, match="schedule_on"):
+        OptimizerConfig(schedule_on="time")
+
+
+def test_progress_schedule_sets_the_rate_each_update_uses():
+    """Two models, one stepped with the rate set to r, the other with a step schedule whose
+    value is r at that update: the same parameters (the rate is what the update uses)."""
+    spec = ModelSpec(TINY, mesh=None)
+    progress = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=20,
+                               schedule_on="progress")
+    tx = make_optimizer(progress)
+    fixed = make_optimizer(OptimizerConfig(learning_rate=3e-3, warmup_steps=0, total_steps=1,
+                                           final_lr_ratio=1.0))
+    a = init_state(tx, spec, spec.init_params(seed=0))
+    b = init_state(fixed, spec, spec.init_params(seed=0))
+    step_a = make_train_step(spec, tx, causal_lm_loss, donate=False)
+    step_b = make_train_step(spec, fixed, causal_lm_loss, donate=False)
+    for seed in (1, 2):
+        a = a.replace(opt_state=set_learning_rate(a.opt_state, 3e-3))
+        a, _ = step_a(a, random_batch(seed))
+        b, _ = step_b(b, random_batch(seed))
+    for x, y in zip(_params(a), _params(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    moved = a.replace(opt_state=set_learning_rate(a.opt_state, 0.0))
+    still, _ = step_a(moved, random_batch(3))
+    for x, y in zip(_params(still), _params(a)):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_microbatch_split_draws_rows_from_every_shard():

@@ -97,6 +97,8 @@ class _Sequence:
     filtered: bool = dataclasses.field(init=False)  # sampled with top-k/top-p/min-p
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # Under the distribution before top-k/top-p/min-p (kept only when a filter is on).
+    unfiltered_logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     slot: int = -1  # slot within its replica's cache (-1: none)
     replica: int = -1
@@ -120,7 +122,7 @@ class _Sequence:
 @dataclasses.dataclass
 class _InFlight:
     """Device work whose tokens are not yet read, one part per replica: ``(out, seqs, columns)``
-    with ``out [2, n]`` (tokens, log-prob bits) holding sequence ``seqs[i]``'s token at column
+    with ``out [3, n]`` (tokens, log-prob bits) holding sequence ``seqs[i]``'s token at column
     ``columns[i]``; sampled by weights of ``version``."""
 
     parts: list[tuple[Any, list[_Sequence], list[int]]]
@@ -665,16 +667,19 @@ class Engine:
         finished = []
         appended = 0
         for out, seqs, columns in work.parts:
-            tokens, logprobs = unpack(out)
+            tokens, logprobs, unfiltered = unpack(out)
             if tokens.ndim == 1:  # one step (a multi-step run is [steps, n])
-                tokens, logprobs = tokens[None], logprobs[None]
-            for step_tokens, step_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+                tokens, logprobs, unfiltered = tokens[None], logprobs[None], unfiltered[None]
+            for step_tokens, step_logprobs, step_unfiltered in zip(
+                    tokens.tolist(), logprobs.tolist(), unfiltered.tolist()):
                 for seq, column in zip(seqs, columns):
                     if seq.finish_reason is not None:  # stopped in an earlier step, or aborted
                         continue
                     tok = step_tokens[column]
                     seq.output_ids.append(tok)
                     seq.logprobs.append(step_logprobs[column])
+                    if seq.filtered:
+                        seq.unfiltered_logprobs.append(step_unfiltered[column])
                     seq.versions.append(work.version)
                     appended += 1
                     sp = seq.request.sampling
@@ -708,6 +713,7 @@ class Engine:
         outputs = [GenerateOutput(
             rid=req.rid if req.sampling.n == 1 else f"{req.rid}-{s.index}",
             input_ids=list(req.input_ids), output_ids=s.output_ids, output_logprobs=s.logprobs,
+            output_unfiltered_logprobs=s.unfiltered_logprobs if s.filtered else None,
             output_versions=s.versions, finish_reason=s.finish_reason,
             cached_tokens=s.cached_tokens, e2e_latency=latency) for s in req.sequences]
         if not req.future.done():

@@ -364,6 +364,8 @@ def apply_stop_strings(out: GenerateOutput, stops: Sequence[str],
     _, matched = hit(lo)
     return dataclasses.replace(
         out, output_ids=ids[:lo], output_logprobs=out.output_logprobs[:lo],
+        output_unfiltered_logprobs=None if out.output_unfiltered_logprobs is None
+        else out.output_unfiltered_logprobs[:lo],
         output_versions=out.output_versions[:lo],
         finish_reason={"type": "stop", "matched": matched})
 
@@ -387,7 +389,10 @@ def output_json(out: GenerateOutput, item: PromptItem, *, weight_version: int,
                 token_text: Callable[[int], str] | None = None,
                 return_text_in_logprobs: bool = False) -> dict[str, Any]:
     """One completion as SGLang returns it, plus ``meta_info.weight_version`` (the version that
-    produced the last token) and ``meta_info.output_token_weight_versions`` (one per token)."""
+    produced the last token), ``meta_info.output_token_weight_versions`` (one per token) and,
+    when top-k/top-p/min-p filtered the sampling, ``meta_info.output_token_unfiltered_logprobs``
+    (``output_token_logprobs`` are under the filtered distribution the tokens were drawn
+    from)."""
     meta: dict[str, Any] = {
         "id": out.rid,
         "finish_reason": out.finish_reason,
@@ -403,6 +408,8 @@ def output_json(out: GenerateOutput, item: PromptItem, *, weight_version: int,
         meta["input_token_logprobs"] = []
         meta["output_token_logprobs"] = [
             [lp, tok, name(tok)] for lp, tok in zip(out.output_logprobs, out.output_ids)]
+        if out.output_unfiltered_logprobs is not None:
+            meta["output_token_unfiltered_logprobs"] = list(out.output_unfiltered_logprobs)
     result: dict[str, Any] = {}
     if decode is not None:
         result["text"] = output_text(out, item, decode)
@@ -467,9 +474,16 @@ def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutpu
         versions = meta.get("output_token_weight_versions")
         if versions is None:
             versions = [_version(meta.get("weight_version"))] * len(ids)
+        unfiltered = meta.get("output_token_unfiltered_logprobs")
+        if unfiltered is not None:
+            if not isinstance(unfiltered, list) or len(unfiltered) != len(ids):
+                raise GeneratorError("output_token_unfiltered_logprobs must be a list of one "
+                                     f"log-prob per output token ({len(ids)})")
+            unfiltered = [float(x) for x in unfiltered]
         outputs.append(GenerateOutput(
             rid=str(meta.get("id", request.rid)), input_ids=list(request.input_ids),
             output_ids=ids, output_logprobs=[float(t[0]) for t in triples],
+            output_unfiltered_logprobs=unfiltered,
             output_versions=[int(v) for v in versions],
             finish_reason=meta.get("finish_reason") or {"type": "unknown"},
             cached_tokens=int(meta.get("cached_tokens") or 0),

@@ -303,7 +303,7 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
         :mod:`rl_jax.generator.kernels`) instead of :func:`attend`.
 
     Returns ``(k_cache, v_cache, state, out)`` with the caches and state advanced (tokens, positions
-    and token indices of slots ``< batch``) and ``out [2, batch]`` int32: the sampled tokens and
+    and token indices of slots ``< batch``) and ``out [3, batch]`` int32: the sampled tokens and
     their float32 log-probabilities' bits.
     """
     constrain = constrain or (lambda x, axes: x)
@@ -323,14 +323,14 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
         new_v.append(vc)
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("sd,dv->sv", h, weights["unembed"], preferred_element_type=jnp.float32)
-    tokens, logprobs = sample(logits, *(st[name] for name in SAMPLING_FIELDS),
-                              st["token_index"], filtered=filtered)
+    tokens, logprobs, unfiltered = sample(logits, *(st[name] for name in SAMPLING_FIELDS),
+                                          st["token_index"], filtered=filtered)
     state = dict(state)
     state["token"] = state["token"].at[:batch].set(tokens)
     state["position"] = state["position"].at[:batch].set(
         jnp.minimum(positions + 1, max_seq_len - 1))
     state["token_index"] = state["token_index"].at[:batch].add(1)
-    return tuple(new_k), tuple(new_v), state, _pack(tokens, logprobs)
+    return tuple(new_k), tuple(new_v), state, _pack(tokens, logprobs, unfiltered)
 
 
 def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
@@ -338,7 +338,7 @@ def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
                 filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
                 native_attention: bool = False):
     """``steps`` :func:`decode` steps in one program, each step's tokens feeding the next (the
-    host reads them together): ``out [steps, 2, batch]``. Each token is sampled exactly as by
+    host reads them together): ``out [steps, 3, batch]``. Each token is sampled exactly as by
     one step at a time (its key depends on the slot's seed, sample and token index only)."""
     outs = []
     for _ in range(steps):  # unrolled: a step's ops stay as fused as in a single step
@@ -350,9 +350,11 @@ def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     return k_cache, v_cache, state, jnp.stack(outs)
 
 
-def _pack(tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
-    """``[2, n]`` int32: tokens and the bits of float32 log-probs (one device-to-host copy)."""
-    return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
+def _pack(tokens: jax.Array, logprobs: jax.Array, unfiltered: jax.Array) -> jax.Array:
+    """``[3, n]`` int32: tokens and the bits of the float32 log-probs (sampled distribution,
+    then unfiltered; one device-to-host copy)."""
+    return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32),
+                      jax.lax.bitcast_convert_type(unfiltered, jnp.int32)])
 
 
 def _padded(values: Any, n: int, dtype: Any, fill: Any = 0) -> np.ndarray:
@@ -366,11 +368,11 @@ def _padded(values: Any, n: int, dtype: Any, fill: Any = 0) -> np.ndarray:
     return out
 
 
-def unpack(out: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Host ``(tokens [n] int32, logprobs [n] float32)`` from a packed step output (``[..., n]``
-    for the ``[steps, 2, n]`` output of :func:`decode_many`)."""
+def unpack(out: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host ``(tokens [n] int32, logprobs [n] float32, unfiltered [n] float32)`` from a packed
+    step output (``[..., n]`` for the ``[steps, 3, n]`` output of :func:`decode_many`)."""
     out = np.asarray(out)
-    return out[..., 0, :], out[..., 1, :].view(np.float32)
+    return out[..., 0, :], out[..., 1, :].view(np.float32), out[..., 2, :].view(np.float32)
 
 
 def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots, values,
@@ -387,7 +389,7 @@ def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots,
       fresh: ``[M]`` bool, whether the sequence samples its first token here (otherwise it
         resumes with ``values["token"]``).
 
-    Returns ``(k_cache, v_cache, state, out)`` with ``out [2, M]`` as :func:`decode`'s.
+    Returns ``(k_cache, v_cache, state, out)`` with ``out [3, M]`` as :func:`decode`'s.
     The runner compiles the parts separately (:func:`first_tokens`, whose shapes do not depend
     on the cache, and :func:`install_kv` / :func:`install_state`, cheap scatters), so a new
     cache length costs only a small compilation.
@@ -400,11 +402,12 @@ def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots,
 
 def first_tokens(k_new, v_new, logits, rows, values, fresh, *, filtered: bool):
     """Per admitted sequence ``[M]``: its prefill keys/values ``[L, M, P, K, Dh]`` (row
-    ``rows[i]`` of the prefill), its sampled first token ``[M]`` and the packed ``[2, M]``
+    ``rows[i]`` of the prefill), its sampled first token ``[M]`` and the packed ``[3, M]``
     output (the resumed token where not ``fresh``)."""
-    tokens, logprobs = sample(logits[rows], *(values[name] for name in SAMPLING_FIELDS),
-                              values["token_index"], filtered=filtered)
-    out = _pack(jnp.where(fresh, tokens, values["token"]), logprobs)
+    tokens, logprobs, unfiltered = sample(logits[rows],
+                                          *(values[name] for name in SAMPLING_FIELDS),
+                                          values["token_index"], filtered=filtered)
+    out = _pack(jnp.where(fresh, tokens, values["token"]), logprobs, unfiltered)
     return k_new[:, rows], v_new[:, rows], tokens, out
 
 
@@ -616,10 +619,14 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
            *, filtered: bool) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row of ``logits [S, V]``; the other arguments are ``[S]``.
 
-    Returns ``(tokens [S] int32, logprobs [S] float32)``; the log-probability is under
-    ``softmax(logits / temperature)`` before top-k/top-p/min-p filtering (under the raw logits
-    for greedy rows, ``temperature == 0``, which take the first maximum), the distribution a
-    trainer recomputes. ``filtered=False`` skips the filters (every row must have them off).
+    Returns ``(tokens [S] int32, logprobs [S] float32, unfiltered [S] float32)``: ``logprobs``
+    is the token's log-probability under the distribution it was drawn from,
+    ``softmax(logits / temperature)`` restricted to the tokens top-k/top-p/min-p keep and
+    renormalised (the behaviour policy of an importance ratio), ``unfiltered`` under
+    ``softmax(logits / temperature)`` before filtering (the distribution a trainer recomputes);
+    the two are equal for rows without filters. Greedy rows (``temperature == 0``, the first
+    maximum) report both under the raw logits. ``filtered=False`` skips the filters (every row
+    must have them off).
 
     Without filters this reads the logits twice (row maxima, then block sums of
     ``exp((logits - max) / temperature)``); nothing of size ``[S, V]`` is written.
@@ -648,15 +655,18 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
             keep = (_ordered_bits(v) >= per_row(cut, ndim)) & (e >= per_row(min_p, ndim))
             return jnp.where(keep, e, 0.0)
 
-        tokens, _ = _inverse_cdf_blocks(blocks, weight, u)
+        tokens, kept = _inverse_cdf_blocks(blocks, weight, u)
         total = jnp.sum(unnormalised, axis=-1)
+        # Greedy rows keep the unfiltered total (their filters are not applied).
+        kept = jnp.where(greedy, total, kept)
     else:
         tokens, total = _inverse_cdf_blocks(blocks, exp_scaled, u)
+        kept = total
     tokens = jax.lax.cond(jnp.any(greedy),
                           lambda: jnp.where(greedy, argmax_first(logits), tokens),
                           lambda: tokens)
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return tokens, (picked - top) / t - jnp.log(total)
+    picked = (jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - top) / t
+    return tokens, picked - jnp.log(kept), picked - jnp.log(total)
 
 
 # ---- the runner -----------------------------------------------------------------------------------
@@ -755,7 +765,7 @@ class ModelRunner:
 
     def admit(self, k_new, v_new, logits, rows: np.ndarray, slots: np.ndarray,
               values: dict[str, np.ndarray], fresh: np.ndarray, filtered: bool):
-        """Installs prefilled sequences (see :func:`admit`); returns the packed ``[2, M]`` first
+        """Installs prefilled sequences (see :func:`admit`); returns the packed ``[3, M]`` first
         tokens and log-probs (meaningful where ``fresh``)."""
         needed = k_new.shape[2]
         if needed > self.kv_len:
@@ -777,9 +787,9 @@ class ModelRunner:
     def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool,
                kv_horizon: int = 0, steps: int = 1):
         """One decode step of slots ``0..batch-1`` whose next positions are ``< kv_needed``;
-        returns the packed ``[2, batch]`` sampled tokens and log-probs (see :func:`unpack`).
+        returns the packed ``[3, batch]`` sampled tokens and log-probs (see :func:`unpack`).
         With ``steps > 1``, that many steps in one program (:func:`decode_many`; the cache holds
-        the positions all of them write), returning ``[steps, 2, batch]``.
+        the positions all of them write), returning ``[steps, 3, batch]``.
 
         ``kv_horizon`` is how many positions the running sequences may reach: when it exceeds
         the cache length, the step for the next length is compiled in a background thread, so

@@ -64,9 +64,13 @@ class GenerateRequest:
 
 @dataclasses.dataclass
 class GenerateOutput:
-    """One completion: every generated token with its log-probability under the weights that
-    produced it (``log_softmax(logits / temperature)``; raw logits when greedy) and those
-    weights' version."""
+    """One completion: every generated token with its log-probability under the distribution
+    it was sampled from and the version of the weights that produced it.
+
+    ``output_logprobs`` are under ``softmax(logits / temperature)`` restricted to what
+    top-k/top-p/min-p keep, renormalised (the behaviour policy; raw logits when greedy);
+    ``output_unfiltered_logprobs`` under ``softmax(logits / temperature)`` before the filters,
+    present when a filter was on (``None`` otherwise: the two are equal)."""
 
     rid: str
     input_ids: list[int]
@@ -76,6 +80,7 @@ class GenerateOutput:
     finish_reason: dict[str, Any]
     cached_tokens: int = 0
     e2e_latency: float = 0.0
+    output_unfiltered_logprobs: list[float] | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -186,10 +186,14 @@ class Transformer(nnx.Module):
 
     def token_stats(self, tokens: jax.Array, targets: jax.Array,
                     positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                    *, block_size: int = 4096) -> dict[str, jax.Array]:
-        """``logprobs``, ``entropy`` and ``is_argmax`` (each ``[B, T]``) of ``targets``; see
-        :func:`rl_jax.models.logprobs.blockwise_token_stats`."""
+                    *, block_size: int = 4096, temperature: float = 1.0
+                    ) -> dict[str, jax.Array]:
+        """``logprobs``, ``entropy`` and ``is_argmax`` (each ``[B, T]``) of ``targets`` under
+        ``softmax(logits / temperature)`` (the distribution a generator sampling at that
+        temperature draws from); see :func:`rl_jax.models.logprobs.blockwise_token_stats`."""
         hidden = self(tokens, positions, segment_ids)
+        if temperature != 1.0:
+            hidden = hidden / jnp.asarray(temperature, hidden.dtype)
         return blockwise_token_stats(hidden, self.unembedding(), targets, block_size=block_size)
 
 

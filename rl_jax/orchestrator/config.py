@@ -122,6 +122,16 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     if c.trainer.time_limit_s < 0:
         raise RLConfigError(f"trainer.time_limit_s must be >= 0, got {c.trainer.time_limit_s}")
     _positive("optimizer.learning_rate", c.optimizer.learning_rate)
+    from rl_jax.trainer.state import SCHEDULE_CLOCKS
+    schedule_on = c.optimizer.get("schedule_on", "steps")
+    if schedule_on not in SCHEDULE_CLOCKS:
+        raise RLConfigError(f"optimizer.schedule_on must be one of {SCHEDULE_CLOCKS}, got "
+                            f"{schedule_on!r}")
+    if not c.optimizer.get("final_lr_ratio", 0.1) >= 0:
+        raise RLConfigError("optimizer.final_lr_ratio must be >= 0, got "
+                            f"{c.optimizer.final_lr_ratio}")
+    if c.trainer.get("step_delay_s", 0.0) < 0:
+        raise RLConfigError(f"trainer.step_delay_s must be >= 0, got {c.trainer.step_delay_s}")
     g = c.generator
     if g.kind not in ("rl_jax", "sglang"):
         raise RLConfigError(f"generator.kind must be 'rl_jax' or 'sglang', got {g.kind!r}")

@@ -56,20 +56,27 @@ class PolicyBatch:
 
 
 def make_policy_loss(name: str, options: Mapping[str, Any] | None = None, *,
-                     block_size: int = 4096):
+                     block_size: int = 4096, temperature: float = 1.0):
     """``loss_fn(model, batch) -> (loss_sum, denominator, metrics)`` for the trainer's step.
+
+    The policy's log-probs are under ``softmax(logits / temperature)``, the distribution the
+    generators sample from at that temperature (their behaviour log-probs are under it too), so
+    that importance ratios compare like with like; ``temperature <= 0`` (greedy rollouts) uses
+    the raw logits.
 
     Losses that weigh by a proximal policy (``decoupled_ppo``, or any ``correction``) get the
     current weights' log-probs without gradient: with one optimizer step per batch the policy
     before the update is the proximal policy.
     """
+    temperature = float(temperature) if temperature > 0 else 1.0
     config = make_config(name, **dict(options or {}))
     loss = get(name)
     needs_proximal = name == "decoupled_ppo" or config.correction != "none"
 
     def loss_fn(model, batch: PolicyBatch):
         stats = model.token_stats(batch.tokens, batch.targets, batch.positions,
-                                  batch.segment_ids, block_size=block_size)
+                                  batch.segment_ids, block_size=block_size,
+                                  temperature=temperature)
         logprobs = stats["logprobs"]
         proximal = jax.lax.stop_gradient(logprobs) if needs_proximal else None
         return loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.loss_mask,

@@ -41,7 +41,8 @@ from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutCon
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
-                                  learning_rate_schedule, make_optimizer)
+                                  learning_rate_at, learning_rate_schedule, make_optimizer,
+                                  set_learning_rate)
 from rl_jax.trainer.step import (StreamingTrainStep, default_batch_sharding, global_batch,
                                  make_train_step)
 from rl_jax.transfer import Publisher, PublisherConfig
@@ -216,6 +217,7 @@ class Session:
                 f"({self.max_prompt_tokens} tokens) plus the completion limit "
                 f"({max_new_tokens(c)} tokens)")
         opt = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
+        self.optimizer_config = opt
         # Compiled once and called here: evaluated eagerly, the schedule's first call dispatches
         # (and compiles) a few dozen small operations, about 0.3 s of the trainer's thread.
         self.schedule = jax.jit(learning_rate_schedule(opt))
@@ -223,7 +225,8 @@ class Session:
         self.tx = make_optimizer(opt)
         self.batch_sharding = default_batch_sharding(self.spec)
         loss_fn = make_policy_loss(c.loss.name, c.loss.options.to_dict(),
-                                   block_size=c.trainer.logits_block_size)
+                                   block_size=c.trainer.logits_block_size,
+                                   temperature=c.rollout.temperature)
         if micro_rows:
             # Batches of any size run as fixed-shape micro-batches: compiled once, here.
             self.train_step = StreamingTrainStep(self.spec, self.tx, loss_fn,
@@ -435,6 +438,7 @@ class Session:
                             c.trainer.time_limit_s, i)
                 break
             t1, cpu1 = time.perf_counter(), time.process_time()
+            learning_rate = self._learning_rate(i, wall_offset + clock.elapsed)
             batch = PolicyBatch.from_numpy(host)
             if not isinstance(self.train_step, StreamingTrainStep):
                 batch = global_batch(batch, self.batch_sharding)
@@ -450,6 +454,9 @@ class Session:
                     and self.snapshots.due(version):
                 self.snapshots.submit(published, version=version, step=i + 1,
                                       wall_s=wall_offset + clock.elapsed)
+            delay = float(c.trainer.get("step_delay_s", 0.0))
+            if delay:
+                time.sleep(delay)
             t3, cpu3 = time.perf_counter(), time.process_time()
             if self.primary and self.settings.wait_for_update:
                 self.weights.wait_applied(version)
@@ -491,7 +498,7 @@ class Session:
                     "rollout/prompts": [int(x) for x in host["metrics"]["positions"]],
                     "staleness/batch_max": float(max(staleness)),
                     "staleness/batch_mean": float(np.mean(staleness)),
-                    "learning_rate": float(self.schedule(version)),
+                    "learning_rate": learning_rate,
                     "trainer/step_s": t2 - t1, "trainer/wait_s": t1 - t0,
                     "trainer/pack_s": packing,
                     "trainer/tokens_per_s": trained / max(t2 - t1, 1e-9),
@@ -516,6 +523,24 @@ class Session:
         bar.close()
         return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval,
                             cpu_before)
+
+    def _learning_rate(self, step: int, wall_s: float) -> float:
+        """The learning rate of update ``step`` (0-based), set into the optimizer state when the
+        schedule runs on the run's progress: the larger of the steps done and the wall time
+        used, each over its limit, so a run stopped by its time limit ends its decay then."""
+        opt, c = self.optimizer_config, self.c
+        if opt.schedule_on != "progress":
+            return float(self.schedule(step))
+        progress = step / c.trainer.steps
+        if c.trainer.time_limit_s:
+            progress = max(progress, wall_s / c.trainer.time_limit_s)
+        if jax.process_count() > 1:  # every process steps with process 0's clock
+            from jax.experimental import multihost_utils
+            progress = float(multihost_utils.broadcast_one_to_all(np.float32(progress)))
+        learning_rate = learning_rate_at(opt, step, progress)
+        self.state = self.state.replace(
+            opt_state=set_learning_rate(self.state.opt_state, learning_rate))
+        return learning_rate
 
     def _next_batch(self) -> tuple[list, dict[str, Any], list[int], float]:
         """The rollout's next batch, packed: ``(groups, host batch, per-sample staleness,

@@ -8,6 +8,7 @@ such a dict back into an NNX module inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax
@@ -36,8 +37,21 @@ class TrainState:
     skipped: jax.Array
 
 
+SCHEDULE_CLOCKS = ("steps", "progress")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    """AdamW and its learning-rate schedule.
+
+    ``schedule_on``: ``"steps"`` decays over ``total_steps`` optimizer updates (the schedule is
+    part of the optimizer); ``"progress"`` decays over the run's progress, a fraction in
+    ``[0, 1]`` the caller sets before every update (e.g. the larger of steps done over
+    ``total_steps`` and wall time over a time limit, so that a run stopped by its time limit
+    ends its schedule when it ends): the learning rate is then an input of the optimizer state
+    (:func:`set_learning_rate`), computed by :func:`learning_rate_at`.
+    """
+
     learning_rate: float = 3e-4
     warmup_steps: int = 100
     total_steps: int = 10_000
@@ -47,6 +61,12 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
+    schedule_on: str = "steps"
+
+    def __post_init__(self):
+        if self.schedule_on not in SCHEDULE_CLOCKS:
+            raise ValueError(f"schedule_on must be one of {SCHEDULE_CLOCKS}, got "
+                             f"{self.schedule_on!r}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -58,6 +78,38 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=first, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.total_steps, end_value=cfg.learning_rate * cfg.final_lr_ratio)
+
+
+def learning_rate_at(cfg: OptimizerConfig, step: int, progress: float) -> float:
+    """The ``"progress"`` schedule's learning rate for update ``step`` (0-based) at run progress
+    ``progress`` in ``[0, 1]``: linear warm-up over the first ``warmup_steps`` updates (as
+    :func:`learning_rate_schedule`), then cosine decay from ``learning_rate`` at progress 0 to
+    ``learning_rate * final_lr_ratio`` at progress 1."""
+    peak = cfg.learning_rate
+    if step < cfg.warmup_steps:
+        first = peak / cfg.warmup_steps
+        return first + (peak - first) * step / cfg.warmup_steps
+    q = min(max(float(progress), 0.0), 1.0)
+    end = peak * cfg.final_lr_ratio
+    return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * q))
+
+
+def set_learning_rate(opt_state: optax.OptState, learning_rate: float) -> optax.OptState:
+    """``opt_state`` of a ``"progress"`` optimizer with its learning rate set (placed like the
+    value it replaces)."""
+    def visit(node):
+        if isinstance(node, (optax.InjectStatefulHyperparamsState,
+                             optax.InjectHyperparamsState)):
+            old = node.hyperparams["learning_rate"]
+            new = jnp.asarray(learning_rate, old.dtype)
+            sharding = getattr(old, "sharding", None)
+            new = jax.device_put(new, sharding) if sharding is not None else new
+            return node._replace(hyperparams={**node.hyperparams, "learning_rate": new})
+        if isinstance(node, tuple):
+            parts = [visit(x) for x in node]
+            return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
+        return node
+    return visit(opt_state)
 
 
 def _decay_mask(params: Params) -> Params:
@@ -73,8 +125,13 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     parts = []
     if cfg.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=_decay_mask))
+    if cfg.schedule_on == "progress":
+        parts.append(optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+            learning_rate=learning_rate_at(cfg, 0, 0.0), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+            weight_decay=cfg.weight_decay, mask=_decay_mask))
+    else:
+        parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+                                 eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask))
     return optax.chain(*parts)
 
 
