@@ -43,16 +43,16 @@ def get_config() -> ConfigDict:
         group_size=8, groups_per_batch=64, max_lag=4, staleness_policy="prevent",
         temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3072, ignore_eos=False,
         advantage="grpo", filter_zero_signal=True, seq_len=4096, rows_per_batch=0,
-        max_retries=3,
+        share_prompts=True, max_retries=3,
         lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64, per_sample=False)),
     ))
     c.loss = ConfigDict(dict(name="reinforce_tis", options=ConfigDict(dict(truncation=5.0))))
     c.trainer = ConfigDict(dict(steps=1000, time_limit_s=0.0, num_microbatches=16,
                                 micro_batch_rows=0, logits_block_size=8192,
-                                prefetch=True))
+                                prefetch=True, ess_lr_power=0.0, step_delay_s=0.0))
     c.optimizer = ConfigDict(dict(learning_rate=1e-6, warmup_steps=10, final_lr_ratio=1.0,
                                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
-                                  max_grad_norm=1.0))
+                                  max_grad_norm=1.0, schedule_on="steps"))
     c.generator = ConfigDict(dict(
         kind="sglang", urls=(), num_servers=4, max_slots=256, max_seq_len=4096,
         dtype="bfloat16", tensor_parallel=1, data_parallel=1, decode_steps=1,

@@ -325,6 +325,54 @@ def test_pack_too_long_and_bad_inputs():
         pack_sequences([[1]], 0)
 
 
+def test_shared_prefix_packing_lays_out_each_branch_as_its_full_sequence():
+    """Every completion's branch sees the prefix then itself: reading each token's visible
+    context (causal, own segment or its prefix segment) gives back ``prompt + completion`` with
+    the right positions, and the prompt is written once per unit."""
+    from rl_jax.data.packing import pack_shared_prefixes
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(7):
+        prompt = rng.integers(3, 50, int(rng.integers(1, 9))).tolist()
+        comps = [rng.integers(3, 50, int(rng.integers(1, 7))).tolist() for _ in range(4)]
+        masks = [rng.uniform(0.5, 1.0, len(c)).tolist() for c in comps]
+        groups.append((prompt, comps, masks))
+    batch, leftover = pack_shared_prefixes(groups, seq_len=20)
+    assert not leftover
+    seqs = [(p, c, m) for p, cs, ms in groups for c, m in zip(cs, ms)]
+    seen = set()
+    for r in range(batch["tokens"].shape[0]):
+        seg, pre, pos = batch["segment_ids"][r], batch["prefix_ids"][r], batch["positions"][r]
+        for t in range(batch["tokens"].shape[1]):
+            i = batch["sequence_index"][r, t]
+            if i < 0:
+                continue
+            prompt, completion, mask = seqs[i]
+            visible = [u for u in range(t + 1)
+                       if seg[u] == seg[t] or (pre[t] > 0 and seg[u] == pre[t])]
+            context = batch["tokens"][r, visible].tolist()
+            j = pos[t] + 1 - len(prompt)  # the completion token this position predicts
+            full = prompt + completion
+            assert context == full[:len(prompt) + j]
+            assert pos[visible].tolist() == list(range(len(prompt) + j))
+            assert batch["targets"][r, t] == completion[j]
+            np.testing.assert_allclose(batch["loss_mask"][r, t], mask[j], rtol=1e-6)
+            seen.add((i, j))
+    assert seen == {(i, j) for i, (_, c, _) in enumerate(seqs) for j in range(len(c))}
+    # Fewer tokens than one sequence per sample (prompt + completion - 1 predicting tokens).
+    assert (batch["segment_ids"] > 0).sum() < sum(len(p) + len(c) - 1 for p, c, _ in seqs)
+    # Too few rows: the units that do not fit are reported by sequence.
+    small, leftover = pack_shared_prefixes(groups, seq_len=20, num_rows=2)
+    assert leftover and small["tokens"].shape == (2, 20)
+    assert set(leftover).isdisjoint(set(small["sequence_index"][small["sequence_index"] >= 0]))
+    with pytest.raises(ValueError, match="empty prompt"):
+        pack_shared_prefixes([([], [[1]], [[1.0]])], seq_len=8)
+    with pytest.raises(ValueError, match="exceed seq_len"):
+        pack_shared_prefixes([([1] * 6, [[2] * 4], [[1.0] * 4])], seq_len=8)
+    with pytest.raises(ValueError, match="mask 0 has 1 entries"):
+        pack_shared_prefixes([([1, 2], [[2, 3]], [[1.0]])], seq_len=8)
+
+
 def test_pack_edge_cases():
     batch, leftover = pack_sequences([], 16)
     assert batch["tokens"].shape == (0, 16) and leftover == []

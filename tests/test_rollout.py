@@ -279,3 +279,55 @@ def test_forced_lengths_per_sample_or_per_prompt(setup, per_sample):
     again = {g.position: [s.completion_ids for s in g.samples] for g in first_batch()}
     common = first.keys() & again.keys()  # a batch takes the groups that finish first
     assert common and all(first[p] == again[p] for p in common)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "reinforce_tis"])
+def test_shared_prompt_packing_gives_the_same_loss_and_gradient(setup, loss):
+    """A group's prompt packed once, its completions attending to it: the same per-token
+    log-probs, loss and gradient as one full sequence per sample, in fewer tokens; every
+    completion token keeps its own behaviour log-prob, version and advantage."""
+    import jax
+
+    from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
+    spec, weights, engine = setup
+    env = ArithmeticEnv(num_digits=2, reverse_answer=False)
+    config = RolloutConfig(group_size=4, groups_per_batch=5, max_lag=1,
+                           sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))
+    it = iter(make_rollout(engine, config, env))
+    try:
+        groups = next(it)
+    finally:
+        it.close()
+    plain = GroupsToBatch(seq_len=32, rows=0)(groups)
+    # seq_len 24: some groups need two units (the prompt copied into each).
+    shared = GroupsToBatch(seq_len=24, rows=0, share_prompts=True)(groups)
+    samples = [s for g in sorted(groups, key=lambda g: g.position) for s in g.samples]
+    assert (shared["segment_ids"] > 0).sum() < (plain["segment_ids"] > 0).sum()
+    assert shared["prefix_ids"].any() and not plain["prefix_ids"].any()
+    for key in ("behaviour_logprobs", "advantages", "versions"):
+        a = np.sort(plain[key][plain["loss_mask"] > 0])
+        b = np.sort(shared[key][shared["loss_mask"] > 0])
+        np.testing.assert_array_equal(a, b, err_msg=key)
+    assert shared["loss_mask"].sum() == sum(len(s.completion_ids) for s in samples)
+
+    loss_fn = make_policy_loss(loss, temperature=0.8)
+    model_params = weights[1]  # not the weights that sampled: ratios differ from 1
+
+    def value(params, batch):
+        out = loss_fn(spec.merge(params), PolicyBatch.from_numpy(batch))
+        return out[0] / out[1], out
+
+    results = []
+    for batch in (plain, shared):
+        (v, out), grads = jax.value_and_grad(value, has_aux=True)(model_params, batch)
+        stats = spec.merge(model_params).token_stats(
+            batch["tokens"], batch["targets"], batch["positions"], batch["segment_ids"],
+            prefix_ids=batch["prefix_ids"])
+        lp = np.asarray(stats["logprobs"])[batch["loss_mask"] > 0]
+        results.append((float(v), grads, np.sort(lp), out[2]))
+    (v1, g1, lp1, m1), (v2, g2, lp2, m2) = results
+    np.testing.assert_allclose(lp2, lp1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v2, v1, rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert float(m1["sequences"]) == float(m2["sequences"]) == len(samples)

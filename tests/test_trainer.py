@@ -2,6 +2,7 @@
 optimizer schedule."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -156,6 +157,32 @@ def test_progress_schedule_sets_the_rate_each_update_uses():
     moved = a.replace(opt_state=set_learning_rate(a.opt_state, 0.0))
     still, _ = step_a(moved, random_batch(3))
     for x, y in zip(_params(still), _params(a)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_ess_update_scale_shrinks_the_step_by_the_batch_ess():
+    from rl_jax.trainer.step import ess_update_scale
+    scale = ess_update_scale(power=1.0)
+    # ratios 1, 1, 1, 1: ESS 1; ratios 2, 0, 0, 0: (Σw)² / (N Σw²) = 4 / 16.
+    np.testing.assert_allclose(scale({"tokens": 4.0, "ratio_sum": 4.0, "ratio_sq_sum": 4.0}), 1)
+    np.testing.assert_allclose(scale({"tokens": 4.0, "ratio_sum": 2.0, "ratio_sq_sum": 4.0}),
+                               0.25)
+    np.testing.assert_allclose(ess_update_scale(0.5)({"tokens": 4.0, "ratio_sum": 2.0,
+                                                      "ratio_sq_sum": 4.0}), 0.5)
+    both = {"tokens": 4.0, "ratio_sum": 4.0, "ratio_sq_sum": 4.0,
+            "behaviour_ratio_sum": 2.0, "behaviour_ratio_sq_sum": 4.0}
+    np.testing.assert_allclose(scale(both), 0.25)  # π_prox / μ when the loss reports it
+    np.testing.assert_allclose(scale({"tokens": 4.0, "ratio_sum": 1e-3,
+                                      "ratio_sq_sum": 1.0}), 0.05)  # the floor
+    np.testing.assert_allclose(scale({"tokens": 0.0, "ratio_sum": 0.0, "ratio_sq_sum": 0.0}), 1)
+    # In a train step the update is scaled: with a scale of 0 nothing moves.
+    spec = ModelSpec(TINY, mesh=None)
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    frozen = make_train_step(spec, TX, causal_lm_loss, donate=False,
+                             update_scale=lambda m: jnp.zeros(()))
+    after, metrics = frozen(state, random_batch(1))
+    assert float(metrics["update_scale"]) == 0.0 and int(after.step) == 1
+    for x, y in zip(_params(after), _params(state)):
         np.testing.assert_array_equal(x, y)
 
 

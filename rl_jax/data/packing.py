@@ -166,3 +166,111 @@ def packing_stats(batch: PackedBatch) -> dict[str, float]:
         num_loss_tokens=int((np.asarray(batch["loss_mask"]) != 0).sum()),
         fill_ratio=num_tokens / segment_ids.size if segment_ids.size else 0.0,
     )
+
+
+def pack_shared_prefixes(
+    groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]], Sequence[Sequence[float]]]],
+    seq_len: int,
+    num_rows: int | None = None,
+    pad_id: int = 0,
+) -> tuple[PackedBatch, list[int]]:
+    """Packs groups of sequences that share a prompt, the prompt written once per group.
+
+    Group ``g = (prompt, completions, masks)`` stands for the sequences ``prompt + completions[i]``
+    (``masks[i][j]`` weighs the prediction of ``completions[i][j]``). In a row the group becomes
+    a *prefix* segment, ``prompt[:-1]`` at positions ``0 .. P-2``, then one *branch* segment per
+    completion, ``[prompt[-1]] + completions[i][:-1]`` at positions ``P-1 ..``, whose targets are
+    ``completions[i]``: every branch token attends causally to its own branch and to the prefix
+    (``prefix_ids`` holds the prefix's segment id on branch tokens, 0 elsewhere), so each branch
+    sees exactly the context of its unshared sequence, and the prompt's ``P - 1`` tokens are
+    computed once instead of once per completion. The last completion token, which predicts
+    nothing, is not written. A group longer than ``seq_len`` is split into several units, each
+    with its own copy of the prefix. Units are placed first-fit-decreasing.
+
+    Returns ``(batch, leftover)`` as :func:`pack_sequences`, plus ``prefix_ids``; the sequences
+    are numbered in order (group 0's completions first): ``sequence_index`` holds the number on
+    branch tokens and -1 on prefixes and padding; ``leftover`` lists the sequences of units that
+    did not fit. Prompts must have at least one token, completions too.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    units: list[tuple[list[int], list[tuple[int, list[int], list[float]]]]] = []
+    first = 0
+    for g, (prompt, completions, masks) in enumerate(groups):
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"group {g} has an empty prompt")
+        if len(masks) != len(completions):
+            raise ValueError(f"group {g}: {len(masks)} masks for {len(completions)} completions")
+        branches = []
+        for i, (c, m) in enumerate(zip(completions, masks)):
+            if not c:
+                raise ValueError(f"group {g}: completion {i} is empty")
+            if len(m) != len(c):
+                raise ValueError(f"group {g}: mask {i} has {len(m)} entries for "
+                                 f"{len(c)} tokens")
+            if len(prompt) + len(c) - 1 > seq_len:
+                raise ValueError(f"group {g}: prompt {len(prompt)} + completion {len(c)} tokens "
+                                 f"exceed seq_len={seq_len} + 1")
+            branches.append((first + i, list(c), [float(x) for x in m]))
+        first += len(completions)
+        prefix = prompt[:-1]
+        unit: list = []
+        used = len(prefix)
+        for branch in branches:
+            if unit and used + len(branch[1]) > seq_len:
+                units.append((prompt, unit))
+                unit, used = [], len(prefix)
+            unit.append(branch)
+            used += len(branch[1])
+        if unit:
+            units.append((prompt, unit))
+
+    lengths = [len(p) - 1 + sum(len(c) for _, c, _ in bs) for p, bs in units]
+    order = sorted(range(len(units)), key=lambda u: (-lengths[u], u))
+    bins = _FirstFit(len(units) if num_rows is None else num_rows, seq_len)
+    rows: list[list[int]] = []
+    leftover: list[int] = []
+    for u in order:
+        row = bins.place(lengths[u])
+        if row < 0:
+            leftover.extend(i for i, _, _ in units[u][1])
+            continue
+        while len(rows) <= row:
+            rows.append([])
+        rows[row].append(u)
+    num_out = len(rows) if num_rows is None else num_rows
+
+    shape = (num_out, seq_len)
+    out = dict(tokens=np.full(shape, pad_id, np.int32), targets=np.full(shape, pad_id, np.int32),
+               loss_mask=np.zeros(shape, np.float32), positions=np.zeros(shape, np.int32),
+               segment_ids=np.zeros(shape, np.int32), prefix_ids=np.zeros(shape, np.int32),
+               sequence_index=np.full(shape, -1, np.int32))
+    for r, members in enumerate(rows):
+        offset, segment = 0, 0
+        for u in members:
+            prompt, branches = units[u]
+            prefix_segment = 0
+            if len(prompt) > 1:
+                segment += 1
+                prefix_segment = segment
+                n = len(prompt) - 1
+                span = slice(offset, offset + n)
+                out["tokens"][r, span] = prompt[:-1]
+                out["targets"][r, span] = prompt[1:]
+                out["positions"][r, span] = np.arange(n)
+                out["segment_ids"][r, span] = segment
+                offset += n
+            for i, completion, mask in branches:
+                segment += 1
+                n = len(completion)
+                span = slice(offset, offset + n)
+                out["tokens"][r, span] = [prompt[-1]] + completion[:-1]
+                out["targets"][r, span] = completion
+                out["loss_mask"][r, span] = mask
+                out["positions"][r, span] = np.arange(len(prompt) - 1, len(prompt) - 1 + n)
+                out["segment_ids"][r, span] = segment
+                out["prefix_ids"][r, span] = prefix_segment
+                out["sequence_index"][r, span] = i
+                offset += n
+    return out, sorted(leftover)

@@ -123,7 +123,8 @@ class Transformer(nnx.Module):
         return self.rules.constrain(x, self.mesh, axes)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None,
+                 prefix_ids: jax.Array | None = None) -> jax.Array:
         """Final hidden states ``[B, T, D]`` (after the final norm).
 
         Args:
@@ -132,6 +133,9 @@ class Transformer(nnx.Module):
             positions restart at 0 in each segment.
           segment_ids: ``[B, T]``; a token attends only to earlier tokens of its own segment.
             Default: one segment per row.
+          prefix_ids: ``[B, T]``; where ``> 0``, the token also attends to the (earlier) tokens
+            of that segment of its row: a prompt shared by several completions packed once
+            (see :func:`rl_jax.data.packing.pack_shared_prefixes`). Default: none.
         """
         b, t = tokens.shape
         if positions is None:
@@ -145,7 +149,7 @@ class Transformer(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         x = self._constrain(x, ("act_batch", "act_seq", "act_embed"))
         token_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = attention_mask(token_index, segment_ids, token_index, segment_ids)
+        mask = attention_mask(token_index, segment_ids, token_index, segment_ids, prefix_ids)
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
         def layer(h, w):
@@ -177,21 +181,22 @@ class Transformer(nnx.Module):
 
     def token_logprobs(self, tokens: jax.Array, targets: jax.Array,
                        positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                       *, block_size: int = 4096, return_entropy: bool = False):
+                       *, block_size: int = 4096, return_entropy: bool = False,
+                       prefix_ids: jax.Array | None = None):
         """Log-probabilities ``[B, T]`` of ``targets`` given ``tokens`` (and entropies if asked),
         computed blockwise over the vocabulary."""
-        hidden = self(tokens, positions, segment_ids)
+        hidden = self(tokens, positions, segment_ids, prefix_ids)
         return blockwise_token_logprobs(hidden, self.unembedding(), targets,
                                         block_size=block_size, return_entropy=return_entropy)
 
     def token_stats(self, tokens: jax.Array, targets: jax.Array,
                     positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                    *, block_size: int = 4096, temperature: float = 1.0
-                    ) -> dict[str, jax.Array]:
+                    *, block_size: int = 4096, temperature: float = 1.0,
+                    prefix_ids: jax.Array | None = None) -> dict[str, jax.Array]:
         """``logprobs``, ``entropy`` and ``is_argmax`` (each ``[B, T]``) of ``targets`` under
         ``softmax(logits / temperature)`` (the distribution a generator sampling at that
         temperature draws from); see :func:`rl_jax.models.logprobs.blockwise_token_stats`."""
-        hidden = self(tokens, positions, segment_ids)
+        hidden = self(tokens, positions, segment_ids, prefix_ids)
         if temperature != 1.0:
             hidden = hidden / jnp.asarray(temperature, hidden.dtype)
         return blockwise_token_stats(hidden, self.unembedding(), targets, block_size=block_size)
@@ -248,10 +253,14 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention_mask(q_index: jax.Array, q_segment: jax.Array, kv_index: jax.Array,
-                   kv_segment: jax.Array) -> jax.Array:
-    """``[B, T, S]`` boolean: query t may attend key s (causal and same segment)."""
+                   kv_segment: jax.Array, q_prefix: jax.Array | None = None) -> jax.Array:
+    """``[B, T, S]`` boolean: query t may attend key s (causal, and the same segment or the
+    query's prefix segment ``q_prefix > 0``)."""
     causal = q_index[:, :, None] >= kv_index[:, None, :]
     same = q_segment[:, :, None] == kv_segment[:, None, :]
+    if q_prefix is not None:
+        prefix = q_prefix[:, :, None]
+        same = same | ((prefix > 0) & (prefix == kv_segment[:, None, :]))
     return causal & same
 
 

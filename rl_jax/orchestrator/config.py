@@ -130,6 +130,8 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     if not c.optimizer.get("final_lr_ratio", 0.1) >= 0:
         raise RLConfigError("optimizer.final_lr_ratio must be >= 0, got "
                             f"{c.optimizer.final_lr_ratio}")
+    if not c.trainer.get("ess_lr_power", 0.0) >= 0:
+        raise RLConfigError(f"trainer.ess_lr_power must be >= 0, got {c.trainer.ess_lr_power}")
     if c.trainer.get("step_delay_s", 0.0) < 0:
         raise RLConfigError(f"trainer.step_delay_s must be >= 0, got {c.trainer.step_delay_s}")
     g = c.generator

@@ -19,8 +19,9 @@ import numpy as np
 
 from rl_jax.losses import get, make_config
 
-POLICY_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "advantages",
-                 "behaviour_logprobs")
+POLICY_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "prefix_ids",
+                 "advantages", "behaviour_logprobs")
+INT_FIELDS = ("tokens", "targets", "positions", "segment_ids", "prefix_ids")
 
 
 @flax.struct.dataclass
@@ -29,7 +30,9 @@ class PolicyBatch:
 
     ``advantages`` is the sample's advantage on each of its completion tokens,
     ``behaviour_logprobs`` the generator's log-probability (nats) of each completion token under
-    the weights that sampled it, ``loss_mask`` 1 on completion tokens the policy wrote.
+    the weights that sampled it, ``loss_mask`` 1 on completion tokens the policy wrote,
+    ``prefix_ids`` the segment of a shared prompt a completion's tokens attend to (0: none; see
+    :func:`rl_jax.data.packing.pack_shared_prefixes`).
     """
 
     tokens: jax.Array
@@ -37,13 +40,16 @@ class PolicyBatch:
     loss_mask: jax.Array
     positions: jax.Array
     segment_ids: jax.Array
+    prefix_ids: jax.Array
     advantages: jax.Array
     behaviour_logprobs: jax.Array
 
     @classmethod
     def from_numpy(cls, arrays: Mapping[str, np.ndarray]) -> "PolicyBatch":
-        ints = ("tokens", "targets", "positions", "segment_ids")
-        return cls(**{k: np.asarray(arrays[k], np.int32 if k in ints else np.float32)
+        arrays = dict(arrays)
+        if "prefix_ids" not in arrays:  # batches packed without shared prompts
+            arrays["prefix_ids"] = np.zeros_like(np.asarray(arrays["segment_ids"]))
+        return cls(**{k: np.asarray(arrays[k], np.int32 if k in INT_FIELDS else np.float32)
                       for k in POLICY_FIELDS})
 
     @classmethod
@@ -51,8 +57,8 @@ class PolicyBatch:
         """Shapes for ahead-of-time compilation."""
         i = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
         f = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=sharding)
-        return cls(tokens=i, targets=i, loss_mask=f, positions=i, segment_ids=i, advantages=f,
-                   behaviour_logprobs=f)
+        return cls(tokens=i, targets=i, loss_mask=f, positions=i, segment_ids=i, prefix_ids=i,
+                   advantages=f, behaviour_logprobs=f)
 
 
 def make_policy_loss(name: str, options: Mapping[str, Any] | None = None, *,
@@ -76,7 +82,7 @@ def make_policy_loss(name: str, options: Mapping[str, Any] | None = None, *,
     def loss_fn(model, batch: PolicyBatch):
         stats = model.token_stats(batch.tokens, batch.targets, batch.positions,
                                   batch.segment_ids, block_size=block_size,
-                                  temperature=temperature)
+                                  temperature=temperature, prefix_ids=batch.prefix_ids)
         logprobs = stats["logprobs"]
         proximal = jax.lax.stop_gradient(logprobs) if needs_proximal else None
         return loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.loss_mask,

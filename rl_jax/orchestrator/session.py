@@ -32,7 +32,8 @@ from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config, save_
 from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
                                         max_sample_tokens, rows_per_batch)
 from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompts
-from rl_jax.orchestrator.policy import POLICY_FIELDS, PolicyBatch, make_policy_loss
+from rl_jax.orchestrator.policy import (INT_FIELDS, POLICY_FIELDS, PolicyBatch,
+                                        make_policy_loss)
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
 from rl_jax.orchestrator.snapshots import SnapshotWriter
 from rl_jax.orchestrator.weights import WeightSync
@@ -43,15 +44,16 @@ from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
                                   learning_rate_at, learning_rate_schedule, make_optimizer,
                                   set_learning_rate)
-from rl_jax.trainer.step import (StreamingTrainStep, default_batch_sharding, global_batch,
-                                 make_train_step)
+from rl_jax.trainer.step import (StreamingTrainStep, default_batch_sharding, ess_update_scale,
+                                 global_batch, make_train_step)
 from rl_jax.transfer import Publisher, PublisherConfig
 
 log = logging.getLogger(__name__)
 
 # Loss metrics worth a line in the log (after finalize_metrics), when the loss reports them.
 LOSS_METRICS = ("loss", "grad_norm", "clipped_fraction", "ratio_mean", "ratio_max", "ratio_ess",
-                "entropy_mean", "policy_kl_mean", "kl_mean", "tokens", "sequences", "skipped")
+                "entropy_mean", "policy_kl_mean", "kl_mean", "tokens", "sequences", "skipped",
+                "behaviour_ratio_ess", "m2_mean", "update_scale")
 
 
 @dataclasses.dataclass
@@ -227,11 +229,14 @@ class Session:
         loss_fn = make_policy_loss(c.loss.name, c.loss.options.to_dict(),
                                    block_size=c.trainer.logits_block_size,
                                    temperature=c.rollout.temperature)
+        power = float(c.trainer.get("ess_lr_power", 0.0))
+        update_scale = ess_update_scale(power) if power else None
         if micro_rows:
             # Batches of any size run as fixed-shape micro-batches: compiled once, here.
             self.train_step = StreamingTrainStep(self.spec, self.tx, loss_fn,
                                                  micro_rows=micro_rows,
-                                                 batch_sharding=self.batch_sharding)
+                                                 batch_sharding=self.batch_sharding,
+                                                 update_scale=update_scale)
             seconds = self.train_step.compile(PolicyBatch.abstract(micro_rows,
                                                                    c.rollout.seq_len))
             log.info("train step compiled for micro-batches of %d x %d in %.1f s", micro_rows,
@@ -239,7 +244,8 @@ class Session:
         else:
             self.train_step = make_train_step(self.spec, self.tx, loss_fn,
                                               num_microbatches=c.trainer.num_microbatches,
-                                              batch_sharding=self.batch_sharding)
+                                              batch_sharding=self.batch_sharding,
+                                              update_scale=update_scale)
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
                                          every=c.checkpoint.every,
                                          use_async=c.checkpoint.use_async)
@@ -344,7 +350,8 @@ class Session:
         self.to_batch = GroupsToBatch(seq_len=r.seq_len, rows=self.rows, advantage=r.advantage,
                                       pad_id=self.model_config.pad_token_id or 0,
                                       row_multiple=self.row_multiple,
-                                      power_of_two=not c.trainer.micro_batch_rows)
+                                      power_of_two=not c.trainer.micro_batch_rows,
+                                      share_prompts=bool(r.get("share_prompts", False)))
         self.to_batch.warm(r.groups_per_batch, r.group_size)
 
 
@@ -651,8 +658,7 @@ class Session:
             return None, True
         shape = (int(header[1]), int(self.c.rollout.seq_len))
         arrays = {k: np.asarray(host[k]) if self.primary else
-                  np.zeros(shape, np.int32 if k in ("tokens", "targets", "positions",
-                                                    "segment_ids") else np.float32)
+                  np.zeros(shape, np.int32 if k in INT_FIELDS else np.float32)
                   for k in POLICY_FIELDS}
         shared = multihost_utils.broadcast_one_to_all(arrays)
         merged = dict(host) if self.primary else {}

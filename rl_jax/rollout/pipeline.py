@@ -552,6 +552,7 @@ class GroupsToBatch:
     pad_id: int = 0
     row_multiple: int = 1  # rows=0: a multiple of this (batch shards × micro-batches)
     power_of_two: bool = True  # rows=0: row_multiple · 2^k rows (else any multiple)
+    share_prompts: bool = False  # a group's prompt packed once (records.pack_groups)
 
     def warm(self, num_groups: int, group_size: int):
         """Compiles the advantage estimator for batches of ``num_groups`` groups of
@@ -566,7 +567,8 @@ class GroupsToBatch:
         groups = sorted(groups, key=lambda g: g.position)
         batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
                             advantage=self.advantage, pad_id=self.pad_id,
-                            row_multiple=self.row_multiple, power_of_two=self.power_of_two)
+                            row_multiple=self.row_multiple, power_of_two=self.power_of_two,
+                            share_prompts=self.share_prompts)
         rewards = batch["rewards"]
         solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
         batch["metrics"] = {

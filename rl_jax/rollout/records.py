@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rl_jax.data.packing import pack_sequences
+from rl_jax.data.packing import pack_sequences, pack_shared_prefixes
 from rl_jax.losses import get_advantage_estimator
 from rl_jax.losses.advantages import check_groups
 
@@ -67,8 +67,8 @@ class Group:
         return np.asarray([s.reward for s in self.samples], np.float32)
 
 
-BATCH_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "advantages",
-                "behaviour_logprobs", "versions")
+BATCH_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "prefix_ids",
+                "advantages", "behaviour_logprobs", "versions")
 
 
 class PackingError(ValueError):
@@ -106,18 +106,22 @@ def host_advantages(name: str, rewards: np.ndarray, group_ids: np.ndarray, num_g
 
 def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: str = "grpo",
                 pad_id: int = 0, row_multiple: int = 1, power_of_two: bool = True,
-                **advantage_kwargs
+                share_prompts: bool = False, **advantage_kwargs
                 ) -> dict[str, np.ndarray]:
     """Advantages per group, then first-fit-decreasing packing into ``[rows, seq_len]``.
 
     ``rows=0`` sizes the batch to the samples: the rows packing needs, rounded up by
     :func:`bucket_rows` (to a power-of-two multiple of ``row_multiple``, or with
-    ``power_of_two=False`` to a multiple of it).
+    ``power_of_two=False`` to a multiple of it). With ``share_prompts`` a group's prompt is
+    written once and its completions attend to it
+    (:func:`rl_jax.data.packing.pack_shared_prefixes`): the same log-probabilities for
+    ``(group_size - 1) · (prompt length - 1)`` fewer tokens per group.
 
     Returns numpy arrays (all ``[rows, seq_len]``): ``tokens``, ``targets``, ``loss_mask``
-    (completion tokens only), ``positions``, ``segment_ids``, ``advantages`` (the sample's
-    advantage on each of its completion tokens), ``behaviour_logprobs`` and ``versions`` (-1 where
-    no completion token is predicted), plus per-sample ``rewards [N]`` and ``sample_advantages [N]``.
+    (completion tokens only), ``positions``, ``segment_ids``, ``prefix_ids`` (0 without shared
+    prompts), ``advantages`` (the sample's advantage on each of its completion tokens),
+    ``behaviour_logprobs`` and ``versions`` (-1 where no completion token is predicted), plus
+    per-sample ``rewards [N]`` and ``sample_advantages [N]``.
     """
     samples = [s for g in groups for s in g.samples]
     if not samples:
@@ -134,13 +138,31 @@ def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: 
             s.completion_ids)
         seqs.append(list(s.prompt_ids) + list(s.completion_ids))
         masks.append([0.0] * len(s.prompt_ids) + [float(m) for m in completion_mask])
+    if share_prompts:
+        units, start = [], 0
+        for g in groups:
+            n = len(g.samples)
+            prompts = {tuple(s.prompt_ids) for s in g.samples}
+            if len(prompts) != 1:
+                raise PackingError(f"group {g.position} holds {len(prompts)} different prompts; "
+                                   "shared-prompt packing needs one per group")
+            units.append((g.samples[0].prompt_ids,
+                          [s.completion_ids for s in g.samples],
+                          [m[len(s.prompt_ids):] for s, m in zip(g.samples,
+                                                                 masks[start:start + n])]))
+            start += n
+
+        def pack(num_rows=None):
+            return pack_shared_prefixes(units, seq_len, num_rows=num_rows, pad_id=pad_id)
+    else:
+        def pack(num_rows=None):
+            return pack_sequences(seqs, seq_len, num_rows=num_rows, loss_masks=masks,
+                                  pad_id=pad_id)
     if rows == 0:
-        needed = len(pack_sequences(seqs, seq_len, loss_masks=masks, pad_id=pad_id)[0]["tokens"])
-        rows = bucket_rows(needed, row_multiple, power_of_two)
-    packed, leftover = pack_sequences(seqs, seq_len, num_rows=rows, loss_masks=masks,
-                                      pad_id=pad_id)
+        rows = bucket_rows(len(pack()[0]["tokens"]), row_multiple, power_of_two)
+    packed, leftover = pack(rows)
     if leftover:
-        needed = len(pack_sequences(seqs, seq_len, loss_masks=masks, pad_id=pad_id)[0]["tokens"])
+        needed = len(pack()[0]["tokens"])
         raise PackingError(f"{len(samples)} samples need {needed} rows of {seq_len} tokens but "
                            f"the batch has {rows}; raise rollout.rows_per_batch or seq_len")
     shape = packed["tokens"].shape
@@ -158,6 +180,7 @@ def pack_groups(groups: Sequence[Group], *, seq_len: int, rows: int, advantage: 
         behaviour[r, c] = np.asarray(s.behaviour_logprobs, np.float32)[jj]
         versions[r, c] = np.asarray(s.versions, np.int32)[jj]
     out = {k: packed[k] for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
+    out["prefix_ids"] = packed.get("prefix_ids", np.zeros(shape, np.int32))
     out.update(advantages=advantages, behaviour_logprobs=behaviour, versions=versions,
                rewards=rewards, sample_advantages=adv)
     return out

@@ -100,12 +100,15 @@ def _grads_fn(spec: ModelSpec, loss_fn: LossFn):
 
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: LossFn, *,
-                    num_microbatches: int = 1, batch_sharding: Any = None, donate: bool = True):
+                    num_microbatches: int = 1, batch_sharding: Any = None, donate: bool = True,
+                    update_scale: UpdateScale | None = None):
     """A jitted ``step(state, batch) -> (state, metrics)`` with explicit shardings.
 
     The gradient is ``Σ_micro ∇loss_sum / Σ_micro denominator``. If the loss or the gradient
     norm is not finite, parameters and optimizer state are left unchanged, ``step`` does not
-    advance and ``skipped`` is incremented.
+    advance and ``skipped`` is incremented. ``update_scale(metrics)`` (the batch's accumulated
+    loss metrics → a scalar) multiplies the optimizer's update, i.e. this step's learning rate
+    (e.g. :func:`ess_update_scale`).
     """
     shardings = state_shardings(tx, spec)
     batch_sharding = batch_sharding or default_batch_sharding(spec)
@@ -135,18 +138,42 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
                 return (loss_acc, denom_acc, metrics_acc, grads_acc), None
 
             (loss_sum, denom, metrics, grads), _ = jax.lax.scan(body, zeros, micro)
-        return apply_gradients(state, tx, loss_sum, denom, metrics, grads)
+        return apply_gradients(state, tx, loss_sum, denom, metrics, grads, update_scale)
 
     return jax.jit(step, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, spec.replicated()),
                    donate_argnums=(0,) if donate else ())
 
 
+UpdateScale = Callable[[dict[str, jax.Array]], jax.Array]
+
+
+def ess_update_scale(power: float = 1.0, floor: float = 0.05) -> UpdateScale:
+    """``update_scale`` that multiplies a step's learning rate by ``max(ESS, floor) ** power``,
+    the Kish effective sample size (a fraction in ``(0, 1]``) of the batch's importance ratios
+    between the policy being trained and the one that sampled: stale or mismatched batches,
+    whose gradient estimates have high variance, take smaller steps (after variance-controlled
+    off-policy RL, e.g. VCPO). The ratios are the loss's ``behaviour_ratio`` (π_prox / μ) when it
+    reports them, else its ``ratio`` (π_θ / π_old); batches without them are not scaled."""
+    def scale(metrics: dict[str, jax.Array]) -> jax.Array:
+        name = "behaviour_ratio" if "behaviour_ratio_sum" in metrics else "ratio"
+        if f"{name}_sum" not in metrics or "tokens" not in metrics:
+            return jnp.ones((), jnp.float32)
+        total, sq = metrics[f"{name}_sum"], metrics[f"{name}_sq_sum"]
+        tokens = metrics["tokens"]
+        ess = jnp.where((tokens > 0) & (sq > 0), total * total / jnp.where(
+            (tokens > 0) & (sq > 0), tokens * sq, 1.0), 1.0)
+        return jnp.maximum(jnp.minimum(ess, 1.0), floor) ** power
+    return scale
+
+
 def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_sum: jax.Array,
-                    denom: jax.Array, metrics: dict[str, jax.Array], grads: Any
+                    denom: jax.Array, metrics: dict[str, jax.Array], grads: Any,
+                    update_scale: UpdateScale | None = None
                     ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The optimizer update from accumulated sums: ``grads / denom``; if the loss or the
-    gradient norm is not finite the state is kept and ``skipped`` counts it."""
+    """The optimizer update from accumulated sums: ``grads / denom``, the update multiplied by
+    ``update_scale(metrics)`` when given; if the loss or the gradient norm is not finite the
+    state is kept and ``skipped`` counts it."""
     params = state.params
     safe_denom = jnp.where(denom > 0, denom, 1.0)
     loss = loss_sum / safe_denom
@@ -154,6 +181,11 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_su
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(grads, state.opt_state, params)
+    extra = {}
+    if update_scale is not None:
+        factor = update_scale(metrics).astype(jnp.float32)
+        updates = jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates)
+        extra["update_scale"] = factor
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
     new_state = TrainState(
@@ -162,7 +194,7 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_su
         opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
         skipped=state.skipped + (~ok).astype(jnp.int32))
     out = {"loss": loss, "denominator": denom, "grad_norm": grad_norm,
-           "skipped": (~ok).astype(jnp.int32), **metrics}
+           "skipped": (~ok).astype(jnp.int32), **extra, **metrics}
     return new_state, out
 
 
@@ -179,7 +211,8 @@ class StreamingTrainStep:
     """
 
     def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: LossFn, *,
-                 micro_rows: int, batch_sharding: Any = None):
+                 micro_rows: int, batch_sharding: Any = None,
+                 update_scale: UpdateScale | None = None):
         if micro_rows < 1:
             raise ValueError(f"micro_rows must be >= 1, got {micro_rows}")
         self.spec, self.micro_rows, self._tx = spec, micro_rows, tx
@@ -197,7 +230,7 @@ class StreamingTrainStep:
 
         def apply(state, acc):
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc[3], state.params)
-            return apply_gradients(state, tx, acc[0], acc[1], acc[2], grads)
+            return apply_gradients(state, tx, acc[0], acc[1], acc[2], grads, update_scale)
 
         self._grads_of, self._accumulate_fn, self._apply_fn = grads_of, accumulate, apply
         self._rep = rep

@@ -1,0 +1,263 @@
+r"""Learning studies of the RL recipe: what limits held-out accuracy over a run, and how each
+knob (batch size, staleness bound, loss, normalisation, filtering, temperature, schedule) moves
+the curve.
+
+Every run is a real run of ``configs/tiny_rl.py`` (trainer and generator server in their own
+processes, each on its own core) from one shared base policy, limited by RL wall time, with the
+recipe's periodic held-out evaluation (greedy, ``eval.examples`` problems). A run is a variant
+(a name and its ``--config.KEY=VALUE`` overrides) and a seed; variants come from a study:
+
+  ``plateau``    the recipe's defaults against the knobs that move its ceiling
+  ``staleness``  ``max_lag`` in {0, 1, 2, 4, 8, 16} x losses (GRPO + token TIS, decoupled PPO,
+                 CISPO, M2PO), each run with a slowed trainer so that the generator runs ahead
+                 and the bound is reached
+  ``defaults``   the recipe exactly as the README runs it (the seeds' spread)
+
+and ``--variants=NAME,...`` keeps some of them. Per run, the per-step records give what changes
+as the curve flattens: the fraction of groups with no reward signal, entropy, learning rate,
+staleness, importance-ratio ESS, clipped fraction, gradient norm and the k3 KL between the
+generator's behaviour log-probs and the trainer's (staleness plus numerical mismatch).
+
+Writes ``results/learning_study/<study>.json`` (per run: held-out curve, time to each target,
+final accuracy, per-step series) and ``<study>.png`` (one panel per quantity, one colour per
+variant, one line per seed).
+
+    python benchmarks/learning_study.py --study=plateau [--seeds=0,1] [--time_limit_s=300]
+        [--variants=defaults,filter] [--base=DIR] [--override=KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "learning_study"
+
+_STUDY = flags.DEFINE_enum("study", "plateau", ["plateau", "staleness", "defaults"],
+                           "Which set of variants to run.")
+_VARIANTS = flags.DEFINE_list("variants", [], "Only these variants of the study (default all).")
+_SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds (config.seed) of every variant.")
+_TIME = flags.DEFINE_float("time_limit_s", 0.0, "RL wall-time limit of every run (0: the "
+                           "study's default).")
+_BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the recipe's, trained "
+                            "once into the work directory.")
+_WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "learning_study"),
+                               "Where the runs write.")
+_TARGETS = flags.DEFINE_list("targets", ["0.5", "0.8", "0.9", "0.93"],
+                             "Held-out accuracies whose first crossing is timed.")
+_EXTRA = flags.DEFINE_multi_string("override", [], "More KEY=VALUE config overrides for every "
+                                   "run.")
+_OUT = flags.DEFINE_string("out", "", "Result name (default: the study's name).")
+
+# The staleness study slows the trainer (seconds of sleep per step) so that the generator runs
+# ahead of it and samples reach the staleness bound; every lag gets the same delay.
+STALE_DELAY_S = 0.25
+STALE_LAGS = (0, 1, 2, 4, 8, 16)
+STALE_LOSSES = {
+    "grpo_tis": ("loss.name=grpo", "loss.options.correction=tis"),
+    "decoupled_ppo": ("loss.name=decoupled_ppo",),
+    "cispo": ("loss.name=cispo",),
+    "m2po": ("loss.name=m2po",),
+}
+
+
+def study_variants(study: str) -> dict[str, tuple[str, ...]]:
+    """``{variant name: config overrides}`` of a study."""
+    if study == "defaults":
+        return {"defaults": ()}
+    if study == "plateau":
+        return {
+            "defaults": (),
+            # The recipe before these studies: every prompt packed with each completion, no
+            # filtering, the cosine schedule over trainer.steps=400 (the run ends there).
+            "previous": ("rollout.share_prompts=False", "rollout.filter_zero_signal=False",
+                         "optimizer.schedule_on=steps", "trainer.steps=400"),
+            "no_shared_prompts": ("rollout.share_prompts=False",),
+            "no_filter": ("rollout.filter_zero_signal=False",),
+            "batch32": ("rollout.groups_per_batch=32",),
+            "batch128": ("rollout.groups_per_batch=128",),
+            "dr_grpo": ("loss.name=dr_grpo", "rollout.advantage=dr_grpo"),
+            "temperature_0.7": ("rollout.temperature=0.7",),
+            "max_lag_0": ("rollout.max_lag=0",),
+            "max_lag_4": ("rollout.max_lag=4",),
+        }
+    variants = {}
+    for loss, overrides in STALE_LOSSES.items():
+        for lag in STALE_LAGS:
+            variants[f"{loss}/lag{lag}"] = (*overrides, f"rollout.max_lag={lag}",
+                                            f"trainer.step_delay_s={STALE_DELAY_S}")
+    return variants
+
+
+def default_time_limit(study: str) -> float:
+    return {"defaults": 570.0, "plateau": 300.0, "staleness": 150.0}[study]
+
+
+def ensure_base(workdir: Path) -> Path:
+    """The recipe's base policy, trained once into ``workdir/base`` as the recipe does."""
+    if _BASE.value:
+        return Path(_BASE.value).absolute()
+    sys.path.insert(0, str(ROOT))
+    from configs import tiny_rl
+    from rl_jax.orchestrator.rl import ensure_base_checkpoint
+    return ensure_base_checkpoint(tiny_rl.get_config(), workdir)
+
+
+def run_one(name: str, overrides: tuple[str, ...], seed: int, base: Path, workdir: Path,
+            time_limit: float) -> dict:
+    out = workdir / f"{name.replace('/', '_')}_seed{seed}"
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    # The recipe as the README runs it, but for the base policy (shared), the seed and the
+    # time limit (the recipe's own unless the study sets another).
+    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+           f"--workdir={out}", f"--config.base.checkpoint={base}", f"--config.seed={seed}",
+           f"--config.trainer.time_limit_s={time_limit}",
+           *[f"--config.{o}" for o in _EXTRA.value], *[f"--config.{o}" for o in overrides]]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    print(f"[{name} seed {seed}] {' '.join(cmd[4:])}", flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{name} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    summary = json.loads((out / "summary.json").read_text())
+    run = summarize(records, summary)
+    run.update(name=name, seed=seed, overrides=list(overrides))
+    print(f"[{name} seed {seed}] {time.perf_counter() - start:.0f} s, {run['steps']} steps: "
+          f"held-out {run['curve'][0][2]:.3f} -> {run['final_accuracy']:.3f}; time to "
+          + ", ".join(f"{t}: {v if v is None else round(v)}" for t, v in
+                      run["time_to"].items()), flush=True)
+    return run
+
+
+SERIES = {  # panel name: metrics.jsonl key
+    "zero-signal groups": "groups/zero_signal",
+    "sampled accuracy": "rollout/accuracy",
+    "entropy (nats/token)": "loss/entropy_mean",
+    "learning rate": "learning_rate",
+    "staleness (mean)": "staleness/batch_mean",
+    "ratio ESS": "loss/ratio_ess",
+    "clipped fraction": "loss/clipped_fraction",
+    "grad norm": "loss/grad_norm",
+    "KL(behaviour || trainer)": "loss/policy_kl_mean",
+}
+
+
+def summarize(records: list[dict], summary: dict) -> dict:
+    """Held-out curve ``[(wall_s, step, accuracy)]``, times to the targets, per-step series."""
+    curve = [(float(r.get("wall_s", 0.0)), int(r["step"]), float(r["eval/accuracy"]))
+             for r in records if "eval/accuracy" in r]
+    steps = [r for r in records if "loss/loss" in r]
+    time_to = {}
+    for target in _TARGETS.value:
+        hit = next((w for w, _, a in curve if a >= float(target)), None)
+        time_to[target] = hit
+    series = {key: [(float(r["wall_s"]), float(r[key])) for r in steps if key in r]
+              for key in SERIES.values()}
+    final = summary.get("eval_after", curve[-1][2] if curve else float("nan"))
+    return dict(curve=curve, time_to=time_to, final_accuracy=float(final),
+                steps=len(steps), wall_s=float(summary.get("wall_s", 0.0)), series=series,
+                best_accuracy=max((a for _, _, a in curve), default=float("nan")))
+
+
+def plot(runs: list[dict], path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    colors = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
+    panels = ["held-out accuracy", *SERIES]
+    cols = 5
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for r in runs:
+            if panel == "held-out accuracy":
+                xs, ys = [w for w, _, _ in r["curve"]], [a for _, _, a in r["curve"]]
+            else:
+                pts = r["series"].get(SERIES[panel], [])
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                if len(ys) > 20:  # per-step values are noisy: a running mean of 9 steps
+                    ys = np.convolve(ys, np.ones(9) / 9, mode="same").tolist()
+            label = r["name"] if r["seed"] == runs[[x["name"] for x in runs].index(
+                r["name"])]["seed"] else None
+            ax.plot(xs, ys, color=colors[r["name"]], lw=1.2, label=label)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("RL wall time (s)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if panel in ("grad norm", "KL(behaviour || trainer)"):
+            ax.set_yscale("log")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Per variant: mean and spread over seeds of the final accuracy and times to targets."""
+    out = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        mine = [r for r in runs if r["name"] == name]
+        finals = [r["final_accuracy"] for r in mine]
+        entry = {"seeds": [r["seed"] for r in mine], "final_accuracy": finals,
+                 "final_mean": float(np.mean(finals)), "final_min": float(np.min(finals)),
+                 "final_max": float(np.max(finals)), "steps": [r["steps"] for r in mine]}
+        for target in _TARGETS.value:
+            times = [r["time_to"][target] for r in mine]
+            entry[f"time_to_{target}"] = times
+        for key in ("staleness/batch_mean", "loss/ratio_ess", "loss/policy_kl_mean",
+                    "groups/zero_signal", "loss/clipped_fraction"):
+            vals = [v for r in mine for _, v in r["series"].get(key, [])]
+            entry[f"mean_{key}"] = float(np.mean(vals)) if vals else None
+        out[name] = entry
+    return out
+
+
+def main(argv):
+    del argv
+    study = _STUDY.value
+    variants = study_variants(study)
+    if _VARIANTS.value:
+        unknown = sorted(set(_VARIANTS.value) - set(variants))
+        if unknown:
+            raise SystemExit(f"unknown variant(s) {unknown} of study {study}: {list(variants)}")
+        variants = {k: v for k, v in variants.items() if k in _VARIANTS.value}
+    time_limit = _TIME.value or default_time_limit(study)
+    workdir = Path(_WORKDIR.value).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    base = ensure_base(workdir)
+    runs = []
+    for seed in [int(s) for s in _SEEDS.value]:  # seeds outermost: drift hits every variant
+        for name, overrides in variants.items():
+            runs.append(run_one(name, overrides, seed, base, workdir, time_limit))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = _OUT.value or study
+    result = {
+        "study": study, "time_limit_s": time_limit, "seeds": _SEEDS.value,
+        "extra_overrides": _EXTRA.value, "host": platform.node(), "cpus": os.cpu_count(),
+        "command": " ".join(["python", "benchmarks/learning_study.py", *sys.argv[1:]]),
+        "summary": aggregate(runs), "runs": runs,
+    }
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(runs, RESULTS / f"{name}.png",
+         f"{study}: configs/tiny_rl.py, {time_limit:.0f} s of RL per run, seeds "
+         f"{','.join(_SEEDS.value)}")
+    print(json.dumps(result["summary"], indent=1))
+    print(f"wrote {RESULTS / name}.json and .png")
+
+
+if __name__ == "__main__":
+    app.run(main)
