@@ -9,8 +9,9 @@ recipe's periodic held-out evaluation (greedy, ``eval.examples`` problems). A ru
 
   ``plateau``    the recipe's defaults against the knobs that move its ceiling
   ``staleness``  ``max_lag`` in {0, 1, 2, 4, 8, 16} x losses (GRPO + token TIS, decoupled PPO,
-                 CISPO, M2PO), each run with a slowed trainer so that the generator runs ahead
-                 and the bound is reached
+                 CISPO, M2PO, and GRPO + TIS with the learning rate scaled by the batch's ESS),
+                 each run with a slowed trainer (``trainer.step_delay_s``) so that the generator
+                 runs ahead and the bound is reached
   ``defaults``   the recipe exactly as the README runs it (the seeds' spread)
 
 and ``--variants=NAME,...`` keeps some of them. Per run, the per-step records give what changes
@@ -57,6 +58,11 @@ _TARGETS = flags.DEFINE_list("targets", ["0.5", "0.8", "0.9", "0.93"],
 _EXTRA = flags.DEFINE_multi_string("override", [], "More KEY=VALUE config overrides for every "
                                    "run.")
 _OUT = flags.DEFINE_string("out", "", "Result name (default: the study's name).")
+_REPORT = flags.DEFINE_bool("report", False, "Run nothing: print the markdown table of the "
+                            "result already written (results/learning_study/<out>.json).")
+_FROM_RUNS = flags.DEFINE_bool("from_runs", False, "Run nothing: summarize and plot the runs "
+                                "already in --workdir (e.g. after changing the plots).")
+CHECKPOINTS_S = (60, 120, 300, 570)
 
 # The staleness study slows the trainer (seconds of sleep per step) so that the generator runs
 # ahead of it and samples reach the staleness bound; every lag gets the same delay.
@@ -67,6 +73,8 @@ STALE_LOSSES = {
     "decoupled_ppo": ("loss.name=decoupled_ppo",),
     "cispo": ("loss.name=cispo",),
     "m2po": ("loss.name=m2po",),
+    # GRPO + token TIS with every step's learning rate scaled by the batch's ESS.
+    "grpo_tis_ess": ("loss.name=grpo", "loss.options.correction=tis", "trainer.ess_lr_power=1"),
 }
 
 
@@ -89,12 +97,15 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
             "temperature_0.7": ("rollout.temperature=0.7",),
             "max_lag_0": ("rollout.max_lag=0",),
             "max_lag_4": ("rollout.max_lag=4",),
+            # The generator decodes up to 256 sequences at once instead of 64.
+            "slots256": ("generator.max_slots=256",),
         }
     variants = {}
     for loss, overrides in STALE_LOSSES.items():
         for lag in STALE_LAGS:
             variants[f"{loss}/lag{lag}"] = (*overrides, f"rollout.max_lag={lag}",
                                             f"trainer.step_delay_s={STALE_DELAY_S}")
+    # A variant name may also be given as LOSS/lagN for any N.
     return variants
 
 
@@ -112,9 +123,19 @@ def ensure_base(workdir: Path) -> Path:
     return ensure_base_checkpoint(tiny_rl.get_config(), workdir)
 
 
+def read_run(name: str, overrides: tuple[str, ...], seed: int, out: Path) -> dict:
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    summary = json.loads((out / "summary.json").read_text())
+    run = summarize(records, summary)
+    run.update(name=name, seed=seed, overrides=list(overrides))
+    return run
+
+
 def run_one(name: str, overrides: tuple[str, ...], seed: int, base: Path, workdir: Path,
             time_limit: float) -> dict:
-    out = workdir / f"{name.replace('/', '_')}_seed{seed}"
+    out = workdir / _STUDY.value / f"{name.replace('/', '_')}_seed{seed}"
+    if _FROM_RUNS.value:
+        return read_run(name, overrides, seed, out)
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     # The recipe as the README runs it, but for the base policy (shared), the seed and the
@@ -129,10 +150,7 @@ def run_one(name: str, overrides: tuple[str, ...], seed: int, base: Path, workdi
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
-    summary = json.loads((out / "summary.json").read_text())
-    run = summarize(records, summary)
-    run.update(name=name, seed=seed, overrides=list(overrides))
+    run = read_run(name, overrides, seed, out)
     print(f"[{name} seed {seed}] {time.perf_counter() - start:.0f} s, {run['steps']} steps: "
           f"held-out {run['curve'][0][2]:.3f} -> {run['final_accuracy']:.3f}; time to "
           + ", ".join(f"{t}: {v if v is None else round(v)}" for t, v in
@@ -140,7 +158,8 @@ def run_one(name: str, overrides: tuple[str, ...], seed: int, base: Path, workdi
     return run
 
 
-SERIES = {  # panel name: metrics.jsonl key
+SERIES = {  # panel name: metrics.jsonl key (zero-signal groups: among the groups generated,
+    # when dynamic filtering drops them before the batch; else in the batch)
     "zero-signal groups": "groups/zero_signal",
     "sampled accuracy": "rollout/accuracy",
     "entropy (nats/token)": "loss/entropy_mean",
@@ -163,7 +182,9 @@ def summarize(records: list[dict], summary: dict) -> dict:
         hit = next((w for w, _, a in curve if a >= float(target)), None)
         time_to[target] = hit
     series = {key: [(float(r["wall_s"]), float(r[key])) for r in steps if key in r]
-              for key in SERIES.values()}
+              for key in (*SERIES.values(), "groups/zero_signal_generated")}
+    if series["groups/zero_signal_generated"]:
+        series["groups/zero_signal"] = series["groups/zero_signal_generated"]
     final = summary.get("eval_after", curve[-1][2] if curve else float("nan"))
     return dict(curve=curve, time_to=time_to, final_accuracy=float(final),
                 steps=len(steps), wall_s=float(summary.get("wall_s", 0.0)), series=series,
@@ -188,7 +209,8 @@ def plot(runs: list[dict], path: Path, title: str):
                 pts = r["series"].get(SERIES[panel], [])
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 if len(ys) > 20:  # per-step values are noisy: a running mean of 9 steps
-                    ys = np.convolve(ys, np.ones(9) / 9, mode="same").tolist()
+                    ys = np.convolve(ys, np.ones(9) / 9, mode="valid").tolist()
+                    xs = xs[4:-4]
             label = r["name"] if r["seed"] == runs[[x["name"] for x in runs].index(
                 r["name"])]["seed"] else None
             ax.plot(xs, ys, color=colors[r["name"]], lw=1.2, label=label)
@@ -200,6 +222,41 @@ def plot(runs: list[dict], path: Path, title: str):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=6, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_by_lag(summary: dict, path: Path, title: str):
+    """Staleness study: per loss, final accuracy, time to the first target, mean ESS and mean
+    KL(behaviour || trainer) against ``max_lag``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    losses: dict[str, list] = {}
+    for name, entry in summary.items():
+        loss, _, lag = name.partition("/lag")
+        if lag.isdigit():
+            losses.setdefault(loss, []).append((int(lag), entry))
+    first = _TARGETS.value[0]
+    panels = [("final held-out accuracy", lambda e: e["final_mean"]),
+              (f"seconds to {first}", lambda e: np.mean([t for t in e[f"time_to_{first}"]
+                                                          if t is not None] or [np.nan])),
+              ("mean staleness", lambda e: e["mean_staleness/batch_mean"]),
+              ("mean ratio ESS", lambda e: e["mean_loss/ratio_ess"]),
+              ("mean KL(behaviour || trainer)", lambda e: e["mean_loss/policy_kl_mean"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (label, value) in zip(axes, panels):
+        for loss, points in sorted(losses.items()):
+            points.sort(key=lambda p: p[0])
+            ys = [value(e) for _, e in points]
+            ax.plot([lag for lag, _ in points], [np.nan if y is None else y for y in ys],
+                    marker="o", label=loss)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("max_lag")
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -226,10 +283,48 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
+def accuracy_at(curve: list, seconds: float) -> float | None:
+    """The last held-out accuracy measured at or before ``seconds`` of RL."""
+    seen = [a for w, _, a in curve if w <= seconds]
+    return seen[-1] if seen else None
+
+
+def report(result: dict) -> str:
+    """A markdown table: per run, held-out accuracy at the checkpoints, the final one, the
+    times to the targets, and the means of staleness, ESS and the behaviour KL."""
+    marks = [t for t in CHECKPOINTS_S if t <= result["time_limit_s"] + 5]
+    head = (["run", "seed", "steps"] + [f"acc@{t}s" for t in marks] + ["final"]
+            + [f"t({x})" for x in _TARGETS.value] + ["staleness", "ESS", "KL(mu||pi)"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["runs"]:
+        def mean(key):
+            vals = [v for _, v in r["series"].get(key, [])]
+            return f"{np.mean(vals):.3g}" if vals else "-"
+        cells = [r["name"], str(r["seed"]), str(r["steps"])]
+        cells += ["-" if (a := accuracy_at(r["curve"], t)) is None else f"{a:.3f}"
+                  for t in marks]
+        cells.append(f"{r['final_accuracy']:.3f}")
+        cells += ["-" if r["time_to"][x] is None else f"{r['time_to'][x]:.0f}"
+                  for x in _TARGETS.value]
+        cells += [mean("staleness/batch_mean"), mean("loss/ratio_ess"),
+                  mean("loss/policy_kl_mean")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv):
     del argv
     study = _STUDY.value
+    if _REPORT.value:
+        print(report(json.loads((RESULTS / f"{_OUT.value or study}.json").read_text())))
+        return
     variants = study_variants(study)
+    if _VARIANTS.value and study == "staleness":
+        for name in _VARIANTS.value:
+            loss, _, lag = name.partition("/lag")
+            if name not in variants and loss in STALE_LOSSES and lag.isdigit():
+                variants[name] = (*STALE_LOSSES[loss], f"rollout.max_lag={lag}",
+                                  f"trainer.step_delay_s={STALE_DELAY_S}")
     if _VARIANTS.value:
         unknown = sorted(set(_VARIANTS.value) - set(variants))
         if unknown:
@@ -238,7 +333,7 @@ def main(argv):
     time_limit = _TIME.value or default_time_limit(study)
     workdir = Path(_WORKDIR.value).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    base = ensure_base(workdir)
+    base = None if _FROM_RUNS.value else ensure_base(workdir)
     runs = []
     for seed in [int(s) for s in _SEEDS.value]:  # seeds outermost: drift hits every variant
         for name, overrides in variants.items():
@@ -248,14 +343,19 @@ def main(argv):
     result = {
         "study": study, "time_limit_s": time_limit, "seeds": _SEEDS.value,
         "extra_overrides": _EXTRA.value, "host": platform.node(), "cpus": os.cpu_count(),
-        "command": " ".join(["python", "benchmarks/learning_study.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "benchmarks/learning_study.py",
+                             *[a for a in sys.argv[1:] if a != "--from_runs"]]),
         "summary": aggregate(runs), "runs": runs,
     }
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(runs, RESULTS / f"{name}.png",
          f"{study}: configs/tiny_rl.py, {time_limit:.0f} s of RL per run, seeds "
          f"{','.join(_SEEDS.value)}")
-    print(json.dumps(result["summary"], indent=1))
+    if study == "staleness":
+        plot_by_lag(result["summary"], RESULTS / f"{name}_by_lag.png",
+                    f"staleness: {time_limit:.0f} s per run, trainer slowed by "
+                    f"{STALE_DELAY_S} s a step")
+    print(report(result))
     print(f"wrote {RESULTS / name}.json and .png")
 
 

@@ -414,6 +414,16 @@ def test_answers_of_real_sglang_servers_are_read():
     assert out.cached_tokens == 1 and out.e2e_latency == 0.25
     answer["meta_info"]["weight_version"] = "7"
     assert outputs_from_json(answer, request)[0].output_versions == [7, 7]
+    assert out.output_unfiltered_logprobs is None
+    answer["meta_info"]["output_token_unfiltered_logprobs"] = [-0.75, -0.5]
+    assert outputs_from_json(answer, request)[0].output_unfiltered_logprobs == [-0.75, -0.5]
+    answer["meta_info"]["output_token_unfiltered_logprobs"] = [-0.75]
+    with pytest.raises(GeneratorError, match="one log-prob per output token"):
+        outputs_from_json(answer, request)
+    answer["meta_info"]["output_token_unfiltered_logprobs"] = [-0.75, {"x": 1}]
+    with pytest.raises(GeneratorError, match="not a number"):
+        outputs_from_json(answer, request)
+    del answer["meta_info"]["output_token_unfiltered_logprobs"]
     answer["meta_info"]["output_token_logprobs"][1][1] = 9
     with pytest.raises(GeneratorError, match="differ"):
         outputs_from_json(answer, request)

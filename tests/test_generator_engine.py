@@ -811,5 +811,5 @@ def test_runner_cache_chunks_and_moves_across_them(weights):
     with pytest.raises(ValueError, match="does not end a cache chunk"):
         runner.decode(runner.prepare(params), 12, 16, False)
     out = runner.decode(runner.prepare(params), 16, 16, False)  # the first two chunks
-    assert np.asarray(out).shape == (2, 16)
+    assert np.asarray(out).shape == (3, 16)  # tokens, log-probs, unfiltered log-probs
     assert jnp.asarray(runner.state["token_index"])[9] == 2  # moved sequence decoded

@@ -212,6 +212,13 @@ def test_seeds_reproduce_across_requests_and_batches(server):
     assert first["meta_info"]["output_token_logprobs"] == again["meta_info"][
         "output_token_logprobs"]
     assert first["output_ids"] != other["output_ids"]
+    # With filters: the sampled distribution's log-probs, and the unfiltered ones beside them.
+    sampled = [t[0] for t in first["meta_info"]["output_token_logprobs"]]
+    unfiltered = first["meta_info"]["output_token_unfiltered_logprobs"]
+    assert len(unfiltered) == len(sampled) == 16
+    assert all(u <= s + 1e-6 for s, u in zip(sampled, unfiltered))
+    assert "output_token_unfiltered_logprobs" not in gen(
+        server, [1, 3, 5], max_new_tokens=4, sampling_seed=11)["meta_info"]
     status, batch, _ = http(server, "/generate", {
         "input_ids": [[1, 9, 9, 9], [1, 3, 5]],
         "sampling_params": {**kw, "seed": 11, "ignore_eos": True}})

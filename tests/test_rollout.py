@@ -281,8 +281,7 @@ def test_forced_lengths_per_sample_or_per_prompt(setup, per_sample):
     assert common and all(first[p] == again[p] for p in common)
 
 
-@pytest.mark.parametrize("loss", ["grpo", "reinforce_tis"])
-def test_shared_prompt_packing_gives_the_same_loss_and_gradient(setup, loss):
+def test_shared_prompt_packing_gives_the_same_loss_and_gradient(setup, loss="grpo"):
     """A group's prompt packed once, its completions attending to it: the same per-token
     log-probs, loss and gradient as one full sequence per sample, in fewer tokens; every
     completion token keeps its own behaviour log-prob, version and advantage."""

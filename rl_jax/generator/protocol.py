@@ -479,7 +479,11 @@ def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutpu
             if not isinstance(unfiltered, list) or len(unfiltered) != len(ids):
                 raise GeneratorError("output_token_unfiltered_logprobs must be a list of one "
                                      f"log-prob per output token ({len(ids)})")
-            unfiltered = [float(x) for x in unfiltered]
+            try:
+                unfiltered = [float(x) for x in unfiltered]
+            except (TypeError, ValueError):
+                raise GeneratorError("output_token_unfiltered_logprobs holds a value that is "
+                                     "not a number") from None
         outputs.append(GenerateOutput(
             rid=str(meta.get("id", request.rid)), input_ids=list(request.input_ids),
             output_ids=ids, output_logprobs=[float(t[0]) for t in triples],

@@ -828,6 +828,13 @@ class _Window:
                "trainer/idle_fraction": min(max(idle, 0.0), 1.0),
                **{k: v for k, v in rollout_metrics.items() if k.startswith(("gate/",
                                                                              "staleness/"))}}
+        # With dynamic filtering: the share of the groups generated in the window that had no
+        # reward signal (the batches themselves then have none).
+        filtered = rollout_metrics.get("rollout/filtered_zero_signal", 0.0) - \
+            self.rollout.get("rollout/filtered_zero_signal", 0.0)
+        kept = rollout_metrics.get("rollout/groups", 0.0) - self.rollout.get("rollout/groups", 0.0)
+        if "rollout/filtered_zero_signal" in rollout_metrics and filtered + kept > 0:
+            out["groups/zero_signal_generated"] = filtered / (filtered + kept)
         self.time, self.rollout, self.clock = now, rollout_metrics, spent
         return out
 
