@@ -172,6 +172,19 @@ SERIES = {  # panel name: metrics.jsonl key (zero-signal groups: among the group
 }
 
 
+MAX_POINTS = 240  # per stored series: block means of consecutive steps beyond that
+
+
+def compact(points: list) -> list:
+    """``[(wall_s, value)]`` → at most :data:`MAX_POINTS` block means, 4 significant digits."""
+    k = max(1, -(-len(points) // MAX_POINTS))
+    out = []
+    for i in range(0, len(points), k):
+        block = np.asarray(points[i:i + k], np.float64)
+        out.append([float(f"{x:.4g}") for x in block.mean(axis=0)])
+    return out
+
+
 def summarize(records: list[dict], summary: dict) -> dict:
     """Held-out curve ``[(wall_s, step, accuracy)]``, times to the targets, per-step series."""
     curve = [(float(r.get("wall_s", 0.0)), int(r["step"]), float(r["eval/accuracy"]))
@@ -185,6 +198,7 @@ def summarize(records: list[dict], summary: dict) -> dict:
               for key in (*SERIES.values(), "groups/zero_signal_generated")}
     if series["groups/zero_signal_generated"]:
         series["groups/zero_signal"] = series["groups/zero_signal_generated"]
+    series = {key: compact(points) for key, points in series.items()}
     final = summary.get("eval_after", curve[-1][2] if curve else float("nan"))
     return dict(curve=curve, time_to=time_to, final_accuracy=float(final),
                 steps=len(steps), wall_s=float(summary.get("wall_s", 0.0)), series=series,
@@ -208,9 +222,9 @@ def plot(runs: list[dict], path: Path, title: str):
             else:
                 pts = r["series"].get(SERIES[panel], [])
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                if len(ys) > 20:  # per-step values are noisy: a running mean of 9 steps
-                    ys = np.convolve(ys, np.ones(9) / 9, mode="valid").tolist()
-                    xs = xs[4:-4]
+                if len(ys) > 20:  # block means are still noisy: a running mean of 5
+                    ys = np.convolve(ys, np.ones(5) / 5, mode="valid").tolist()
+                    xs = xs[2:-2]
             label = r["name"] if r["seed"] == runs[[x["name"] for x in runs].index(
                 r["name"])]["seed"] else None
             ax.plot(xs, ys, color=colors[r["name"]], lw=1.2, label=label)
@@ -334,27 +348,32 @@ def main(argv):
     workdir = Path(_WORKDIR.value).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     base = None if _FROM_RUNS.value else ensure_base(workdir)
-    runs = []
-    for seed in [int(s) for s in _SEEDS.value]:  # seeds outermost: drift hits every variant
-        for name, overrides in variants.items():
-            runs.append(run_one(name, overrides, seed, base, workdir, time_limit))
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = _OUT.value or study
-    result = {
-        "study": study, "time_limit_s": time_limit, "seeds": _SEEDS.value,
-        "extra_overrides": _EXTRA.value, "host": platform.node(), "cpus": os.cpu_count(),
-        "command": " ".join(["python", "benchmarks/learning_study.py",
-                             *[a for a in sys.argv[1:] if a != "--from_runs"]]),
-        "summary": aggregate(runs), "runs": runs,
-    }
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
-    plot(runs, RESULTS / f"{name}.png",
-         f"{study}: configs/tiny_rl.py, {time_limit:.0f} s of RL per run, seeds "
-         f"{','.join(_SEEDS.value)}")
-    if study == "staleness":
-        plot_by_lag(result["summary"], RESULTS / f"{name}_by_lag.png",
-                    f"staleness: {time_limit:.0f} s per run, trainer slowed by "
-                    f"{STALE_DELAY_S} s a step")
+    runs: list[dict] = []
+
+    def write() -> dict:  # after every run: a study cut short keeps what it measured
+        result = {
+            "study": study, "time_limit_s": time_limit, "seeds": _SEEDS.value,
+            "extra_overrides": _EXTRA.value, "host": platform.node(), "cpus": os.cpu_count(),
+            "command": " ".join(["python", "benchmarks/learning_study.py",
+                                 *[a for a in sys.argv[1:] if a != "--from_runs"]]),
+            "summary": aggregate(runs), "runs": runs,
+        }
+        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+        plot(runs, RESULTS / f"{name}.png",
+             f"{study}: configs/tiny_rl.py, {time_limit:.0f} s of RL per run, seeds "
+             f"{','.join(_SEEDS.value)}")
+        if study == "staleness":
+            plot_by_lag(result["summary"], RESULTS / f"{name}_by_lag.png",
+                        f"staleness: {time_limit:.0f} s per run, trainer slowed by "
+                        f"{STALE_DELAY_S} s a step")
+        return result
+
+    for seed in [int(s) for s in _SEEDS.value]:  # seeds outermost: drift hits every variant
+        for variant, overrides in variants.items():
+            runs.append(run_one(variant, overrides, seed, base, workdir, time_limit))
+            result = write()
     print(report(result))
     print(f"wrote {RESULTS / name}.json and .png")
 
