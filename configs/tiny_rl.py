@@ -64,7 +64,9 @@ def get_config() -> ConfigDict:
         # sigma of the log, cap; one length per sample, or per prompt); sigma 0 = off.
         lengths=ConfigDict(dict(median=8.0, sigma=0.0, max=64, per_sample=False)),
     ))
-    c.loss = ConfigDict(dict(name="grpo", options=ConfigDict(dict())))
+    # options: fields of the loss's config (rl_jax.losses.make_config), e.g. correction="tis"
+    # (truncated importance weights π_prox/μ on the policy term).
+    c.loss = ConfigDict(dict(name="grpo", options=ConfigDict(dict(correction="none"))))
     c.trainer = ConfigDict(dict(
         steps=2000,  # an upper bound: the time limit ends the run first on 2 CPU cores
         time_limit_s=570.0,  # > 0: stop (and export) after this many seconds of RL
