@@ -165,7 +165,7 @@ SERIES = {  # panel name: metrics.jsonl key (zero-signal groups: among the group
     "entropy (nats/token)": "loss/entropy_mean",
     "learning rate": "learning_rate",
     "staleness (mean)": "staleness/batch_mean",
-    "ratio ESS": "loss/ratio_ess",
+    "ratio ESS (pi / mu)": "loss/ratio_ess",
     "clipped fraction": "loss/clipped_fraction",
     "grad norm": "loss/grad_norm",
     "KL(behaviour || trainer)": "loss/policy_kl_mean",
@@ -195,7 +195,12 @@ def summarize(records: list[dict], summary: dict) -> dict:
         hit = next((w for w, _, a in curve if a >= float(target)), None)
         time_to[target] = hit
     series = {key: [(float(r["wall_s"]), float(r[key])) for r in steps if key in r]
-              for key in (*SERIES.values(), "groups/zero_signal_generated")}
+              for key in (*SERIES.values(), "groups/zero_signal_generated",
+                          "loss/behaviour_ratio_ess")}
+    # Losses that weigh by π_prox/μ (decoupled PPO, a TIS correction) take their ratio against
+    # π_prox (1 with one update per batch): the staleness shows in the behaviour ratio.
+    if series["loss/behaviour_ratio_ess"]:
+        series["loss/ratio_ess"] = series["loss/behaviour_ratio_ess"]
     if series["groups/zero_signal_generated"]:
         series["groups/zero_signal"] = series["groups/zero_signal_generated"]
     series = {key: compact(points) for key, points in series.items()}

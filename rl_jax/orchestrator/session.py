@@ -22,7 +22,7 @@ from tqdm import tqdm
 from rl_jax import cpus, distributed, envs, heap
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
-from rl_jax.generator.client import ClientConfig, GeneratorClient
+from rl_jax.generator.client import ClientConfig, GeneratorClient, GeneratorUnavailable
 from rl_jax.generator.server import eos_ids
 from rl_jax.generator.types import SamplingParams
 from rl_jax.losses import finalize_metrics
@@ -483,11 +483,19 @@ class Session:
                 totals["samples"] += len(host["rewards"])
                 meta["rollout"] = self.rollout.get_state()
                 if pending_eval is not None and pending_eval[1].done():
-                    last_eval = pending_eval[1].result()
+                    try:
+                        result = pending_eval[1].result()
+                    except GeneratorUnavailable as e:  # a periodic eval is not worth the run
+                        log.warning("held-out evaluation of step %d skipped: %s",
+                                    pending_eval[0], e)
+                        result = None
                     pending_eval = None
-                    writer.write(done, wall_s=wall_offset + clock.elapsed, **last_eval.metrics())
-                    if tb is not None:
-                        _tb_scalars(tb, last_eval.metrics(), done)
+                    if result is not None:
+                        last_eval = result
+                        writer.write(done, wall_s=wall_offset + clock.elapsed,
+                                     **last_eval.metrics())
+                        if tb is not None:
+                            _tb_scalars(tb, last_eval.metrics(), done)
                 if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
                         pending_eval is None and self.eval_prompts:
                     pending_eval = (done,
