@@ -34,6 +34,7 @@ from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tok
 from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompts
 from rl_jax.orchestrator.policy import (INT_FIELDS, POLICY_FIELDS, PolicyBatch,
                                         make_policy_loss)
+from rl_jax.generator.launcher import PoolConfig
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
 from rl_jax.orchestrator.snapshots import SnapshotWriter
 from rl_jax.orchestrator.weights import WeightSync
@@ -327,7 +328,20 @@ class Session:
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                   top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos,
                                   seed=c.seed)
+        # This project's servers started here queue at most PoolConfig.max_waiting sequences
+        # each: admitting more groups than fit gets requests refused as overloaded. A quarter
+        # of the queue stays free for evaluations and retries.
+        in_flight_cap = None
+        if c.generator.kind == "rl_jax" and not c.generator.urls:
+            in_flight_cap = (PoolConfig.max_waiting * 3 // 4) * int(c.generator.num_servers) \
+                // r.group_size
+            if in_flight_cap < r.groups_per_batch:
+                raise RLConfigError(
+                    f"rollout.groups_per_batch={r.groups_per_batch} groups of {r.group_size} "
+                    f"exceed what {c.generator.num_servers} server(s) queue "
+                    f"({PoolConfig.max_waiting} sequences each)")
         config = RolloutConfig(group_size=r.group_size, groups_per_batch=r.groups_per_batch,
+                               max_in_flight_groups=in_flight_cap,
                                max_lag=self.settings.max_lag, staleness_policy=r.staleness_policy,
                                sampling=sampling, max_retries=r.max_retries,
                                filter_zero_signal=r.filter_zero_signal,
