@@ -43,7 +43,7 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "learning_study"
 
-_STUDY = flags.DEFINE_enum("study", "plateau", ["plateau", "staleness", "defaults"],
+_STUDY = flags.DEFINE_enum("study", "plateau", ["plateau", "ceiling", "staleness", "defaults"],
                            "Which set of variants to run.")
 _VARIANTS = flags.DEFINE_list("variants", [], "Only these variants of the study (default all).")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds (config.seed) of every variant.")
@@ -100,6 +100,18 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
             # The generator decodes up to 256 sequences at once instead of 64.
             "slots256": ("generator.max_slots=256",),
         }
+    if study == "ceiling":
+        # Full-length runs of the changes that may lift the end of the curve: more signal per
+        # generated sample late in the run, when most groups are all right.
+        return {
+            "defaults": (),
+            "no_filter": ("rollout.filter_zero_signal=False",),
+            "batch32": ("rollout.groups_per_batch=32",),
+            "batch32_no_filter": ("rollout.groups_per_batch=32",
+                                  "rollout.filter_zero_signal=False"),
+            "group16": ("rollout.groups_per_batch=32", "rollout.group_size=16"),
+            "lr_floor_0.3": ("optimizer.final_lr_ratio=0.3",),
+        }
     variants = {}
     for loss, overrides in STALE_LOSSES.items():
         for lag in STALE_LAGS:
@@ -110,7 +122,7 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
 
 
 def default_time_limit(study: str) -> float:
-    return {"defaults": 570.0, "plateau": 300.0, "staleness": 150.0}[study]
+    return {"defaults": 570.0, "ceiling": 570.0, "plateau": 300.0, "staleness": 150.0}[study]
 
 
 def ensure_base(workdir: Path) -> Path:
@@ -196,11 +208,15 @@ def summarize(records: list[dict], summary: dict) -> dict:
         time_to[target] = hit
     series = {key: [(float(r["wall_s"]), float(r[key])) for r in steps if key in r]
               for key in (*SERIES.values(), "groups/zero_signal_generated",
-                          "loss/behaviour_ratio_ess")}
+                          "loss/behaviour_ratio_ess", "loss/behaviour_kl_mean")}
     # Losses that weigh by π_prox/μ (decoupled PPO, a TIS correction) take their ratio against
     # π_prox (1 with one update per batch): the staleness shows in the behaviour ratio.
     if series["loss/behaviour_ratio_ess"]:
         series["loss/ratio_ess"] = series["loss/behaviour_ratio_ess"]
+    # KL(μ ‖ π_θ) at the sampled tokens, whatever the loss's ratio is taken against (runs
+    # from before that metric existed keep the loss's own policy KL).
+    if series["loss/behaviour_kl_mean"]:
+        series["loss/policy_kl_mean"] = series["loss/behaviour_kl_mean"]
     if series["groups/zero_signal_generated"]:
         series["groups/zero_signal"] = series["groups/zero_signal_generated"]
     series = {key: compact(points) for key, points in series.items()}

@@ -76,7 +76,7 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
             weight_lp - old, -CLAMP, CLAMP), 0.0), d["mask"], cfg.m2_threshold)
     num = abs_num = tokens = 0.0
     stats = dict(clipped=0.0, dual=0.0, ratio=0.0, ratio_sq=0.0, ratio_max=0.0, kl=0.0, ent=0.0,
-                 beh=0.0, beh_sq=0.0, capped=0.0, adv_abs=0.0, kl_abs=0.0, m2=0.0)
+                 behaviour_kl=0.0, beh=0.0, beh_sq=0.0, capped=0.0, adv_abs=0.0, kl_abs=0.0, m2=0.0)
     for b, ts in seqs:
         m = d["mask"][b, ts]
         a = d["adv"][b] * np.ones(len(ts)) if d["adv"].ndim == 1 else d["adv"][b, ts]
@@ -137,6 +137,8 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
         stats["ratio_sq"] += np.sum(m * r * r)
         stats["ratio_max"] = max(stats["ratio_max"], r.max())
         stats["kl"] += np.sum(m * kl)
+        mu = np.clip(lp[b, ts] - d["blp"][b, ts], -20.0, 20.0)  # train-inference mismatch
+        stats["behaviour_kl"] += np.sum(m * (np.exp(mu) - 1 - mu))
         stats["kl_abs"] += np.sum(m * np.abs(kl))
         stats["adv_abs"] += np.sum(m * np.abs(a))
         stats["ent"] += np.sum(m * h)
@@ -155,7 +157,8 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
     metrics = dict(tokens=tokens, sequences=n, clipped_fraction=mean(stats["clipped"]),
                    ratio_mean=mean(stats["ratio"]), ratio_max=stats["ratio_max"],
                    ratio_ess=stats["ratio"] ** 2 / (tokens * stats["ratio_sq"]) if tokens else 0,
-                   kl_mean=mean(stats["kl"]), entropy_mean=mean(stats["ent"]))
+                   kl_mean=mean(stats["kl"]), entropy_mean=mean(stats["ent"]),
+                   behaviour_kl_mean=mean(stats["behaviour_kl"]))
     if name == "m2po":
         metrics["m2_mean"] = mean(stats["m2"])
     if name in PPO_FAMILY + ("decoupled_ppo",) and cfg.dual_clip:

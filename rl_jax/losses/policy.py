@@ -118,11 +118,17 @@ def _finish(x: TokenInputs, config: PolicyLossConfig, pg_loss: jax.Array, log_ra
     weights, denominator = normalization_weights(x, config)
     loss_sum = jnp.sum(jnp.where(x.valid, weights * total, 0.0))
     policy_kl = jnp.expm1(log_ratio) - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
+    # The train-inference mismatch, staleness included: k3 estimate of KL(μ ‖ π_θ) from the
+    # sampled tokens (the same as policy_kl when the ratio is taken against μ).
+    behaviour_log_ratio = jnp.clip(jax.lax.stop_gradient(x.logprobs) - x.behaviour_logprobs,
+                                   -20.0, 20.0)
+    behaviour_kl = jnp.expm1(behaviour_log_ratio) - behaviour_log_ratio
     metrics = {
         "tokens": jnp.sum(x.mask),
         "sequences": x.num_sequences,
         "advantage_sum": masked_sum(x.advantages, x.mask),
         "policy_kl_sum": masked_sum(policy_kl, x.mask),
+        "behaviour_kl_sum": masked_sum(behaviour_kl, x.mask),
         **ratio_metrics("ratio", ratio, x),
         **metrics,
         **correction_metrics,

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # Loss metrics worth a line in the log (after finalize_metrics), when the loss reports them.
 LOSS_METRICS = ("loss", "grad_norm", "clipped_fraction", "ratio_mean", "ratio_max", "ratio_ess",
                 "entropy_mean", "policy_kl_mean", "kl_mean", "tokens", "sequences", "skipped",
-                "behaviour_ratio_ess", "m2_mean", "update_scale")
+                "behaviour_ratio_ess", "behaviour_kl_mean", "m2_mean", "update_scale")
 
 
 @dataclasses.dataclass
