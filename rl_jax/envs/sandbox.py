@@ -3,9 +3,19 @@
 Every program runs in its own process tree, started by :class:`Sandbox` through the trusted runner
 script ``sandbox_runner.py`` (stdlib only). Isolation modes:
 
-``namespaces`` (root and a working ``unshare`` from util-linux; the default when available)
-  * no network: a fresh network namespace, whose loopback is down (``connect`` to 127.0.0.1 fails
-    with ENETUNREACH);
+``bwrap`` (root and bubblewrap, e.g. Debian's ``bubblewrap`` package, plus the system's
+libseccomp; what ``auto`` picks, and the only mode it picks)
+  * a minimal read-only root made by bubblewrap: ``/usr`` (with the usual ``/bin``, ``/lib``
+    links), the interpreter's own prefixes (a virtual environment and its base Python), a fresh
+    ``/proc`` and ``/dev``, ``/etc/ld.so.cache``; nothing else of the host (no work or data
+    directories, home directories, ``/run`` sockets, ``/etc``), and nothing writable but the
+    sandbox's own tmpfs below;
+  * no network: fresh network namespace (only its own loopback), and a seccomp filter that
+    refuses sockets other than AF_UNIX; unix sockets reach nothing of the host, as no host path is
+    visible and abstract ones belong to the network namespace;
+  * everything the ``namespaces`` mode does below, in fresh PID, IPC, UTS and cgroup namespaces.
+``namespaces`` (root and ``unshare`` from util-linux; only when asked for)
+  * no network: a fresh network namespace, whose loopback is down;
   * a fresh PID namespace whose init is the runner: the program sees only its own processes, and
     when the runner exits (or is killed: ``--kill-child``) the kernel kills every process left;
   * a fresh mount namespace with one tmpfs limited to ``max_disk_bytes`` and ``max_files``
@@ -13,25 +23,42 @@ script ``sandbox_runner.py`` (stdlib only). Isolation modes:
     program's cwd and HOME are a fresh directory on it, and every file it can create counts
     against those two limits (other directories are not writable by its uid). The tmpfs
     disappears with the namespace;
-  * fresh IPC and UTS namespaces (SysV shared memory dies with the sandbox).
-``rlimits`` (fallback when not root or ``unshare`` fails, e.g. a default Docker container)
+  * fresh IPC and UTS namespaces (SysV shared memory dies with the sandbox);
+  * but the host's filesystem stays readable, with whatever unix sockets it holds.
+``rlimits`` (no namespaces; only when asked for)
   a fresh temporary directory whose file count and size the runner polls (and kills past the
   limit), a child subreaper so that detached descendants can still be killed, and the rlimits
-  below. No network isolation, and directories such as ``/tmp`` are writable outside the limit.
+  below. No network isolation, the host's filesystem is readable, and directories such as
+  ``/tmp`` are writable outside the limit.
 
-In both modes the program gets a uid of its own per concurrent slot when the sandbox runs as root
-(``uid_base + slot``: ``RLIMIT_NPROC`` is per uid and is not enforced for root, so one fork bomb
-cannot exhaust another sample's process quota), no supplementary groups, ``no_new_privs``, a new
-session, a scrubbed environment, and these limits (:class:`SandboxLimits`): wall time (the runner
-kills the whole tree at the deadline), CPU time (``RLIMIT_CPU``), address space per process
-(``RLIMIT_AS``), resident memory of all its processes together (the runner samples it every
-20 ms and kills the tree past the limit; no cgroup is needed), processes and threads
-(``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``), open files (``RLIMIT_NOFILE``), no core dumps.
-Memory used by one sandbox is therefore bounded by ``max_total_memory_bytes`` (plus what can be
-faulted in within one 20 ms sample) plus the tmpfs's ``max_disk_bytes``. Stdout and stderr are
-read by the runner up to ``max_output_bytes`` each; past that the program is killed. The parent
-reads one bounded JSON report; its memory does not grow with what the program prints. If the
-caller dies, every runner still kills its program at the wall deadline and cleans up.
+A mode weaker than ``bwrap`` is never chosen silently: ``auto`` raises :class:`SandboxError` when
+``bwrap`` cannot work, and asking for ``namespaces`` or ``rlimits`` logs a warning that lists what
+is not protected.
+
+In every mode the program gets a seccomp filter where libseccomp is present (required in
+``bwrap``): no new namespaces (``unshare``, ``setns``, namespace flags of ``clone``; so no user
+namespace in which to mount past the disk limit), no mounts, keyrings, BPF, perf events,
+userfaultfd, io_uring or ptrace, no sockets but AF_UNIX. As root it gets a uid of its own per
+concurrent slot (``uid_base + slot``: ``RLIMIT_NPROC`` is per uid and is not enforced for root, so
+one fork bomb cannot exhaust another sample's process quota), no supplementary groups, an empty
+capability bounding set, ``no_new_privs``, a new session, a scrubbed environment, and these
+limits (:class:`SandboxLimits`): wall time (the runner kills the whole tree at the deadline), CPU
+time (``RLIMIT_CPU``), address space per process (``RLIMIT_AS``), resident memory of all its
+processes together (the runner samples it every 20 ms and kills the tree past the limit; no
+cgroup is needed), processes and threads (``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``), open
+files (``RLIMIT_NOFILE``), no core dumps. Memory used by one sandbox is therefore bounded by
+``max_total_memory_bytes`` (plus what can be faulted in within one 20 ms sample) plus the tmpfs's
+``max_disk_bytes``. Stdout and stderr are read by the runner up to ``max_output_bytes`` each; past
+that the program is killed. The parent reads one bounded JSON report; its memory does not grow
+with what the program prints. If the caller dies, every runner still kills its program at the
+wall deadline and cleans up (``bwrap``: at once).
+
+Tests: ``run(program, tests=[...])`` runs test sources (``assert solve(3, 4) == 7``) in a harness
+process of their own (uid ``uid_base + max_concurrency + slot`` as root), which calls into the
+program's process over pipes and alone reports the outcome; the result is ``ok`` only when every
+test ran and passed (see ``sandbox_runner.py``). A program cannot pass them by exiting early,
+killing processes, printing anything, patching builtins or returning objects that compare equal
+to everything.
 
 Concurrency: a :class:`Sandbox` owns a thread pool of ``max_concurrency`` workers, each driving
 one sandboxed process at a time; :meth:`Sandbox.run` is awaitable from any event loop.
@@ -42,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import ctypes
 import dataclasses
 import functools
 import json
@@ -53,6 +81,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 _HIDDEN_IN_SANDBOX = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/lock/")
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
@@ -64,9 +93,30 @@ _PARENT_GRACE_SECONDS = 5.0
 # The runner's report: two base64 streams of at most max_output_bytes each, plus small fields.
 _REPORT_OVERHEAD_BYTES = 64 * 1024
 
-REASONS = ("ok", "runtime_error", "timeout", "memory", "output_limit", "file_limit",
-           "process_limit", "sandbox_error")
-ISOLATION_MODES = ("auto", "namespaces", "rlimits")
+# Inside the bwrap root the runner lives here (read-only).
+_RUNNER_IN_BWRAP = "/sandbox_runner.py"
+_BWRAP_FLAGS = ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--as-pid-1", "--new-session",
+                # The runner (root) keeps its capabilities to mount the limited tmpfs and change
+                # uid; the program loses them all (setuid, empty bounding set, no_new_privs).
+                "--cap-add", "ALL")
+# Top-level directories or links a dynamic linker may look in.
+_BWRAP_SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SECCOMP_LIBRARY = "libseccomp.so.2"
+
+REASONS = ("ok", "runtime_error", "test_failed", "timeout", "memory", "output_limit",
+           "file_limit", "process_limit", "sandbox_error")
+ISOLATION_MODES = ("auto", "bwrap", "namespaces", "rlimits")
+# What the weaker modes leave open (logged when one is asked for).
+_UNPROTECTED = {
+    "namespaces": ("the host's whole filesystem is readable (project, data and home directories, "
+                   "/etc) and unix sockets on it (e.g. under /run) can be connected to"),
+    "rlimits": ("no network isolation (host TCP and unix sockets are reachable); the host's "
+                "filesystem is readable; /tmp, /var/tmp and /dev/shm are writable outside the "
+                "disk limit and what is written there outlives the run; host processes are "
+                "visible; without root the program shares its uid with the runner and the test "
+                "harness, so it can signal or trace them"),
+}
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +184,8 @@ class SandboxResult:
       peak_processes: most processes seen at once (sampled every 20 ms).
       peak_memory_bytes: most resident memory of all its processes together (sampled).
       files_created: files and directories the program created.
+      tests_run, tests_passed: for a run with ``tests``, how many the harness ran (the program
+        did not stop first) and how many passed.
     """
 
     reason: str
@@ -149,6 +201,8 @@ class SandboxResult:
     peak_processes: int = 0
     peak_memory_bytes: int = 0
     files_created: int = 0
+    tests_run: int = 0
+    tests_passed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -168,11 +222,81 @@ def _namespaces_problem() -> str | None:
         interpreter = default_interpreter()
     except SandboxError as e:
         return str(e)
-    probe = _run_job("namespaces", None, [interpreter, "-I", "-S", "-c", "pass"], "", "",
-                     SandboxLimits(wall_time=10.0))
+    probe = _run_job(_Job("namespaces", [interpreter, "-I", "-S", "-c", "pass"],
+                          seccomp=_seccomp_problem() is None),
+                     "", "", SandboxLimits(wall_time=10.0))
     if not probe.ok:
         return f"a trial run failed ({probe.reason}): {probe.detail[-300:]}"
     return None
+
+
+@functools.cache
+def _seccomp_problem() -> str | None:
+    """Why the seccomp filter cannot be installed here, or None."""
+    try:
+        ctypes.CDLL(_SECCOMP_LIBRARY)
+    except OSError as e:
+        return f"libseccomp is not installed ({_SECCOMP_LIBRARY}: {e})"
+    return None
+
+
+@functools.cache
+def _bwrap_problem() -> str | None:
+    """Why the ``bwrap`` mode cannot work here, or None if it does (probed once)."""
+    if os.geteuid() != 0:
+        return "it needs root (per-sample uids, the limited tmpfs)"
+    if shutil.which("bwrap") is None:
+        return "the `bwrap` program (bubblewrap) is not on PATH"
+    problem = _seccomp_problem()
+    if problem is not None:
+        return problem
+    try:
+        interpreter = default_interpreter()
+        binds = _bwrap_binds(interpreter)
+    except SandboxError as e:
+        return str(e)
+    probe = _run_job(_Job("bwrap", [interpreter, "-I", "-S", "-c", "pass"], seccomp=True,
+                          binds=binds), "", "", SandboxLimits(wall_time=10.0))
+    if not probe.ok:
+        return f"a trial run failed ({probe.reason}): {probe.detail[-300:]}"
+    return None
+
+
+@functools.cache
+def _bwrap_binds(interpreter: str) -> tuple[str, ...]:
+    """bwrap arguments that show ``interpreter`` its system and prefixes, read-only, at their own
+    paths (a virtual environment and the Python it is based on), and nothing else of the host.
+
+    Raises:
+      SandboxError: if the interpreter cannot report its prefixes, or one is ``/``.
+    """
+    try:
+        out = subprocess.run(
+            [interpreter, "-I", "-S", "-c", "import sys; print('\\0'.join((sys.prefix, "
+             "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)))"],
+            capture_output=True, timeout=30, check=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxError(f"interpreter {interpreter!r} cannot report its prefixes: {e}") from e
+    real = os.path.realpath(interpreter)
+    prefixes = {os.path.realpath(p) for p in out.decode().strip().split("\0") if p}
+    prefixes.add(os.path.dirname(os.path.dirname(real)))
+    prefixes |= {os.path.abspath(p) for p in list(prefixes)}
+    if "/" in prefixes:
+        raise SandboxError(f"interpreter {interpreter!r} lives directly under / (prefix /); "
+                           "showing it to the program would show the whole host")
+    args = ["--ro-bind", "/usr", "/usr"]
+    for path in _BWRAP_SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for prefix in sorted(prefixes):
+        if prefix != "/usr" and not prefix.startswith("/usr/") and os.path.isdir(prefix):
+            args += ["--ro-bind", prefix, prefix]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+             "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp",
+             "--ro-bind", _RUNNER, _RUNNER_IN_BWRAP, "--remount-ro", "/", "--chdir", "/"]
+    return tuple(args)
 
 
 def _usable_by_others(path: str) -> bool:
@@ -221,21 +345,34 @@ def default_interpreter(unprivileged: bool = True) -> str:
 def resolve_isolation(isolation: str = "auto") -> str:
     """The isolation mode ``"auto"`` picks here, or ``isolation`` itself after checking it works.
 
+    ``"auto"`` means ``"bwrap"`` and nothing weaker; a weaker mode must be asked for by name, and
+    then a warning lists what it leaves unprotected.
+
     Raises:
-      SandboxError: for an unknown mode, or ``"namespaces"`` where it cannot work.
+      SandboxError: for an unknown mode, or a mode (``"auto"`` included) that cannot work here.
     """
     if isolation not in ISOLATION_MODES:
         raise SandboxError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
-    if isolation == "rlimits":
-        return isolation
-    problem = _namespaces_problem()
-    if problem is None:
-        return "namespaces"
+    if isolation in ("auto", "bwrap"):
+        problem = _bwrap_problem()
+        if problem is None:
+            return "bwrap"
+        raise SandboxError(
+            f"sandbox isolation 'bwrap' is unavailable: {problem}. Install bubblewrap (Debian: "
+            "apt-get install bubblewrap) and run as root, or pass isolation='namespaces' or "
+            "'rlimits' to run untrusted code with weaker isolation")
     if isolation == "namespaces":
-        raise SandboxError(f"sandbox isolation 'namespaces' is unavailable: {problem}")
-    logger.warning("sandbox: namespaces unavailable (%s); falling back to 'rlimits' isolation "
-                   "(no network isolation, writable directories outside the work dir)", problem)
-    return "rlimits"
+        problem = _namespaces_problem()
+        if problem is not None:
+            raise SandboxError(f"sandbox isolation 'namespaces' is unavailable: {problem}")
+    unprotected = _UNPROTECTED[isolation]
+    seccomp = _seccomp_problem()
+    if seccomp is not None:
+        unprotected += (f"; no seccomp filter ({seccomp}): the program may create user "
+                        "namespaces, mount filesystems outside the disk limit and open any socket")
+    logger.warning("sandbox: isolation %r was asked for instead of 'bwrap'; not protected: %s",
+                   isolation, unprotected)
+    return isolation
 
 
 class Sandbox:
@@ -244,10 +381,16 @@ class Sandbox:
     Args:
       limits: default limits of each run.
       max_concurrency: programs running at once (default: the number of CPUs).
-      isolation: ``"auto"``, ``"namespaces"`` or ``"rlimits"`` (see the module docstring).
+      isolation: ``"auto"`` (= ``"bwrap"``), ``"bwrap"``, ``"namespaces"`` or ``"rlimits"``
+        (see the module docstring; the last two are weaker and log what they leave open).
       interpreter: absolute path of the Python that runs programs (default:
-        :func:`default_interpreter`); as root it must be executable by an unprivileged uid.
-      uid_base: as root, slot ``k`` runs as uid and gid ``uid_base + k``; pick an unused range.
+        :func:`default_interpreter`); as root it must be executable by an unprivileged uid. In
+        ``bwrap`` mode its prefixes (not ``/``) are shown to programs read-only.
+      uid_base: as root, slot ``k`` runs its program as uid and gid ``uid_base + k`` and its
+        test harness as ``uid_base + max_concurrency + k``; pick an unused range.
+
+    Raises:
+      SandboxError: for bad arguments, or an isolation mode that cannot work here.
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, max_concurrency: int | None = None,
@@ -263,10 +406,12 @@ class Sandbox:
         if not os.path.isabs(self.interpreter) or not os.access(self.interpreter, os.X_OK):
             raise SandboxError(f"interpreter {self.interpreter!r} is not an executable absolute "
                                "path")
-        if self._as_root and not 1000 <= uid_base <= 2**31 - 1 - self.max_concurrency:
-            raise SandboxError(f"uid_base={uid_base} must leave room for {self.max_concurrency} "
-                               "unprivileged uids (>= 1000)")
+        if self._as_root and not 1000 <= uid_base <= 2**31 - 1 - 2 * self.max_concurrency:
+            raise SandboxError(f"uid_base={uid_base} must leave room for "
+                               f"{2 * self.max_concurrency} unprivileged uids (>= 1000)")
         self.uid_base = uid_base
+        self._seccomp = self.isolation == "bwrap" or _seccomp_problem() is None
+        self._binds = _bwrap_binds(self.interpreter) if self.isolation == "bwrap" else ()
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(self.max_concurrency):
             self._slots.put(slot)
@@ -283,42 +428,85 @@ class Sandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    async def run(self, program: str, stdin: str = "", *,
-                  limits: SandboxLimits | None = None) -> SandboxResult:
-        """Runs ``program`` (Python source) with ``stdin``; waits for a free worker first."""
+    async def run(self, program: str, stdin: str = "", *, limits: SandboxLimits | None = None,
+                  tests: Sequence[str] | None = None) -> SandboxResult:
+        """Runs ``program`` (Python source) with ``stdin``; waits for a free worker first.
+
+        Args:
+          tests: Python sources run one after the other by a separate harness process against
+            the program's globals once the program has run (see the module docstring); the
+            result is ``ok`` only if every test ran and passed, ``test_failed`` at the first
+            failed assertion, ``runtime_error`` when a test raised or the program stopped first.
+
+        Raises:
+          SandboxError: if ``tests`` is not a non-empty list of strings.
+        """
+        tests = _check_tests(tests)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, functools.partial(self._run_in_slot, program, stdin, limits))
+            self._pool, functools.partial(self._run_in_slot, program, stdin, limits, tests))
 
-    def run_sync(self, program: str, stdin: str = "", *,
-                 limits: SandboxLimits | None = None) -> SandboxResult:
+    def run_sync(self, program: str, stdin: str = "", *, limits: SandboxLimits | None = None,
+                 tests: Sequence[str] | None = None) -> SandboxResult:
         """Blocking :meth:`run`, through the same worker pool."""
-        return self._pool.submit(self._run_in_slot, program, stdin, limits).result()
+        tests = _check_tests(tests)
+        return self._pool.submit(self._run_in_slot, program, stdin, limits, tests).result()
 
-    def _run_in_slot(self, program: str, stdin: str, limits: SandboxLimits | None):
+    def _run_in_slot(self, program: str, stdin: str, limits: SandboxLimits | None,
+                     tests: list[str] | None) -> SandboxResult:
         slot = self._slots.get()  # never blocks: one slot per worker thread
         try:
-            return self._run(program, stdin, limits or self.limits, slot)
+            return self._run(program, stdin, limits or self.limits, slot, tests)
         finally:
             self._slots.put(slot)
 
-    def _run(self, program: str, stdin: str, limits: SandboxLimits, slot: int) -> SandboxResult:
+    def _run(self, program: str, stdin: str, limits: SandboxLimits, slot: int,
+             tests: list[str] | None) -> SandboxResult:
         argv = [self.interpreter, "-I", "-B", "-X", "utf8", "program.py"]
-        uid = self.uid_base + slot if self._as_root else None
-        return _run_job(self.isolation, uid, argv, program, stdin, limits)
+        job = _Job(self.isolation, argv, seccomp=self._seccomp, binds=self._binds, tests=tests,
+                   uid=self.uid_base + slot if self._as_root else None,
+                   harness_uid=(self.uid_base + self.max_concurrency + slot
+                                if self._as_root else None))
+        return _run_job(job, program, stdin, limits)
+
+
+def _check_tests(tests: Sequence[str] | None) -> list[str] | None:
+    if tests is None:
+        return None
+    if isinstance(tests, str) or not tests or not all(isinstance(t, str) for t in tests):
+        raise SandboxError(f"tests must be a non-empty list of Python sources, got {tests!r}"[:300])
+    return list(tests)
 
 
 _PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                 "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _run_job(mode: str, uid: int | None, argv: list[str], program: str, stdin: str,
-             limits: SandboxLimits) -> SandboxResult:
-    """Starts the runner (inside fresh namespaces for ``mode="namespaces"``) on one job."""
-    job = {"mode": mode, "uid": uid, "argv": argv, "files": {"program.py": program},
-           "stdin": stdin, "env": _PROGRAM_ENV, "limits": dataclasses.asdict(limits)}
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """How to run programs: the mode, the program's argv (its file last), the confinement."""
+
+    mode: str
+    argv: list[str]
+    seccomp: bool = False
+    binds: tuple[str, ...] = ()  # bwrap's view of the host
+    tests: list[str] | None = None
+    uid: int | None = None
+    harness_uid: int | None = None
+
+
+def _run_job(spec: _Job, program: str, stdin: str, limits: SandboxLimits) -> SandboxResult:
+    """Starts the runner (inside bwrap, or fresh namespaces for ``namespaces``) on one job."""
+    job = {"mode": spec.mode, "uid": spec.uid, "harness_uid": spec.harness_uid,
+           "argv": spec.argv, "files": {"program.py": program}, "stdin": stdin,
+           "env": _PROGRAM_ENV, "limits": dataclasses.asdict(limits), "seccomp": spec.seccomp,
+           "tests": spec.tests}
     runner = [sys.executable, "-I", "-S", _RUNNER]
-    if mode == "namespaces":
+    if spec.mode == "bwrap":
+        # The runner runs under the program's interpreter: the only one inside.
+        runner = [shutil.which("bwrap") or "bwrap", *_BWRAP_FLAGS, *spec.binds, "--",
+                  spec.argv[0], "-I", "-S", _RUNNER_IN_BWRAP]
+    elif spec.mode == "namespaces":
         runner = [shutil.which("unshare") or "unshare", *_UNSHARE_FLAGS, *runner]
     start = time.monotonic()
     try:
