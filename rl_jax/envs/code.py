@@ -7,9 +7,13 @@ completion if it parses as Python. Tests come with the prompt, in ``Prompt.info`
 * ``"tests"``: a list of ``{"stdin": str, "stdout": str}`` cases; the program runs once per case
   and its stdout must equal the expected one up to trailing whitespace on each line and trailing
   blank lines;
-* ``"assert_tests"``: Python source, or a list of sources, each appended to the program and run
-  once as one test; it passes if the process exits with status 0 (e.g.
-  ``assert solve(3, 4) == 7``).
+* ``"assert_tests"``: Python source, or a list of sources (e.g. ``assert solve(3, 4) == 7``),
+  each one test: the program runs, then a harness in a separate process runs the test against
+  the program's globals (:meth:`rl_jax.envs.sandbox.Sandbox.run` with ``tests``); it passes only
+  if the test ran to its end. Values cross by value when they are plain data (numbers, strings,
+  bytes, lists, tuples, sets, dicts); the program's own objects can be called and their
+  attributes read, but a test that compares one fails. Exiting early, killing the harness,
+  printing, patching builtins or returning an always-equal object therefore fails the test.
 
 Every run is a separate sandboxed process (:class:`rl_jax.envs.sandbox.Sandbox`): a program that
 loops, forks, hogs memory, floods the disk or prints without end fails its test with the
@@ -214,7 +218,9 @@ class CodeEnv(Environment):
 
     Args:
       sandbox: the worker pool to run programs on; by default one is made from ``limits``,
-        ``max_concurrency`` and ``isolation`` (see :class:`Sandbox`) and closed by :meth:`close`.
+        ``max_concurrency`` and ``isolation`` (see :class:`Sandbox`: ``"auto"`` refuses to start
+        without bubblewrap; ``"namespaces"`` or ``"rlimits"`` must be asked for by name) and
+        closed by :meth:`close`.
       reward_mode: ``"all"`` (1 if every test passes; stops at the first failure) or
         ``"fraction"`` (the fraction of tests passed; runs them all, concurrently).
       format_reward: reward of a failing program that was in a code fence and parses.
@@ -270,12 +276,11 @@ class CodeEnv(Environment):
             return _TestOutcome(passed, "correct" if passed else "wrong_answer", test, result,
                                 case.get("stdin", ""), case["stdout"])
         assert_code = _assert_tests(prompt)[test - len(cases)]
-        result = await self.sandbox.run(f"{source}\n\n{assert_code}\n")
+        result = await self.sandbox.run(source, tests=[assert_code])
         if result.ok:
             return _TestOutcome(True, "correct", test, result)
-        failed_assert = result.reason == "runtime_error" and "AssertionError" in result.stderr
-        return _TestOutcome(False, "wrong_answer" if failed_assert else result.reason, test,
-                            result)
+        return _TestOutcome(False, "wrong_answer" if result.reason == "test_failed"
+                            else result.reason, test, result)
 
     async def score(self, prompt: PromptLike, completion: str) -> tuple[float, dict[str, Any]]:
         prompt = as_prompt(prompt)
@@ -288,6 +293,10 @@ class CodeEnv(Environment):
             if not isinstance(case, dict) or not isinstance(case.get("stdout"), str):
                 raise EnvError(f"test {i} must be a dict with a 'stdout' string (and optionally "
                                f"'stdin'), got {case!r}"[:300])
+        for i, test in enumerate(_assert_tests(prompt)):
+            if not isinstance(test, str):
+                raise EnvError(f"assert test {i} must be a string of Python source, got "
+                               f"{test!r}"[:300])
         source, fenced = extract_program(completion)
         info: dict[str, Any] = {"passed": 0, "total": total, "fenced": fenced}
         if source is None:

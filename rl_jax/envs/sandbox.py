@@ -293,7 +293,8 @@ def _bwrap_binds(interpreter: str) -> tuple[str, ...]:
     for prefix in sorted(prefixes):
         if prefix != "/usr" and not prefix.startswith("/usr/") and os.path.isdir(prefix):
             args += ["--ro-bind", prefix, prefix]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+    args += ["--perms", "0755", "--dir", "/etc",
+             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
              "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp",
              "--ro-bind", _RUNNER, _RUNNER_IN_BWRAP, "--remount-ro", "/", "--chdir", "/"]
     return tuple(args)

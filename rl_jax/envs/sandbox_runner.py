@@ -579,13 +579,16 @@ class _Client:
             if not isinstance(answer, dict):
                 raise ValueError("not an object")
             if answer.get("missing") is True and message["op"] == "get":
-                raise KeyError(message["name"])
-            if "error" in answer:
+                error = KeyError(message["name"])
+            elif "error" in answer:
                 name, text = (str(x)[:_ERROR_CHARS] for x in answer["error"])
-                raise self._exception(name, text)
-            return _decode(answer["value"], lambda h, t: _Remote(self, h, t))
-        except (ValueError, TypeError, RecursionError, IndexError) as e:
-            raise ProgramExited(f"the program broke the test protocol: {e}"[:_ERROR_CHARS]) from None
+                error = self._exception(name, text)
+            else:
+                return _decode(answer["value"], lambda h, t: _Remote(self, h, t))
+        except (ValueError, TypeError, RecursionError, IndexError, KeyError) as e:
+            raise ProgramExited(f"the program broke the test protocol: {e!r}"[:_ERROR_CHARS]) \
+                from None
+        raise error
 
     @staticmethod
     def _exception(name, text):

@@ -1,0 +1,359 @@
+"""Hostile programs against the code sandbox: escapes from the ``bwrap`` isolation (host files,
+host sockets, user namespaces, files that outlive the run) and reward hacks against tests run
+through ``Sandbox.run(tests=...)`` (exiting early, killing the harness, printing markers,
+patching builtins, always-equal objects, SystemExit inside a test)."""
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import socket
+import threading
+import uuid
+
+import pytest
+
+import rl_jax.envs as envs
+from rl_jax.envs import Prompt
+from rl_jax.envs import sandbox as sandbox_lib
+from rl_jax.envs.sandbox import Sandbox, SandboxError, SandboxLimits
+
+BWRAP_PROBLEM = sandbox_lib._bwrap_problem()
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None,
+                                 reason=f"bwrap isolation unavailable: {BWRAP_PROBLEM}")
+LIMITS = SandboxLimits(wall_time=5.0, cpu_time=5.0, memory_bytes=256 * 2**20,
+                       max_total_memory_bytes=512 * 2**20, max_processes=16, max_files=100,
+                       max_disk_bytes=8 * 2**20, max_file_bytes=4 * 2**20,
+                       max_output_bytes=64 * 1024)
+UID_BASE = 62000
+PROJECT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _modes():
+    modes = [pytest.param("bwrap", marks=needs_bwrap)]
+    if sandbox_lib._namespaces_problem() is None:
+        modes.append("namespaces")
+    return modes + ["rlimits"]
+
+
+@pytest.fixture(scope="module")
+def strong():
+    if BWRAP_PROBLEM is not None:
+        pytest.skip(f"bwrap isolation unavailable: {BWRAP_PROBLEM}")
+    with Sandbox(LIMITS, max_concurrency=2, uid_base=UID_BASE) as sb:
+        assert sb.isolation == "bwrap"
+        yield sb
+
+
+@pytest.fixture(scope="module", params=_modes())
+def any_mode(request):
+    with Sandbox(LIMITS, max_concurrency=2, isolation=request.param, uid_base=UID_BASE) as sb:
+        yield sb
+
+
+# ---------------------------------------------------------------------------------------------
+# Escapes (bwrap).
+
+PROBE_PATHS = ["/root", "/work", "/home", "/run", "/etc/passwd", "/etc/shadow", "/var",
+               "/opt", "/srv", "/mnt", "/sys", str(PROJECT), str(PROJECT / "setup.py"),
+               str(pathlib.Path(__file__).resolve())]
+
+
+def test_host_files_are_invisible(strong, tmp_path):
+    secret = tmp_path / f"secret-{uuid.uuid4().hex}"
+    secret.write_text("hunter2")
+    os.chmod(tmp_path, 0o755)
+    os.chmod(secret, 0o644)  # readable by anyone on the host
+    paths = PROBE_PATHS + [str(secret), "/tmp/" + secret.name]
+    program = ("import json, os\nseen = {}\nfor p in " + repr(paths) + ":\n"
+               "    seen[p] = os.path.exists(p)\n"
+               "print(json.dumps(seen))\nprint(json.dumps(sorted(os.listdir('/'))))\n")
+    result = strong.run_sync(program)
+    assert result.ok, result
+    seen_line, root_line = result.stdout.splitlines()
+    assert json.loads(seen_line) == {p: False for p in paths}
+    # What is there: the system, the sandbox's own /proc, /dev and /tmp, and the runner.
+    assert set(json.loads(root_line)) <= {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr",
+                                          "etc", "proc", "dev", "tmp", "sandbox_runner.py"}
+    # The system is there, read-only; of /etc only the dynamic linker's cache.
+    result = strong.run_sync("import os\nprint(len(open('/usr/lib/os-release').read()) > 0, "
+                             "os.path.exists('/etc/ld.so.cache'), os.path.exists('/etc/hosts'))")
+    assert result.ok and result.stdout == "True True False\n", result
+
+
+def test_filesystem_is_read_only_and_nothing_outlives_the_run(strong):
+    marker = f"escape-{uuid.uuid4().hex}"
+    program = (
+        "import os\nwritten, refused = [], []\n"
+        f"for d in ('.', '/tmp', '/dev/shm', '/usr', '/usr/lib', '/', '/etc', '/dev', '/proc'):\n"
+        f"    try:\n        open(os.path.join(d, {marker!r}), 'w').write('x')\n"
+        "        written.append(d)\n    except OSError:\n        refused.append(d)\n"
+        "print(written)\n")
+    result = strong.run_sync(program)
+    assert result.ok and result.stdout == "['.', '/tmp', '/dev/shm']\n", result
+    for host_dir in ("/tmp", "/dev/shm", "/usr", "/usr/lib", "/", "/etc", "/dev",
+                     str(PROJECT), os.getcwd()):
+        assert not os.path.exists(os.path.join(host_dir, marker)), host_dir
+    # The next run starts from an empty tmpfs.
+    result = strong.run_sync(f"import os\nprint([os.path.exists(os.path.join(d, {marker!r})) "
+                             "for d in ('.', '/tmp', '/dev/shm')])")
+    assert result.stdout == "[False, False, False]\n", result
+
+
+def test_cannot_reach_host_tcp(strong):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()  # works out here
+        listener.accept()[0].close()
+        program = ("import socket\nfor family, host in ((socket.AF_INET, '127.0.0.1'), "
+                   "(socket.AF_INET6, '::1')):\n"
+                   "    try:\n        s = socket.socket(family)\n"
+                   f"        s.settimeout(1)\n        s.connect((host, {port}))\n"
+                   "        print('connected')\n    except OSError as e:\n"
+                   "        print(type(e).__name__, e.errno)\n")
+        result = strong.run_sync(program)
+        assert result.ok, result
+        # Refused by the seccomp filter (EAFNOSUPPORT) before the empty network namespace.
+        assert result.stdout == "OSError 97\nOSError 97\n", result
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing came in
+    finally:
+        listener.close()
+
+
+def test_cannot_reach_host_unix_sockets(strong, tmp_path):
+    os.chmod(tmp_path, 0o755)
+    path = str(tmp_path / "host.sock")
+    abstract = f"\0rl_jax_test_{uuid.uuid4().hex}"
+    servers = []
+    for address in (path, abstract):
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(address)
+        server.listen()
+        server.settimeout(0.5)
+        servers.append(server)
+    os.chmod(path, 0o777)
+    try:
+        for address in (path, abstract):  # reachable from the host
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(address)
+            client.close()
+        for server in servers:
+            server.accept()[0].close()
+        probes = [path, abstract, "/run/systemd/private", "/var/run/docker.sock"]
+        program = ("import socket\nfor address in " + repr(probes) + ":\n"
+                   "    s = socket.socket(socket.AF_UNIX)\n"
+                   "    try:\n        s.connect(address)\n        print('connected')\n"
+                   "    except OSError as e:\n        print(type(e).__name__)\n")
+        result = strong.run_sync(program)
+        assert result.ok, result
+        assert result.stdout.split() == ["FileNotFoundError", "ConnectionRefusedError",
+                                         "FileNotFoundError", "FileNotFoundError"], result
+        for server in servers:
+            with pytest.raises(TimeoutError):
+                server.accept()
+    finally:
+        for server in servers:
+            server.close()
+
+
+USER_NAMESPACE = """
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x20000
+print(libc.unshare(CLONE_NEWUSER), ctypes.get_errno())
+print(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), ctypes.get_errno())
+if hasattr(os, "unshare"):
+    try:
+        os.unshare(os.CLONE_NEWUSER)
+        print("unshared")
+    except OSError as e:
+        print("os.unshare", e.errno)
+run = subprocess.run(["unshare", "-Urm", "sh", "-c",
+                      "mount -t tmpfs -o size=1g none /tmp && echo mounted"],
+                     capture_output=True, text=True)
+print(run.returncode != 0, "mounted" not in run.stdout)
+# Past the disk limit, wherever it writes.
+with open("/tmp/big", "wb") as f:
+    for _ in range(64):
+        f.write(b"x" * 2**20)
+"""
+
+
+def test_cannot_create_a_user_namespace_to_escape_the_disk_limit(strong):
+    result = strong.run_sync(USER_NAMESPACE)
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["-1 1", "-1 1"], result  # EPERM
+    assert "unshared" not in result.stdout and lines[-1] == "True True", result
+    assert result.reason == "file_limit", result
+
+
+def test_seccomp_and_uid_of_the_program(any_mode):
+    result = any_mode.run_sync(
+        "import os\nstatus = open('/proc/self/status').read()\n"
+        "fields = dict(l.split(':', 1) for l in status.splitlines())\n"
+        "print(fields['Seccomp'].strip(), fields['NoNewPrivs'].strip(), fields['CapEff'].strip(),"
+        " fields['CapBnd'].strip(), os.getuid() != 0)")
+    assert result.ok, result
+    seccomp = "2" if sandbox_lib._seccomp_problem() is None else "0"
+    as_root = os.geteuid() == 0
+    assert result.stdout.split() == [seccomp, "1", "0" * 16, "0" * 16 if as_root else
+                                     result.stdout.split()[3], str(as_root)], result
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward hacks against tests run by the harness (every mode).
+
+SOLVE = "def solve(a, b):\n    return a + b\n"
+TESTS = ["assert solve(3, 4) == 7", "assert solve(-1, 1) == 0\nassert solve(2, 2) == 4"]
+HARNESS_REPORT = json.dumps({"results": [{"passed": True}, {"passed": True}]})
+
+HACKS = {
+    "exit_before_tests": "import sys\ndef solve(a, b):\n    return 0\nsys.exit(0)\n",
+    "os_exit_before_tests": "import os\ndef solve(a, b):\n    return 0\nos._exit(0)\n",
+    "os_exit_in_test": "import os\ndef solve(a, b):\n    os._exit(0)\n",
+    "system_exit_in_test": "def solve(a, b):\n    raise SystemExit(0)\n",
+    "keyboard_interrupt_in_test": "def solve(a, b):\n    raise KeyboardInterrupt\n",
+    "kill_parent": ("import os, signal\ndef solve(a, b):\n    return 0\n"
+                    "for sig in (signal.SIGKILL, signal.SIGTERM):\n"
+                    "    try:\n        os.kill(os.getppid(), sig)\n    except OSError:\n"
+                    "        pass\n"),
+    "kill_everything": ("import os, signal\ndef solve(a, b):\n"
+                        "    for pid in [int(p) for p in os.listdir('/proc') if p.isdigit()]:\n"
+                        "        if pid != os.getpid():\n"
+                        "            try:\n                os.kill(pid, signal.SIGKILL)\n"
+                        "            except OSError:\n                pass\n"
+                        "    os.kill(-1, signal.SIGKILL)\n"),
+    "print_markers": ("import sys\ndef solve(a, b):\n    return 0\n"
+                      f"print({HARNESS_REPORT!r})\nprint('OK\\nPASSED\\nAll tests passed')\n"
+                      f"sys.stderr.write({HARNESS_REPORT!r})\nsys.exit(0)\n"),
+    "always_equal": ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+                     "    __ne__ = lambda self, other: False\n    __bool__ = lambda self: True\n"
+                     "    __hash__ = lambda self: 0\n"
+                     "def solve(a, b):\n    return Anything()\n"),
+    "always_equal_subclass": ("class Int(int):\n    def __eq__(self, other):\n"
+                              "        return True\ndef solve(a, b):\n    return Int(0)\n"),
+    "patch_builtins": ("import builtins\nclass Quiet(Exception):\n    pass\n"
+                       "builtins.AssertionError = Quiet\nbuiltins.isinstance = lambda *a: True\n"
+                       "builtins.int = lambda *a: 0\n"
+                       "def solve(a, b):\n    return 0\nAssertionError = Quiet\n"),
+    "shadow_builtins_in_globals": ("def solve(a, b):\n    return 0\n"
+                                   "def sorted(*a, **k):\n    return 0\nlen = sorted\n"),
+    "patch_the_answering_code": (
+        "import gc, json\n_dumps = json.dumps\n"
+        "json.dumps = lambda obj, *a, **k: '{\"value\": true}'\n"
+        "for obj in gc.get_objects():\n"
+        "    if isinstance(obj, dict) and '_encode' in obj and '_run_tests' in obj:\n"
+        "        obj['_encode'] = lambda value, ref_of, depth=0: True\n"
+        "        obj['_run_tests'] = lambda *a: [{'passed': True}] * 2\n"
+        "def solve(a, b):\n    return 0\n"),
+    "forge_the_pipes": ("import os\ndef solve(a, b):\n    return 0\n"
+                        f"for fd in range(3, 64):\n    try:\n"
+                        f"        os.write(fd, {HARNESS_REPORT!r}.encode() + b'\\n')\n"
+                        "    except OSError:\n        pass\n"),
+    "read_the_tests": ("import os, re\ndef solve(a, b):\n    for pid in os.listdir('/proc'):\n"
+                       "        for name in ('mem', 'environ', 'fd/3', 'fd/4'):\n"
+                       "            try:\n"
+                       "                open(f'/proc/{pid}/{name}', 'rb').read(1)\n"
+                       "                if int(pid) != os.getpid():\n"
+                       "                    return 'leak'\n"
+                       "            except (OSError, ValueError):\n                pass\n"
+                       "    return 0\n"),
+}
+
+
+@pytest.mark.parametrize("hack", sorted(HACKS))
+def test_reward_hacks_fail(any_mode, hack):
+    if any_mode.isolation == "rlimits" and os.geteuid() != 0:
+        pytest.skip("without root the harness shares the program's uid")
+    result = any_mode.run_sync(HACKS[hack], tests=TESTS)
+    assert not result.ok, result
+    assert result.reason in ("runtime_error", "test_failed"), result
+    assert result.tests_passed < len(TESTS), result
+
+
+def test_honest_programs_pass(any_mode):
+    result = any_mode.run_sync(SOLVE, tests=TESTS)
+    assert result.ok and (result.tests_run, result.tests_passed) == (2, 2), result
+    programs_and_tests = [
+        # The program's objects can be called and read; plain data crosses by value.
+        ("class Solution:\n    def add(self, a, b):\n        return a + b\n"
+         "    name = 'adder'\n",
+         "s = Solution()\nassert s.add(2, 3) == 5 and s.name == 'adder'"),
+        ("def solve(x):\n    return {'big': 10**30, 'f': float('inf'), 't': (1, 'a', b'z'),"
+         " 's': {1, 2}, 'c': 1j, 'n': None, 'b': True}\n",
+         "r = solve(0)\nassert r == {'big': 10**30, 'f': float('inf'), 't': (1, 'a', b'z'), "
+         "'s': {1, 2}, 'c': 1j, 'n': None, 'b': True}\nassert type(r['b']) is bool"),
+        ("def solve(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n",
+         "try:\n    solve(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+         "else:\n    raise AssertionError('no error')"),
+        ("import sys\nN = int(sys.stdin.read() or 5)\ndef f(n):\n    return n * N\n",
+         "def helper(k):\n    return f(k) + 1\nassert helper(2) == 11\n"
+         "assert sorted([3, 1]) == [1, 3]"),
+    ]
+    for program, test in programs_and_tests:
+        result = any_mode.run_sync(program, tests=[test])
+        assert result.ok, (program, result)
+
+
+def test_test_failures_are_reported(any_mode):
+    result = any_mode.run_sync("def solve(a, b):\n    return 0 if a == 3 else a + b\n",
+                               tests=TESTS)
+    assert (result.reason, result.tests_run, result.tests_passed) == ("test_failed", 2, 1)
+    assert "test 0: AssertionError" in result.detail and "solve(3, 4) == 7" in result.detail
+    result = any_mode.run_sync("x = 1/0\n", tests=TESTS)
+    assert result.reason == "runtime_error" and "ZeroDivisionError" in result.stderr, result
+    assert result.tests_run == 0
+    result = any_mode.run_sync("def solve(a, b):\n    return [1]\n", tests=["assert solve(1, 2)"])
+    assert result.ok  # plain data is truthy by value
+    result = any_mode.run_sync("class A:\n    pass\ndef solve(a, b):\n    return A()\n",
+                               tests=["assert solve(1, 2)"])
+    assert result.reason == "runtime_error" and "compared or converted" in result.detail, result
+    result = any_mode.run_sync("while True:\n    pass\n", tests=TESTS,
+                               limits=SandboxLimits(wall_time=2.0, cpu_time=1.0))
+    assert result.reason == "timeout" and result.tests_run == 0, result
+    with pytest.raises(SandboxError, match="tests must be a non-empty list"):
+        any_mode.run_sync(SOLVE, tests=[])
+    with pytest.raises(SandboxError, match="tests must be a non-empty list"):
+        any_mode.run_sync(SOLVE, tests="assert True")
+
+
+@pytest.mark.parametrize("hack", ["exit_before_tests", "always_equal", "kill_parent",
+                                  "print_markers", "system_exit_in_test"])
+def test_code_env_rejects_reward_hacks(hack):
+    isolation = "auto" if BWRAP_PROBLEM is None else "rlimits"
+    env = envs.get("code", limits=LIMITS, max_concurrency=2, isolation=isolation)
+    prompt = Prompt("add", info={"assert_tests": TESTS})
+    try:
+        reward, info = asyncio.run(env.score(prompt, f"```python\n{HACKS[hack]}```"))
+        assert (reward, info["correct"]) == (0.0, False), info
+        reward, info = asyncio.run(env.score(prompt, f"```python\n{SOLVE}```"))
+        assert (reward, info["correct"], info["passed"]) == (1.0, True, 2), info
+        with pytest.raises(envs.EnvError, match="assert test 0 must be a string"):
+            asyncio.run(env.score(Prompt("x", info={"assert_tests": [1]}), "print(1)"))
+    finally:
+        asyncio.run(env.close())
+
+
+# ---------------------------------------------------------------------------------------------
+# Weaker isolation is never chosen silently.
+
+def test_auto_refuses_weaker_isolation(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_lib, "_bwrap_problem", lambda: "no bwrap here")
+    for isolation in ("auto", "bwrap"):
+        with pytest.raises(SandboxError, match="'bwrap' is unavailable: no bwrap here.*"
+                                               "apt-get install bubblewrap.*isolation="):
+            Sandbox(isolation=isolation)
+    with pytest.raises(SandboxError, match="'bwrap' is unavailable"):
+        envs.get("code")
+    with caplog.at_level(logging.WARNING, logger=sandbox_lib.logger.name):
+        with Sandbox(isolation="rlimits", max_concurrency=1, uid_base=UID_BASE) as sb:
+            assert sb.isolation == "rlimits" and sb.run_sync("print(1)").stdout == "1\n"
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "isolation 'rlimits' was asked for instead of 'bwrap'; not protected:" in warning
+    assert "no network isolation" in warning and "filesystem is readable" in warning
