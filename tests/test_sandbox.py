@@ -22,6 +22,10 @@ run = asyncio.run
 NAMESPACES = sandbox_lib._namespaces_problem() is None
 needs_namespaces = pytest.mark.skipif(
     not NAMESPACES, reason=f"namespaces isolation unavailable: {sandbox_lib._namespaces_problem()}")
+BWRAP = sandbox_lib._bwrap_problem() is None
+# What tests that do not name a mode use: the default where it works, else the weakest mode,
+# asked for by name (``auto`` refuses to fall back).
+DEFAULT_ISOLATION = "auto" if BWRAP else "rlimits"
 
 WALL = 2.0
 LIMITS = SandboxLimits(wall_time=WALL, cpu_time=WALL, memory_bytes=256 * 2**20,
@@ -70,8 +74,10 @@ def _sandbox_processes() -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="module", params=["namespaces", "rlimits"])
+@pytest.fixture(scope="module", params=["bwrap", "namespaces", "rlimits"])
 def sandbox(request):
+    if request.param == "bwrap" and not BWRAP:
+        pytest.skip(f"bwrap isolation unavailable: {sandbox_lib._bwrap_problem()}")
     if request.param == "namespaces" and not NAMESPACES:
         pytest.skip(f"namespaces isolation unavailable: {sandbox_lib._namespaces_problem()}")
     with Sandbox(LIMITS, max_concurrency=8, isolation=request.param, uid_base=UID_BASE) as sb:
@@ -105,11 +111,11 @@ def test_runs_do_not_share_files(sandbox):
 def test_cannot_write_outside_its_directory(sandbox):
     target = pathlib.Path(__file__).resolve().parent / "sandbox_escape_marker"
     result = sandbox.run_sync(f"open({str(target)!r}, 'w').write('x')")
-    # Refused (PermissionError), or invisible when the checkout lives under /tmp, which the
-    # namespaces mode replaces with the sandbox's own tmpfs (FileNotFoundError).
+    # Refused (PermissionError), or invisible: bwrap shows no host directory, and the
+    # namespaces mode replaces /tmp with the sandbox's own tmpfs (FileNotFoundError).
     assert result.reason == "runtime_error"
-    assert "PermissionError" in result.stderr or (
-        "FileNotFoundError" in result.stderr and str(target).startswith("/tmp/"))
+    assert "PermissionError" in result.stderr or ("FileNotFoundError" in result.stderr and (
+        sandbox.isolation == "bwrap" or str(target).startswith("/tmp/")))
     assert not target.exists()
 
 
@@ -184,7 +190,11 @@ def test_namespace_isolation():
                 f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
         finally:
             listener.close()
-        assert result.reason == "runtime_error" and "Network is unreachable" in result.stderr
+        # Refused by the seccomp filter where libseccomp is present, else by the empty network
+        # namespace.
+        refusal = ("Address family not supported" if sandbox_lib._seccomp_problem() is None
+                   else "Network is unreachable")
+        assert result.reason == "runtime_error" and refusal in result.stderr
         # Its own PID namespace: it is process 2 (the runner is 1) and sees no host process.
         result = sb.run_sync("import os\nprint(os.getpid(), sorted(int(p) for p in "
                              "os.listdir('/proc') if p.isdigit()))")
@@ -203,7 +213,7 @@ def test_concurrent_mixed_programs():
                 (STUBBORN_FORK_BOMB, "process_limit"), (good, "ok"), (BUSY_LOOP, "timeout"),
                 (good, "ok"), ("1/0", "runtime_error")]
     assert len(programs) == 16
-    with Sandbox(LIMITS, max_concurrency=8, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=8, isolation=DEFAULT_ISOLATION, uid_base=UID_BASE) as sb:
         async def go():
             return await asyncio.gather(*(sb.run(p, f"{i}\n") for i, (p, _) in enumerate(programs)))
         start = time.monotonic()
@@ -219,7 +229,7 @@ def test_concurrent_mixed_programs():
 
 
 def test_sandbox_works_from_several_event_loops():
-    with Sandbox(LIMITS, max_concurrency=2, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=2, isolation=DEFAULT_ISOLATION, uid_base=UID_BASE) as sb:
         for _ in range(2):
             assert run(sb.run("print(1)")).stdout == "1\n"
 
@@ -234,7 +244,10 @@ def test_configuration_errors(monkeypatch):
     monkeypatch.setattr(sandbox_lib, "_namespaces_problem", lambda: "it needs root")
     with pytest.raises(SandboxError, match="'namespaces' is unavailable: it needs root"):
         Sandbox(isolation="namespaces")
-    assert sandbox_lib.resolve_isolation("auto") == "rlimits"
+    monkeypatch.setattr(sandbox_lib, "_bwrap_problem", lambda: "it needs root")
+    with pytest.raises(SandboxError, match="'bwrap' is unavailable: it needs root"):
+        sandbox_lib.resolve_isolation("auto")  # never a silent fall-back
+    assert sandbox_lib.resolve_isolation("rlimits") == "rlimits"
     with pytest.raises(SandboxError, match="not an executable"):
         Sandbox(isolation="rlimits", interpreter="python3")
 
@@ -285,7 +298,7 @@ REFERENCE_FUNCTIONS = {
 @pytest.fixture(scope="module")
 def code_env():
     env = envs.get("code", limits=LIMITS, max_concurrency=8, format_reward=0.1, num_tests=3,
-                   seed=2)
+                   seed=2, isolation=DEFAULT_ISOLATION)
     yield env
     run(env.close())
 
@@ -323,7 +336,8 @@ def test_code_env_rewards(code_env, completion, reward, reason):
 
 
 def test_code_env_fraction_and_asserts():
-    env = envs.get("code", limits=LIMITS, max_concurrency=4, reward_mode="fraction")
+    env = envs.get("code", limits=LIMITS, max_concurrency=4, reward_mode="fraction",
+                   isolation=DEFAULT_ISOLATION)
     prompt = Prompt("solve", info={"assert_tests": ["assert solve(1) == 2", "assert solve(2) == 4",
                                                     "assert solve(0) == 1"]})
     reward, info = run(env.score(prompt, "```python\ndef solve(x):\n    return 2 * x\n```"))
@@ -337,7 +351,8 @@ def test_code_env_fraction_and_asserts():
 
 
 def test_code_env_multi_turn_feedback():
-    env = envs.get("code", limits=LIMITS, max_concurrency=2, max_turns=3)
+    env = envs.get("code", limits=LIMITS, max_concurrency=2, max_turns=3,
+                   isolation=DEFAULT_ISOLATION)
     prompt = Prompt("Print the input doubled.", info={"tests": [{"stdin": "21\n",
                                                                  "stdout": "42\n"}]})
     answers = iter(["```python\nprint(input() * 2)\n```",

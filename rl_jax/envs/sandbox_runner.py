@@ -147,7 +147,8 @@ def _load_seccomp():
         rule(name, _EPERM)
     for flag in _CLONE_NAMESPACE_FLAGS:
         rule("clone", _EPERM, _ArgCmp(0, _SCMP_CMP_MASKED_EQ, flag, flag))
-    rule("clone3", _ENOSYS)  # its flags sit in memory a filter cannot read; libc falls back to clone
+    # clone3's flags sit in memory a filter cannot read; libc falls back to clone on ENOSYS.
+    rule("clone3", _ENOSYS)
     for name in ("socket", "socketpair"):
         rule(name, _EAFNOSUPPORT, _ArgCmp(0, _SCMP_CMP_NE, _AF_UNIX, 0))
     result = lib.seccomp_load(ctypes.c_void_p(ctx))
