@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import pathlib
+import platform
+import signal
 import socket
 import threading
 import uuid
@@ -163,11 +165,18 @@ def test_cannot_reach_host_unix_sockets(strong, tmp_path):
 
 
 USER_NAMESPACE = """
-import ctypes, os, subprocess
+import ctypes, os, platform, subprocess
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x20000
+libc.syscall.restype = ctypes.c_long
+CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x20000, 17
 print(libc.unshare(CLONE_NEWUSER), ctypes.get_errno())
 print(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), ctypes.get_errno())
+if platform.machine() == "x86_64":  # raw clone (56) and clone3 (435)
+    pid = libc.syscall(56, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    print("clone", pid, ctypes.get_errno())
+    print("clone3", libc.syscall(435, 0, 0), ctypes.get_errno())
 if hasattr(os, "unshare"):
     try:
         os.unshare(os.CLONE_NEWUSER)
@@ -185,12 +194,24 @@ with open("/tmp/big", "wb") as f:
 """
 
 
-def test_cannot_create_a_user_namespace_to_escape_the_disk_limit(strong):
-    result = strong.run_sync(USER_NAMESPACE)
-    lines = result.stdout.splitlines()
-    assert lines[:2] == ["-1 1", "-1 1"], result  # EPERM
-    assert "unshared" not in result.stdout and lines[-1] == "True True", result
-    assert result.reason == "file_limit", result
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "namespaces"])
+def test_cannot_create_a_user_namespace_to_escape_the_disk_limit(mode):
+    if mode == "namespaces" and sandbox_lib._namespaces_problem() is not None:
+        pytest.skip(f"namespaces isolation unavailable: {sandbox_lib._namespaces_problem()}")
+    if sandbox_lib._seccomp_problem() is not None:
+        pytest.skip(sandbox_lib._seccomp_problem())
+    with Sandbox(LIMITS, max_concurrency=1, isolation=mode, uid_base=UID_BASE) as sb:
+        result = sb.run_sync(USER_NAMESPACE)
+        lines = result.stdout.splitlines()
+        assert lines[:2] == ["-1 1", "-1 1"], result  # EPERM
+        if platform.machine() == "x86_64":
+            assert lines[2:4] == ["clone -1 1", "clone3 -1 38"], result  # EPERM, ENOSYS
+        assert "unshared" not in result.stdout and lines[-1] == "True True", result
+        assert result.reason == "file_limit", result
+        if platform.machine() == "x86_64":  # the x32 ABI's unshare is killed, not run
+            result = sb.run_sync("import ctypes\nctypes.CDLL(None).syscall(0x40000000 + 272, "
+                                 "0x10000000)\nprint('survived')")
+            assert result.signal == signal.SIGSYS and not result.stdout, result
 
 
 def test_seccomp_and_uid_of_the_program(any_mode):
