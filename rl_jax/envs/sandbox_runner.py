@@ -389,17 +389,18 @@ def _harness_child(job, requests_fd, answers_fd, report_w):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tests in a separate process: the codec both sides share, the program's side, the harness.
+# Tests in a separate process. The program's side (the codec both sides share and the program's
+# answering loop, between the two marker lines) is also the whole ``-c`` source of the program's
+# process, so that it starts without the runner's heavier imports.
 
-_MESSAGE_BYTES = 16 * 2**20
+# >>> program side
+import json  # noqa: E402,F811 - the program's process starts here
+import os  # noqa: E402,F811
+import sys  # noqa: E402,F811
+
 _MAX_DEPTH = 100
 _ERROR_CHARS = 1000
 _PROGRAM_FDS = (3, 4)  # the program's ends: requests in, answers out
-# Exceptions of the program that tests may catch by their builtin type.
-_PASSED_EXCEPTIONS = tuple(
-    value for value in vars(builtins).values()
-    if isinstance(value, type) and issubclass(value, Exception)
-    and not issubclass(value, (StopIteration, StopAsyncIteration)))
 _SMALL_INT = 2**53
 
 
@@ -469,6 +470,7 @@ def _serve_program(path):
     module = types.ModuleType("__main__")
     module.__file__ = path
     sys.modules["__main__"] = module
+    sys.argv = [path]
     with open(path, encoding="utf-8") as f:
         code = compile(f.read(), path, "exec")
     exec(code, module.__dict__)
@@ -505,6 +507,24 @@ def _serve_program(path):
             answer = {"error": [type(e).__name__, str(e)[:_ERROR_CHARS]]}
         answers.write(json.dumps(answer).encode() + b"\n")
         answers.flush()
+# <<< program side
+
+
+_MESSAGE_BYTES = 16 * 2**20
+# Exceptions of the program that tests may catch by their builtin type.
+_PASSED_EXCEPTIONS = tuple(
+    value for value in vars(builtins).values()
+    if isinstance(value, type) and issubclass(value, Exception)
+    and not issubclass(value, (StopIteration, StopAsyncIteration)))
+
+
+def _program_side_source():
+    """The ``-c`` source of the program's process when it serves tests."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        text = f.read()
+    begin = text.index("\n# >>> program side\n")
+    end = text.index("\n# <<< program side\n")
+    return text[begin:end] + "\n_serve_program(sys.argv[1])\n"
 
 
 class ProgramExited(Exception):
@@ -725,6 +745,19 @@ def _classify_tests(tests, report, killed_for, program_status, stderr, peak, fil
     return reason, f"{detail}; the program stopped {where}", len(ran), passed
 
 
+def _read_what_is_left(sel, buffers, caps):
+    """Reads the pipes to their end (up to their caps) once every writer has been killed."""
+    for fd in list(sel.get_map()):
+        while len(buffers[fd]) <= caps[fd]:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            buffers[fd] += data
+
+
 def run(job):
     """Runs one job and returns the report dict."""
     limits, uid = job["limits"], job.get("uid")
@@ -758,8 +791,7 @@ def run(job):
         0 if uid is not None else _tasks_of_uid(os.getuid()))
     argv = list(job["argv"])
     if tests is not None:  # the program's process serves the harness (see _serve_program)
-        with open(os.path.abspath(__file__), encoding="utf-8") as f:
-            argv[-1:] = ["-c", f.read(), "--serve-program", argv[-1]]
+        argv[-1:] = ["-c", _program_side_source(), argv[-1]]
         job["argv"] = argv
     stdin_fd = os.memfd_create("stdin")
     os.write(stdin_fd, job["stdin"].encode("utf-8"))
@@ -832,6 +864,8 @@ def run(job):
                 killed_for = killed_for or "file_limit"
         if killed_for is not None or setup_error:
             break
+        if statuses[watched_pid] is not None and tests is not None:
+            break  # the harness has reported; the program's output is read to its end below
         if statuses[watched_pid] is not None and drain_until is None:
             drain_until = min(deadline, now + _DRAIN_SECONDS)
         if drain_until is not None and (now >= drain_until or not sel.get_map()):
@@ -843,6 +877,7 @@ def run(job):
     files, disk = _fs_usage(work_dir, namespaces, base_inodes, int(limits["max_files"]))
     _kill_all(namespaces, uids, statuses)
     _reap_all(True, statuses)
+    _read_what_is_left(sel, buffers, caps)
     cpu_time = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_time = cpu_time.ru_utime + cpu_time.ru_stime
     for fd in buffers:
@@ -880,10 +915,6 @@ def run(job):
 
 
 def main():
-    if sys.argv[1:2] == ["--serve-program"]:  # the program's process of a run with tests
-        sys.argv = sys.argv[2:]
-        _serve_program(sys.argv[0])
-        return
     job = json.loads(sys.stdin.buffer.read())
     try:
         report = run(job)
