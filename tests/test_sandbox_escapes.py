@@ -314,8 +314,8 @@ def test_honest_programs_pass(any_mode):
          "try:\n    solve(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
          "else:\n    raise AssertionError('no error')"),
         ("import sys\nN = int(sys.stdin.read() or 5)\ndef f(n):\n    return n * N\n",
-         "def helper(k):\n    return f(k) + 1\nassert helper(2) == 11\n"
-         "assert sorted([3, 1]) == [1, 3]"),
+         "import math\ndef helper(k):\n    return f(k) + 1\nassert helper(2) == 11\n"
+         "assert sorted([3, 1]) == [1, 3] and math.gcd(4, 6) == 2"),
     ]
     for program, test in programs_and_tests:
         result = any_mode.run_sync(program, tests=[test])

@@ -502,9 +502,10 @@ def _run_job(spec: _Job, program: str, stdin: str, limits: SandboxLimits) -> San
            "argv": spec.argv, "files": {"program.py": program}, "stdin": stdin,
            "env": _PROGRAM_ENV, "limits": dataclasses.asdict(limits), "seccomp": spec.seccomp,
            "tests": spec.tests}
-    runner = [sys.executable, "-I", "-S", _RUNNER]
+    # The runner (and the test harness it forks) runs under the program's interpreter: the only
+    # one inside bwrap, and one that the harness's unprivileged uid can use in every mode.
+    runner = [spec.argv[0], "-I", "-S", _RUNNER]
     if spec.mode == "bwrap":
-        # The runner runs under the program's interpreter: the only one inside.
         runner = [shutil.which("bwrap") or "bwrap", *_BWRAP_FLAGS, *spec.binds, "--",
                   spec.argv[0], "-I", "-S", _RUNNER_IN_BWRAP]
     elif spec.mode == "namespaces":

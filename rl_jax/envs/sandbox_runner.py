@@ -378,6 +378,7 @@ def _harness_child(job, requests_fd, answers_fd, report_w):
                     os.close(int(name))
                 except OSError:
                     pass
+        os.chdir("/")
         _confine(job, job.get("harness_uid"), 1, 1)
         report = {"results": _run_tests(job["tests"], requests_fd, answers_fd)}
     except BaseException as e:  # noqa: BLE001 - the runner reports a set-up failure
