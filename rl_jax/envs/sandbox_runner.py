@@ -45,7 +45,7 @@ Report reasons: ``ok``, ``runtime_error``, ``test_failed``, ``timeout``, ``memor
 ``output_limit``, ``file_limit``, ``process_limit``, ``sandbox_error``.
 """
 
-import base64
+import binascii
 import builtins
 import ctypes
 import fcntl
@@ -53,10 +53,8 @@ import json
 import os
 import resource
 import selectors
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 _PR_SET_NO_NEW_PRIVS = 38
@@ -770,6 +768,7 @@ def run(job):
         work_dir = _setup_namespace_fs(limits, len(job["files"]))
     else:
         _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(child_subreaper)")
+        import tempfile  # here only: imports cost start-up time of every run
         temp_dir = tempfile.mkdtemp(prefix="rl_jax_sandbox_", dir=job.get("work_parent"))
         os.chmod(temp_dir, 0o755)
         work_dir = os.path.join(temp_dir, "work")
@@ -884,6 +883,7 @@ def run(job):
     for fd in buffers:
         os.close(fd)
     if temp_dir is not None:
+        import shutil
         shutil.rmtree(temp_dir, ignore_errors=True)
 
     main_status = statuses[main_pid]
@@ -904,8 +904,8 @@ def run(job):
         "reason": reason, "detail": detail,
         "exit_code": os.WEXITSTATUS(main_status) if exited else None,
         "signal": os.WTERMSIG(main_status) if signaled else None,
-        "stdout_b64": base64.b64encode(stdout).decode(),
-        "stderr_b64": base64.b64encode(stderr).decode(),
+        "stdout_b64": binascii.b2a_base64(stdout, newline=False).decode(),
+        "stderr_b64": binascii.b2a_base64(stderr, newline=False).decode(),
         "stdout_truncated": len(buffers[out_r]) > cap,
         "stderr_truncated": len(buffers[err_r]) > cap,
         "wall_time": wall_time, "cpu_time": cpu_time,
