@@ -335,6 +335,10 @@ def test_test_failures_are_reported(any_mode):
     result = any_mode.run_sync("class A:\n    pass\ndef solve(a, b):\n    return A()\n",
                                tests=["assert solve(1, 2)"])
     assert result.reason == "runtime_error" and "compared or converted" in result.detail, result
+    # A long message that JSON escapes six-fold still fits the harness's report.
+    result = any_mode.run_sync("def solve(a, b):\n    raise ValueError('\u00e9' * 5000)\n",
+                               tests=TESTS)
+    assert result.reason == "runtime_error" and "ValueError: \u00e9\u00e9" in result.detail
     result = any_mode.run_sync("while True:\n    pass\n", tests=TESTS,
                                limits=SandboxLimits(wall_time=2.0, cpu_time=1.0))
     assert result.reason == "timeout" and result.tests_run == 0, result

@@ -382,7 +382,9 @@ def _harness_child(job, requests_fd, answers_fd, report_w):
     except BaseException as e:  # noqa: BLE001 - the runner reports a set-up failure
         report = {"setup_error": f"{type(e).__name__}: {e}"[:1000]}
     try:
-        os.write(report_w, json.dumps(report).encode())
+        data = memoryview(json.dumps(report).encode())
+        while data:
+            data = data[os.write(report_w, data):]
     finally:
         os._exit(0)
 
@@ -824,7 +826,8 @@ def run(job):
     cap = int(limits["max_output_bytes"])
     caps = {out_r: cap, err_r: cap}
     if tests is not None:
-        caps[report_r] = 4096 + len(tests) * 2 * _ERROR_CHARS
+        # At most _ERROR_CHARS characters per test, each at most 6 bytes as JSON escapes.
+        caps[report_r] = 4096 + len(tests) * (6 * _ERROR_CHARS + 64)
     buffers = {fd: bytearray() for fd in caps}
     sel = selectors.DefaultSelector()
     for fd in buffers:
