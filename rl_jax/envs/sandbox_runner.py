@@ -395,9 +395,17 @@ def _harness_child(job, requests_fd, answers_fd, report_w):
 # process, so that it starts without the runner's heavier imports.
 
 # >>> program side
-import json  # noqa: E402,F811 - the program's process starts here
+# The program's process starts here. Requests come from the trusted harness as length-prefixed
+# marshal data; answers go back as JSON lines (written without the json module, whose import of
+# re would add to every run's start-up), which the harness parses without evaluating anything.
+import marshal  # noqa: E402
 import os  # noqa: E402,F811
 import sys  # noqa: E402,F811
+
+try:
+    from _json import encode_basestring_ascii as _json_string
+except ImportError:  # an interpreter without the C accelerator
+    from json import dumps as _json_string
 
 _MAX_DEPTH = 100
 _ERROR_CHARS = 1000
@@ -460,6 +468,30 @@ def _decode(data, from_ref, depth=0):
     raise ValueError(f"malformed value {str(data)[:100]!r}")
 
 
+def _json_text(value):
+    """JSON text of an answer: dicts, lists, strings, small ints, booleans and None."""
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if type(value) is int:
+        return str(value)
+    if type(value) is str:
+        return _json_string(value)
+    if type(value) is dict:
+        return "{" + ",".join(f"{_json_string(k)}:{_json_text(v)}"
+                              for k, v in value.items()) + "}"
+    return "[" + ",".join(map(_json_text, value)) + "]"
+
+
+def _read_request(requests):
+    """The next request from the harness, or None at its end."""
+    size = requests.read(4)
+    if len(size) < 4:
+        return None
+    return marshal.loads(requests.read(int.from_bytes(size, "little")))
+
+
 def _serve_program(path):
     """The program's process: runs the program as ``__main__``, then answers the harness.
 
@@ -484,9 +516,8 @@ def _serve_program(path):
     def from_ref(handle, _):
         return refs[handle]
 
-    for line in requests:
+    while (request := _read_request(requests)) is not None:
         try:
-            request = json.loads(line)
             op = request["op"]
             if op == "get":
                 if request["name"] not in module.__dict__:
@@ -506,7 +537,7 @@ def _serve_program(path):
             answer = {"value": _encode(value, ref_of)}
         except BaseException as e:  # noqa: BLE001 - the harness decides what a failure means
             answer = {"error": [type(e).__name__, str(e)[:_ERROR_CHARS]]}
-        answers.write(json.dumps(answer).encode() + b"\n")
+        answers.write(_json_text(answer).encode() + b"\n")
         answers.flush()
 # <<< program side
 
@@ -588,7 +619,8 @@ class _Client:
 
     def request(self, message):
         try:
-            self._out.write(json.dumps(message).encode() + b"\n")
+            data = marshal.dumps(message)
+            self._out.write(len(data).to_bytes(4, "little") + data)
             self._out.flush()
         except OSError as e:
             raise ProgramExited(f"the program exited before answering ({e.strerror})") from None
