@@ -265,13 +265,16 @@ HACKS = {
                        "def solve(a, b):\n    return 0\nAssertionError = Quiet\n"),
     "shadow_builtins_in_globals": ("def solve(a, b):\n    return 0\n"
                                    "def sorted(*a, **k):\n    return 0\nlen = sorted\n"),
+    # The answering code runs in the program's process: it can be patched to answer anything,
+    # but an answer is only data, which the harness compares itself.
     "patch_the_answering_code": (
-        "import gc, json\n_dumps = json.dumps\n"
-        "json.dumps = lambda obj, *a, **k: '{\"value\": true}'\n"
+        "import gc\npatched = 0\n"
         "for obj in gc.get_objects():\n"
-        "    if isinstance(obj, dict) and '_encode' in obj and '_run_tests' in obj:\n"
+        "    if isinstance(obj, dict) and '_serve_program' in obj and '_json_text' in obj:\n"
+        "        obj['_json_text'] = lambda value: '{\"value\": true}'\n"
         "        obj['_encode'] = lambda value, ref_of, depth=0: True\n"
-        "        obj['_run_tests'] = lambda *a: [{'passed': True}] * 2\n"
+        "        patched += 1\n"
+        "assert patched == 1\n"
         "def solve(a, b):\n    return 0\n"),
     "forge_the_pipes": ("import os\ndef solve(a, b):\n    return 0\n"
                         f"for fd in range(3, 64):\n    try:\n"
