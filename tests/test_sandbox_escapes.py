@@ -313,6 +313,12 @@ def test_honest_programs_pass(any_mode):
          " 's': {1, 2}, 'c': 1j, 'n': None, 'b': True}\n",
          "r = solve(0)\nassert r == {'big': 10**30, 'f': float('inf'), 't': (1, 'a', b'z'), "
          "'s': {1, 2}, 'c': 1j, 'n': None, 'b': True}\nassert type(r['b']) is bool"),
+        # Subclasses of builtin types and ranges cross as the plain values they hold.
+        ("import collections\nPoint = collections.namedtuple('Point', 'x y')\n"
+         "def solve(s):\n    return collections.Counter(s), Point(1, 2), range(2, 8, 3), "
+         "bytearray(b'ab')\n",
+         "c, p, r, b = solve('abca')\nassert c == {'a': 2, 'b': 1, 'c': 1} and type(c) is dict\n"
+         "assert p == (1, 2) and list(r) == [2, 5] and r == range(2, 8, 3) and b == b'ab'"),
         ("def solve(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n",
          "try:\n    solve(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
          "else:\n    raise AssertionError('no error')"),

@@ -414,28 +414,41 @@ _SMALL_INT = 2**53
 
 
 def _encode(value, ref_of, depth=0):
-    """JSON-ready form of ``value``: plain data (exact builtin types) by value, anything else
-    through ``ref_of(value)`` as ``["r", handle, type name]``."""
+    """JSON-ready form of ``value``: plain data by value, anything else through
+    ``ref_of(value)`` as ``["r", handle, type name]``.
+
+    Plain data is what the builtin types hold: an instance of a subclass (``Counter``, a
+    namedtuple, ``numpy.float64``, an ``int`` with its own ``__eq__``) crosses as the builtin
+    value it holds, and so does ``range``; an object with ``__index__`` (``numpy.int64``) as its
+    integer. Whatever these conversions run, they run here: the other side receives only data.
+    """
     if depth > _MAX_DEPTH:
         raise ValueError("value nested too deeply")
-    kind = type(value)
-    if value is None or kind is bool or kind is str:
+    if value is None or value is True or value is False:
         return value
-    if kind is int:
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        value = int.__index__(value)
         return value if -_SMALL_INT < value < _SMALL_INT else ["i", hex(value)]
-    if kind is float:
-        return ["f", value.hex()]
-    if kind is complex:
-        return ["c", value.real.hex(), value.imag.hex()]
-    if kind is bytes:
-        return ["b", value.hex()]
-    if kind is dict:
+    if isinstance(value, float):
+        return ["f", float.hex(value)]
+    if isinstance(value, complex):
+        return ["c", float.hex(complex.real.__get__(value)), float.hex(complex.imag.__get__(value))]
+    if isinstance(value, (bytes, bytearray)):
+        return ["b", bytes(value).hex()]
+    if isinstance(value, dict):
         return ["d", [[_encode(k, ref_of, depth + 1), _encode(v, ref_of, depth + 1)]
-                      for k, v in value.items()]]
-    tag = {list: "l", tuple: "t", set: "s", frozenset: "z"}.get(kind)
-    if tag is not None:
-        return [tag, [_encode(item, ref_of, depth + 1) for item in value]]
-    return ["r", ref_of(value), kind.__name__[:100]]
+                      for k, v in dict.items(value)]]
+    for base, tag in ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "z")):
+        if isinstance(value, base):
+            return [tag, [_encode(item, ref_of, depth + 1) for item in base.__iter__(value)]]
+    if isinstance(value, range):
+        return ["g", [_encode(x, ref_of, depth + 1) for x in (value.start, value.stop,
+                                                              value.step)]]
+    if hasattr(type(value), "__index__"):
+        return _encode(type(value).__index__(value), ref_of, depth + 1)
+    return ["r", ref_of(value), type(value).__name__[:100]]
 
 
 def _decode(data, from_ref, depth=0):
@@ -462,6 +475,8 @@ def _decode(data, from_ref, depth=0):
         if tag == "d" and all(type(p) is list and len(p) == 2 for p in items):
             return {_decode(k, from_ref, depth + 1): _decode(v, from_ref, depth + 1)
                     for k, v in items}
+        if tag == "g" and len(items) == 3:
+            return range(*(_decode(x, from_ref, depth + 1) for x in items))
         make = {"l": list, "t": tuple, "s": set, "z": frozenset}.get(tag)
         if make is not None:
             return make(_decode(item, from_ref, depth + 1) for item in items)
