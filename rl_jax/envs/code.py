@@ -11,8 +11,9 @@ completion if it parses as Python. Tests come with the prompt, in ``Prompt.info`
   each one test: the program runs, then a harness in a separate process runs the test against
   the program's globals (:meth:`rl_jax.envs.sandbox.Sandbox.run` with ``tests``); it passes only
   if the test ran to its end. Values cross by value when they are plain data (numbers, strings,
-  bytes, lists, tuples, sets, dicts); the program's own objects can be called and their
-  attributes read, but a test that compares one fails. Exiting early, killing the harness,
+  bytes, ranges, lists, tuples, sets, dicts, and subclasses of these such as ``Counter``); the
+  program's other objects can be called and their attributes read, but a test that compares or
+  iterates one (a generator, say) fails. Exiting early, killing the harness,
   printing, patching builtins or returning an always-equal object therefore fails the test.
 
 Every run is a separate sandboxed process (:class:`rl_jax.envs.sandbox.Sandbox`): a program that

@@ -33,9 +33,10 @@ Tests that call into the program (``job["tests"]``, Python sources such as
 ``assert solve(3, 4) == 7``) run in a separate *harness* process forked from the runner, under a
 uid of its own, never in the program's process. The program runs as usual, then serves the
 harness's requests (look up a global, call it, get an attribute or item) over two pipes; plain
-data (numbers, strings, bytes and containers of them) crosses by value, in a JSON encoding
-decoded without evaluating anything, and every other object stays in the program as an opaque
-handle that the tests may call but not compare, hash or convert. Names the tests use resolve to
+data (numbers, strings, bytes, ranges and containers of them; instances of subclasses as the
+builtin values they hold) crosses by value, in a JSON encoding decoded without evaluating
+anything, and every other object (generators included) stays in the program as an opaque handle
+that the tests may call but not compare, iterate, hash or convert. Names the tests use resolve to
 builtins first, then to the program's globals. The harness alone holds the pipe on which it
 reports which tests ran and passed, so a program that exits early, kills processes, prints
 markers, patches builtins or its own copy of this code, or raises ``SystemExit`` fails the
