@@ -65,8 +65,11 @@ _FROM_RUNS = flags.DEFINE_bool("from_runs", False, "Run nothing: summarize and p
 CHECKPOINTS_S = (60, 120, 300, 570)
 
 # The staleness study slows the trainer (seconds of sleep per step) so that the generator runs
-# ahead of it and samples reach the staleness bound; every lag gets the same delay.
+# ahead of it and samples reach the staleness bound; every lag gets the same delay. Its batches
+# are 16 prompts x 8, so that lag 16 (17 batches in flight) stays within the rollout's
+# admission cap (3/4 of the server's queue: 384 groups of 8).
 STALE_DELAY_S = 0.25
+STALE_BATCH = 16
 STALE_LAGS = (0, 1, 2, 4, 8, 16)
 STALE_LOSSES = {
     "grpo_tis": ("loss.name=grpo", "loss.options.correction=tis"),
@@ -76,6 +79,11 @@ STALE_LOSSES = {
     # GRPO + token TIS with every step's learning rate scaled by the batch's ESS.
     "grpo_tis_ess": ("loss.name=grpo", "loss.options.correction=tis", "trainer.ess_lr_power=1"),
 }
+
+
+def stale_overrides(loss_overrides: tuple[str, ...], lag: int) -> tuple[str, ...]:
+    return (*loss_overrides, f"rollout.max_lag={lag}", f"rollout.groups_per_batch={STALE_BATCH}",
+            f"trainer.step_delay_s={STALE_DELAY_S}")
 
 
 def study_variants(study: str) -> dict[str, tuple[str, ...]]:
@@ -111,18 +119,20 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
                                   "rollout.filter_zero_signal=False"),
             "group16": ("rollout.groups_per_batch=32", "rollout.group_size=16"),
             "lr_floor_0.3": ("optimizer.final_lr_ratio=0.3",),
+            "batch32_lr_floor_0.3": ("rollout.groups_per_batch=32",
+                                     "optimizer.final_lr_ratio=0.3"),
+            "batch16": ("rollout.groups_per_batch=16",),
         }
     variants = {}
     for loss, overrides in STALE_LOSSES.items():
         for lag in STALE_LAGS:
-            variants[f"{loss}/lag{lag}"] = (*overrides, f"rollout.max_lag={lag}",
-                                            f"trainer.step_delay_s={STALE_DELAY_S}")
+            variants[f"{loss}/lag{lag}"] = stale_overrides(overrides, lag)
     # A variant name may also be given as LOSS/lagN for any N.
     return variants
 
 
 def default_time_limit(study: str) -> float:
-    return {"defaults": 570.0, "ceiling": 570.0, "plateau": 300.0, "staleness": 150.0}[study]
+    return {"defaults": 570.0, "ceiling": 570.0, "plateau": 300.0, "staleness": 90.0}[study]
 
 
 def ensure_base(workdir: Path) -> Path:
@@ -358,8 +368,7 @@ def main(argv):
         for name in _VARIANTS.value:
             loss, _, lag = name.partition("/lag")
             if name not in variants and loss in STALE_LOSSES and lag.isdigit():
-                variants[name] = (*STALE_LOSSES[loss], f"rollout.max_lag={lag}",
-                                  f"trainer.step_delay_s={STALE_DELAY_S}")
+                variants[name] = stale_overrides(STALE_LOSSES[loss], int(lag))
     if _VARIANTS.value:
         unknown = sorted(set(_VARIANTS.value) - set(variants))
         if unknown:
@@ -388,7 +397,7 @@ def main(argv):
         if study == "staleness":
             plot_by_lag(result["summary"], RESULTS / f"{name}_by_lag.png",
                         f"staleness: {time_limit:.0f} s per run, trainer slowed by "
-                        f"{STALE_DELAY_S} s a step")
+                        f"{STALE_DELAY_S} s a step, {STALE_BATCH} prompts x 8 a batch")
         return result
 
     for seed in [int(s) for s in _SEEDS.value]:  # seeds outermost: drift hits every variant

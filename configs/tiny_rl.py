@@ -43,7 +43,7 @@ def get_config() -> ConfigDict:
 
     c.rollout = ConfigDict(dict(
         group_size=8,  # samples per prompt
-        groups_per_batch=64,  # prompts per optimizer step
+        groups_per_batch=32,  # prompts per optimizer step
         max_lag=2,  # async mode: most optimizer steps a sample may lag behind the trainer
         staleness_policy="prevent",
         temperature=1.0, top_p=1.0, top_k=-1,
@@ -89,7 +89,7 @@ def get_config() -> ConfigDict:
     # schedule_on="progress": the cosine decay follows the run's progress, the larger of
     # steps / trainer.steps and wall time / trainer.time_limit_s, so a run stopped by its time
     # limit has decayed exactly when it stops ("steps": over trainer.steps updates).
-    c.optimizer = ConfigDict(dict(learning_rate=5e-4, warmup_steps=5, final_lr_ratio=0.1,
+    c.optimizer = ConfigDict(dict(learning_rate=5e-4, warmup_steps=5, final_lr_ratio=0.3,
                                   b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0, schedule_on="progress"))
 
