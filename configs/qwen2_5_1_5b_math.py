@@ -62,6 +62,10 @@ def get_config() -> ConfigDict:
         request_timeout_s=3600.0,
         # The servers' GPUs (server i uses GPU i of these, --base-gpu-id i).
         env=(("CUDA_VISIBLE_DEVICES", "4,5,6,7"),), extra_args=(),
+        # API keys (rl_jax.generator.auth): files holding them, else the environment
+        # (RL_JAX_API_KEY, RL_JAX_ADMIN_API_KEY); servers started here without either get random
+        # keys for the run. Keys never go in a config (it is saved and logged).
+        auth=ConfigDict(dict(api_key_file="", admin_api_key_file="", generate_keys=True)),
     ))
     c.cpus = ConfigDict(dict(trainer="", generators="", rollout="", generators_nice=0))
     c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",

@@ -290,7 +290,7 @@ class Session:
                                      control_timeout=max(c.transfer.timeout_s, 60.0))
         self.control_loop = BackgroundLoop("generator-control")
         self._closers.append(self.control_loop.close)
-        self.control = GeneratorClient(self.pool.urls, client_config)
+        self.control = GeneratorClient(self.pool.urls, client_config, keys=self.pool.keys)
         self._closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
         if c.generator.urls:
             health = self.control_loop.run(self.control.check_health(), timeout=60)
@@ -298,7 +298,8 @@ class Session:
             if down:
                 raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
                                     "answer at /health)")
-        self.rollout_client = GeneratorClient(self.pool.urls, client_config)
+        self.rollout_client = GeneratorClient(self.pool.urls, client_config,
+                                              keys=self.pool.keys)
         self.sampler = PoolSampler([self.rollout_client, self.control])
         self._closers.append(self.sampler.close)
         self.weights = WeightSync(
