@@ -9,9 +9,11 @@ servers through SGLang's ``/update_weights_from_disk`` after every step, stalene
     CUDA_VISIBLE_DEVICES=0,1,2,3 python -m launch.train --config=configs/qwen2_5_1_5b_math.py \
         --workdir=runs/qwen1.5b_math
 
-The servers see GPUs 4-7 (``generator.env``); on several nodes start them with
-``python -m sglang.launch_server`` and list them in ``generator.urls`` instead (see
-WORKSPACE.md, "Multi-host runs").
+The servers see GPUs 4-7 (``generator.env``) and get random API keys for the run
+(``generator.auth``). On several nodes start them with ``python -m sglang.launch_server --host
+0.0.0.0 --config keys.yaml`` (a file only you read: ``api-key: ...``, ``admin-api-key: ...``),
+list them in ``generator.urls`` and name the same keys' files in ``generator.auth`` (see
+``configs/qwen2_5_7b_math.py`` and WORKSPACE.md, "Multi-host runs").
 """
 
 from ml_collections import ConfigDict

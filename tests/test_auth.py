@@ -458,6 +458,25 @@ def test_client_generates_and_controls_through_keys(servers, ckpts):
     assert not paused and version == 11
 
 
+def test_a_run_with_wrong_keys_stops_at_start(servers):
+    from rl_jax.orchestrator.config import RLConfigError
+    from rl_jax.orchestrator.pool import check_keys
+    pool = servers["both"]
+
+    async def check(keys):
+        async with GeneratorClient(pool.urls, keys=keys) as client:
+            await check_keys(client)
+
+    asyncio.run(check(Keys(API, ADMIN)))
+    for keys, message in ((Keys(), "refused this run's API key \\(HTTP 401\\)"),
+                          (Keys(WRONG, ADMIN), "refused this run's API key \\(HTTP 401\\)"),
+                          (Keys(API), "refused this run's admin key \\(HTTP 403\\)"),
+                          (Keys(API, WRONG), "refused this run's admin key \\(HTTP 403\\)")):
+        with pytest.raises(RLConfigError, match=message) as e:
+            asyncio.run(check(keys))
+        assert API not in str(e.value) and ADMIN not in str(e.value)
+
+
 # ---- SGLang's router ----------------------------------------------------------------------------
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,

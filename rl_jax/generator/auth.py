@@ -86,8 +86,8 @@ class Keys:
         return hash((self.api_key, self.admin_api_key))
 
     def __repr__(self) -> str:
-        state = lambda key: "set" if key else "unset"  # noqa: E731
-        return f"Keys(api_key={state(self.api_key)}, admin_api_key={state(self.admin_api_key)})"
+        api, admin = ("set" if key else "unset" for key in (self.api_key, self.admin_api_key))
+        return f"Keys(api_key={api}, admin_api_key={admin})"
 
     def __reduce__(self):
         return (Keys, (self.api_key, self.admin_api_key))

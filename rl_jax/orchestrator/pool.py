@@ -19,11 +19,14 @@ import collections
 import logging
 import secrets
 import threading
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rl_jax.generator.auth import AuthConfigError, Keys, load_keys
+from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigError, Keys,
+                                   load_keys)
+from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
 from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
 from rl_jax.orchestrator.config import RLConfigError
 
@@ -67,6 +70,24 @@ def generator_keys(block: Any, *, environ: Mapping[str, str] | None = None) -> K
     if keys or block.urls or not auth.get("generate_keys", False):
         return keys
     return Keys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+
+
+async def check_keys(client: GeneratorClient) -> None:
+    """Raises :class:`RLConfigError` unless every server up takes the client's keys: the API
+    key at ``/get_weight_version``, the admin key at ``/abort_request`` of an unknown request
+    (which changes nothing), so that wrong keys stop a run at start with one clear line."""
+    for method, path, body, which in (
+            ("GET", "/get_weight_version", None, "API key"),
+            ("POST", "/abort_request", {"rid": f"auth-check-{uuid.uuid4().hex}"}, "admin key")):
+        try:
+            await client.broadcast(method, path, body)
+        except GeneratorRequestError as e:
+            if e.status not in (401, 403):
+                raise
+            raise RLConfigError(
+                f"generator server {e.url} refused this run's {which} (HTTP {e.status}) at "
+                f"{path}: give the servers' keys in generator.auth.api_key_file / "
+                f"admin_api_key_file or in {API_KEY_ENV} / {ADMIN_API_KEY_ENV}") from None
 
 
 class GeneratorPool:

@@ -35,7 +35,7 @@ from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompt
 from rl_jax.orchestrator.policy import (INT_FIELDS, POLICY_FIELDS, PolicyBatch,
                                         make_policy_loss)
 from rl_jax.generator.launcher import PoolConfig
-from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
+from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool, check_keys
 from rl_jax.orchestrator.snapshots import SnapshotWriter
 from rl_jax.orchestrator.weights import WeightSync
 from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
@@ -298,6 +298,7 @@ class Session:
             if down:
                 raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
                                     "answer at /health)")
+        self.control_loop.run(check_keys(self.control), timeout=60)
         self.rollout_client = GeneratorClient(self.pool.urls, client_config,
                                               keys=self.pool.keys)
         self.sampler = PoolSampler([self.rollout_client, self.control])
