@@ -338,6 +338,12 @@ def test_admin_endpoints_refuse_all_but_the_admin_key(servers, ckpts):
             assert status == 403, (method, path, headers, data)
             assert data["error"]["type"] == "forbidden" and data["error"]["code"] == 403
             assert "admin API key" in data["error"]["message"]
+    # other spellings of an admin path reach no admin endpoint with the API key
+    for spelling in ("/pause_generation/", "//pause_generation", "/./pause_generation",
+                     "/pause_generation?mode=abort", "/%70ause_generation",
+                     "/pause_generation%2F", "/PAUSE_GENERATION"):
+        status, data, _ = http(url, spelling, {"mode": "abort"}, headers=bearer(API))
+        assert status in (403, 404), (spelling, status, data)
     # nothing changed: not paused, same weights
     assert server_state(url)[:2] == (paused, version)
 

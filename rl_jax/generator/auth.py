@@ -244,7 +244,11 @@ def aiohttp_middleware(keys: Keys, error_body):
 
     @web.middleware
     async def authenticate(request: web.Request, handler):
-        refusal = check_request(request.path, request.headers, keys)
+        # Judge the endpoint that will run (the route aiohttp matched), whatever the spelling
+        # of the request's path; unmatched paths by their own name.
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else request.path
+        refusal = check_request(path, request.headers, keys)
         if refusal is None:
             return await handler(request)
         status, kind, message = refusal
