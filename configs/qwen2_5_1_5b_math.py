@@ -9,9 +9,11 @@ servers through SGLang's ``/update_weights_from_disk`` after every step, stalene
     CUDA_VISIBLE_DEVICES=0,1,2,3 python -m launch.train --config=configs/qwen2_5_1_5b_math.py \
         --workdir=runs/qwen1.5b_math
 
-The servers see GPUs 4-7 (``generator.env``); on several nodes start them with
-``python -m sglang.launch_server`` and list them in ``generator.urls`` instead (see
-WORKSPACE.md, "Multi-host runs").
+The servers see GPUs 4-7 (``generator.env``) and get random API keys for the run
+(``generator.auth``). On several nodes start them with ``python -m sglang.launch_server --host
+0.0.0.0 --config keys.yaml`` (a file only you read: ``api-key: ...``, ``admin-api-key: ...``),
+list them in ``generator.urls`` and name the same keys' files in ``generator.auth`` (see
+``configs/qwen2_5_7b_math.py`` and WORKSPACE.md, "Multi-host runs").
 """
 
 from ml_collections import ConfigDict
@@ -62,6 +64,10 @@ def get_config() -> ConfigDict:
         request_timeout_s=3600.0,
         # The servers' GPUs (server i uses GPU i of these, --base-gpu-id i).
         env=(("CUDA_VISIBLE_DEVICES", "4,5,6,7"),), extra_args=(),
+        # API keys (rl_jax.generator.auth): files holding them, else the environment
+        # (RL_JAX_API_KEY, RL_JAX_ADMIN_API_KEY); servers started here without either get random
+        # keys for the run. Keys never go in a config (it is saved and logged).
+        auth=ConfigDict(dict(api_key_file="", admin_api_key_file="", generate_keys=True)),
     ))
     c.cpus = ConfigDict(dict(trainer="", generators="", rollout="", generators_nice=0))
     c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",

@@ -6,11 +6,17 @@ weights go to the servers through SGLang's ``/update_weights_from_disk`` after e
 
     huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir checkpoints/qwen2.5-7b
     # data/math_train.jsonl and data/math500.jsonl: {"problem": ..., "answer": ...} per line
-    # node 1, four times (ports 30000-30003, GPUs 0-1, 2-3, ...):
-    python -m sglang.launch_server --model-path checkpoints/qwen2.5-7b --tp-size 2 --port 30000
+    # both nodes: the servers' API keys in files only this user reads (SGLang's own YAML
+    # settings file for the servers, one key per file for the trainer)
+    umask 077; mkdir -p keys; openssl rand -hex 32 > keys/api; openssl rand -hex 32 > keys/admin
+    printf 'api-key: %s\nadmin-api-key: %s\n' $(cat keys/api) $(cat keys/admin) > keys/sglang.yaml
+    # node 1, four times (ports 30000-30003, GPUs 0-1, 2-3, ...), reachable from node 0:
+    python -m sglang.launch_server --model-path checkpoints/qwen2.5-7b --tp-size 2 \
+        --host 0.0.0.0 --port 30000 --config keys/sglang.yaml
     # node 0:
     python -m launch.train --config=configs/qwen2_5_7b_math.py \
-        --workdir=runs/qwen7b_math
+        --workdir=runs/qwen7b_math --config.generator.auth.api_key_file=keys/api \
+        --config.generator.auth.admin_api_key_file=keys/admin
 
 The servers run on another node and are listed in ``generator.urls``; weights reach them as HF
 checkpoints on a filesystem both nodes share (``<workdir>/weights``); see WORKSPACE.md,
@@ -62,6 +68,10 @@ def get_config() -> ConfigDict:
         data_parallel=1, decode_steps=1,
         startup_timeout_s=1200.0, restart_dead=True, warmup_shapes=False,
         request_timeout_s=3600.0,
+        # API keys (rl_jax.generator.auth): files holding them, else the environment
+        # (RL_JAX_API_KEY, RL_JAX_ADMIN_API_KEY); servers started here without either get random
+        # keys for the run. Keys never go in a config (it is saved and logged).
+        auth=ConfigDict(dict(api_key_file="", admin_api_key_file="", generate_keys=True)),
     ))
     c.cpus = ConfigDict(dict(trainer="", generators="", rollout="", generators_nice=0))
     c.transfer = ConfigDict(dict(transports=("disk",), transport="auto", host="127.0.0.1",

@@ -104,6 +104,10 @@ def get_config() -> ConfigDict:
         restart_dead=True, request_timeout_s=600.0,
         # Compile every decode shape before serving (a slower start, no stalls later).
         warmup_shapes=True,
+        # API keys (rl_jax.generator.auth): files holding them, else the environment
+        # (RL_JAX_API_KEY, RL_JAX_ADMIN_API_KEY); servers started here without either get random
+        # keys for the run. Keys never go in a config (it is saved and logged).
+        auth=ConfigDict(dict(api_key_file="", admin_api_key_file="", generate_keys=True)),
     ))
     # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1". `rollout`:
     # the trainer process's host threads (rollout client, batch packing, evaluation, weight

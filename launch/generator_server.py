@@ -4,6 +4,12 @@ r"""Serves an HF checkpoint with the JAX engine over SGLang's HTTP API.
         [--host=127.0.0.1 --max_slots=32 --max_seq_len=512 --dtype=float32 \
          --tensor_parallel=1 --data_parallel=1 --weight_version=0]
 
+API keys, as SGLang's --api-key / --admin-api-key (rl_jax.generator.auth): --api_key_file and
+--admin_api_key_file, or the environment variables RL_JAX_API_KEY and RL_JAX_ADMIN_API_KEY
+(--api_key / --admin_api_key also work, but a command line is visible to every local user).
+The API key guards /generate and the information endpoints, the admin key every endpoint that
+changes the server; /health stays open. A server bound beyond loopback without keys warns.
+
 Prints one line starting with "rl_jax generator server ready at http://HOST:PORT" once it
 answers requests; stops cleanly on SIGINT/SIGTERM. On CPU, --tensor_parallel=T and
 --data_parallel=D force T*D host devices unless XLA_FLAGS already sets a count: D replicas of the
@@ -53,6 +59,14 @@ _PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight pu
                                  "(rl_jax.transfer), for /update_weights_from_transfer.")
 _CPU_CORES = flags.DEFINE_string("cpu_cores", "", "CPU cores to run on, e.g. '1' or '2-3' "
                                  "(taskset syntax; empty: any).")
+_API_KEY = flags.DEFINE_string("api_key", None, "API key for the normal endpoints (SGLang's "
+                               "--api-key); prefer --api_key_file or RL_JAX_API_KEY.")
+_API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "File holding the API key.")
+_ADMIN_KEY = flags.DEFINE_string("admin_api_key", None, "Admin API key for the endpoints that "
+                                 "change the server (SGLang's --admin-api-key); prefer "
+                                 "--admin_api_key_file or RL_JAX_ADMIN_API_KEY.")
+_ADMIN_KEY_FILE = flags.DEFINE_string("admin_api_key_file", None,
+                                      "File holding the admin API key.")
 flags.mark_flags_as_required(["model"])
 
 
@@ -72,7 +86,16 @@ def main(argv):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={devices}")
     from rl_jax.errors import USER_ERRORS
-    from rl_jax.generator import server
+    from rl_jax.generator import auth, server
+
+    try:
+        keys = auth.load_keys(_API_KEY.value, _API_KEY_FILE.value, _ADMIN_KEY.value,
+                              _ADMIN_KEY_FILE.value)
+    except auth.AuthConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for name in (auth.API_KEY_ENV, auth.ADMIN_API_KEY_ENV):  # not for this process's children
+        os.environ.pop(name, None)
 
     config = server.ServerConfig(
         model=_MODEL.value, host=_HOST.value, port=_PORT.value, max_slots=_MAX_SLOTS.value,
@@ -83,7 +106,7 @@ def main(argv):
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,
-        publisher_url=_PUBLISHER.value)
+        publisher_url=_PUBLISHER.value, keys=keys)
     try:
         server.run(config)
     except USER_ERRORS as e:

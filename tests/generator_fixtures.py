@@ -77,12 +77,13 @@ def start_pool(model: Path, count: int, log_dir: Path, *, extra_args=(), **kw) -
 
 
 def http(url: str, path: str, body=None, *, method: str | None = None, raw: bytes | None = None,
-         timeout: float = 120.0):
+         timeout: float = 120.0, headers: dict[str, str] | None = None):
     """``(status, parsed JSON or text, headers)`` of one request, whatever its HTTP status
-    (transport errors and timeouts raise ``OSError``)."""
+    (transport errors and timeouts raise ``OSError``); ``headers`` are added to the request."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     request = urllib.request.Request(url + path, data=data, method=method or (
-        "POST" if data is not None else "GET"), headers={"Content-Type": "application/json"})
+        "POST" if data is not None else "GET"),
+        headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, text, headers = response.status, response.read().decode(), response.headers

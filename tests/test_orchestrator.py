@@ -319,14 +319,21 @@ def _same_keys(reference: ConfigDict, c: ConfigDict, name: str, prefix: str = ""
 def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
     """launch.trainer on two processes (4 host devices each, one (1, 8, 1) mesh) with a
     generator server given by URL: process 0 drives the rollout and publishes, both train.
-    (The tiny vocabulary of 15 tokens cannot be split over a tensor axis.)"""
+    (The tiny vocabulary of 15 tokens cannot be split over a tensor axis.) The server is keyed
+    (API and admin keys from its environment); the trainers read the keys from files."""
     from rl_jax.generator.launcher import free_port
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    keys = {"RL_JAX_API_KEY": "api-" + os.urandom(16).hex(),
+            "RL_JAX_ADMIN_API_KEY": "admin-" + os.urandom(16).hex()}
+    (tmp_path / "api").write_text(keys["RL_JAX_API_KEY"])
+    (tmp_path / "admin").write_text(keys["RL_JAX_ADMIN_API_KEY"])
+    key_files = [f"--config.generator.auth.api_key_file={tmp_path / 'api'}",
+                 f"--config.generator.auth.admin_api_key_file={tmp_path / 'admin'}"]
     server = subprocess.Popen(
         [sys.executable, "-m", "launch.generator_server", f"--model={base_policy}", "--port=0",
          "--max_seq_len=64", "--max_slots=32", f"--parent_pid={os.getpid()}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        cwd=ROOT, env={**env, **keys}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
     try:
         url = None
         for line in server.stdout:
@@ -343,7 +350,7 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
              f"--process_id={i}", f"--generator_urls={url}", *SMALL,
              f"--config.base.checkpoint={base_policy}", "--config.trainer.steps=3",
              "--config.mesh.fsdp=8", "--config.mesh.tensor=1",
-             "--config.trainer.micro_batch_rows=8"],
+             "--config.trainer.micro_batch_rows=8", *key_files],
             cwd=ROOT, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
@@ -353,6 +360,16 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
         summary = json.loads((workdir / "summary.json").read_text())
         assert summary["steps"] == 3 and summary["final_version"] == 3
         assert sorted(train_records(workdir)) == [1, 2, 3]
+        for key in keys.values():
+            assert not any(key in out for out in outputs)
+        # Without the keys a trainer stops at once: the server refuses it.
+        refused = subprocess.run(
+            [sys.executable, "-m", "launch.trainer", "--config=configs/tiny_rl.py",
+             f"--workdir={tmp_path / 'refused'}", f"--generator_urls={url}", *SMALL,
+             f"--config.base.checkpoint={base_policy}", "--config.trainer.steps=1"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert "refused this run's API key (HTTP 401)" in refused.stderr.strip().splitlines()[-1]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

@@ -10,6 +10,10 @@
 - a request that fails on one server (connection error, timeout, 5xx, 503 overload) is retried
   on another, up to ``max_attempts`` in all; a 4xx is the request's fault and is raised at once
   as :class:`GeneratorRequestError` (never retried);
+- API keys (``keys``, :class:`~rl_jax.generator.auth.Keys`): each request carries the key its
+  endpoint needs as ``Authorization: Bearer`` (SGLang's convention, also understood by real
+  SGLang servers and their router): the admin key for endpoints that change a server, the API key
+  for the others; a refusal (401/403) is a :class:`GeneratorRequestError`;
 - control operations (pause, resume, abort, flush, weight updates) are broadcast to every
   server. The last weight update and pause are re-applied to a server that comes back up, so a
   restarted server does not serve stale weights.
@@ -30,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from rl_jax.generator.auth import NO_KEYS, Keys
 from rl_jax.generator.base import Generator
 from rl_jax.generator.protocol import outputs_from_json, request_json
 from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError
@@ -83,10 +88,13 @@ class GeneratorClient(Generator):
     session and health checker start on first use, inside the running event loop.
     """
 
-    def __init__(self, urls: Sequence[str], config: ClientConfig = ClientConfig()):
+    def __init__(self, urls: Sequence[str], config: ClientConfig = ClientConfig(), *,
+                 keys: Keys = NO_KEYS):
         if not urls:
             raise ValueError("GeneratorClient needs at least one server url")
         self.config = config
+        self.keys = keys
+        self._headers: dict[str, dict[str, str]] = {}  # path -> authorization headers
         self.servers = [ServerState(url.rstrip("/")) for url in urls]
         self.stats: collections.Counter = collections.Counter()
         self._session: aiohttp.ClientSession | None = None
@@ -126,7 +134,10 @@ class GeneratorClient(Generator):
         session = await self._ensure_started()
         timeout = aiohttp.ClientTimeout(total=timeout or self.config.control_timeout,
                                         sock_connect=self.config.connect_timeout)
-        async with session.request(method, server.url + path, json=body,
+        headers = self._headers.get(path)
+        if headers is None:
+            headers = self._headers[path] = self.keys.headers_for(path)
+        async with session.request(method, server.url + path, json=body, headers=headers,
                                    timeout=timeout) as response:
             text = await response.text()
             try:

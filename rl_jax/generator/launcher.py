@@ -8,14 +8,23 @@ GeneratorClient` drives either::
 
     with ServerPool(PoolConfig(model="ckpt", ports=(30001, 30002))) as pool:
         async with GeneratorClient(pool.urls) as client: ...
+
+API keys (``PoolConfig.keys``, :class:`~rl_jax.generator.auth.Keys`) never go on a command line:
+this project's servers get them in their environment (``RL_JAX_API_KEY``,
+``RL_JAX_ADMIN_API_KEY``), SGLang servers in a YAML file readable by this user only, named by
+SGLang's ``--config`` and holding its ``api-key`` / ``admin-api-key`` settings. Clients send them
+with ``GeneratorClient(urls, keys=pool.config.keys)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +36,11 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys, child_environ,
+                                   exposure_warning)
+
+log = logging.getLogger(__name__)
 
 KINDS = ("rl_jax", "sglang")
 # What rl_jax.generator.server prints once it serves.
@@ -71,6 +85,9 @@ class PoolConfig:
     # version before they report ready (so a restarted server never serves old weights) and on
     # /update_weights_from_transfer.
     publisher_url: str = ""
+    # The servers' API key and admin API key (SGLang's --api-key / --admin-api-key), handed to
+    # them through their environment or a private file; never shown in a repr.
+    keys: Keys = NO_KEYS
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -78,6 +95,18 @@ class PoolConfig:
         if not self.ports:
             raise LaunchError("the generator pool needs at least one port")
         check_nice(self.nice)
+        if not isinstance(self.keys, Keys):
+            raise LaunchError(f"generator keys must be rl_jax.generator.auth.Keys, got "
+                              f"{type(self.keys).__name__}")
+        named = sorted({k for k, _ in self.env} & {API_KEY_ENV, ADMIN_API_KEY_ENV})
+        if named:
+            raise LaunchError(f"generator env sets {named}: give the servers' keys as "
+                              "PoolConfig.keys (the pool hands them over)")
+        for arg in self.extra_args:
+            if re.match(r"--(admin[-_])?api[-_]key(_file)?(=|$)", arg):
+                raise LaunchError(f"generator extra_args name {arg.split('=')[0]}: give the "
+                                  "servers' keys as PoolConfig.keys (a command line is visible "
+                                  "to every local user and in logs)")
 
     @classmethod
     def from_config(cls, block: Any) -> "PoolConfig":
@@ -105,8 +134,10 @@ def check_nice(value: Any, name: str = "generator nice") -> None:
                           f"(lowest), got {value!r}")
 
 
-def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
-    """The command line of server ``index`` listening on ``port``."""
+def server_command(config: PoolConfig, port: int, index: int = 0,
+                   sglang_config: str | None = None) -> list[str]:
+    """The command line of server ``index`` listening on ``port``; ``sglang_config``: a YAML
+    file of further SGLang settings (its ``--config``; see :func:`write_sglang_keys`)."""
     c = config
     if c.kind == "rl_jax":
         cmd = [sys.executable, "-m", "launch.generator_server", f"--model={c.model}",
@@ -132,11 +163,25 @@ def server_command(config: PoolConfig, port: int, index: int = 0) -> list[str]:
                "--weight-version", str(c.weight_version)]
         if c.decode_steps != 1:
             cmd += ["--num-continuous-decode-steps", str(c.decode_steps)]
+        if sglang_config:
+            cmd += ["--config", sglang_config]
         if c.cpu_cores:
             cmd = ["taskset", "-c", c.cpu_cores] + cmd
     if c.nice:
         cmd = ["nice", "-n", str(c.nice)] + cmd
     return cmd + list(c.extra_args)
+
+
+def write_sglang_keys(keys: Keys, directory: str | Path) -> Path:
+    """A YAML file of SGLang's ``api-key`` / ``admin-api-key`` settings for its ``--config``,
+    created readable and writable by this user only (0600) in ``directory``."""
+    path = Path(directory) / "sglang-keys.yaml"
+    lines = [f"{name}: {json.dumps(value)}\n" for name, value in
+             (("api-key", keys.api_key), ("admin-api-key", keys.admin_api_key)) if value]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(lines)
+    return path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -167,7 +212,9 @@ class ServerPool:
         self.log_files = [self.log_dir / f"{self.config.kind}-server-{i}.log"
                           for i in range(len(self.ports))]
         self._log_offsets = [0] * len(self.ports)
-        self.env = {**os.environ, **dict(self.config.env)}
+        # The servers get the pool's keys and no others (not ones this process inherited).
+        self.env = child_environ({**os.environ, **dict(self.config.env)}, self.config.keys)
+        self._secrets: Path | None = None  # private directory of SGLang's key file
         if self.config.kind == "rl_jax":  # `launch` must be importable from the subprocess
             root = str(Path(__file__).resolve().parents[2])
             self.env["PYTHONPATH"] = os.pathsep.join(
@@ -180,13 +227,24 @@ class ServerPool:
         return [f"http://{host}:{p}" for p in self.ports]
 
     def commands(self) -> list[list[str]]:
-        return [server_command(self.config, p, i) for i, p in enumerate(self.ports)]
+        return [self._command(i) for i in range(len(self.ports))]
+
+    def _command(self, index: int) -> list[str]:
+        sglang_config = None
+        if self.config.kind == "sglang" and self.config.keys:
+            if self._secrets is None or not self._secrets.is_dir():
+                self._secrets = Path(tempfile.mkdtemp(prefix="rl_jax-keys-"))  # mode 0700
+            sglang_config = str(write_sglang_keys(self.config.keys, self._secrets))
+        return server_command(self.config, self.ports[index], index, sglang_config)
 
     def start(self, wait: bool = True) -> "ServerPool":
         if self.config.kind == "sglang" and importlib.util.find_spec("sglang") is None:
             raise LaunchError("generator kind 'sglang' needs the sglang package: "
                               "pip install 'rl_jax[sglang]' (CUDA machines)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        warning = exposure_warning(self.config.host, self.config.keys)
+        if warning and self.config.kind == "sglang":  # this project's servers print it
+            log.warning("%s", warning)
         for i in range(len(self.ports)):
             self.start_server(i, wait=False)
         if wait:
@@ -195,7 +253,7 @@ class ServerPool:
 
     def start_server(self, index: int, *, wait: bool = True):
         """(Re)starts server ``index`` (e.g. after it died)."""
-        cmd = server_command(self.config, self.ports[index], index)
+        cmd = self._command(index)
         with open(self.log_files[index], "ab") as log:
             self._log_offsets[index] = log.tell()
             self.processes[index] = subprocess.Popen(
@@ -263,6 +321,9 @@ class ServerPool:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
+        if self._secrets is not None:
+            shutil.rmtree(self._secrets, ignore_errors=True)
+            self._secrets = None
 
     def __enter__(self) -> "ServerPool":
         return self.start()

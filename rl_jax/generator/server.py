@@ -25,6 +25,9 @@ paths, 503 with ``Retry-After`` when the waiting queue is full, 503 once the eng
 A client that disconnects has its requests aborted. Weight versions are integers (SGLang uses
 strings); every token's version is in ``meta_info.output_token_weight_versions``.
 
+With ``ServerConfig.keys`` set, requests need SGLang's API key or admin API key
+(``rl_jax.generator.auth``: 401/403 otherwise; ``/health`` stays open).
+
 Differences from SGLang worth knowing: the engine stops on token ids only, so ``stop`` strings
 are applied to the finished completion (decoding continues until a stop token or
 ``max_new_tokens``); ``stream: true`` sends one event per finished completion rather than
@@ -41,6 +44,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,6 +54,7 @@ from aiohttp import web
 
 import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
+from rl_jax.generator import auth
 from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate)
@@ -96,6 +101,8 @@ class ServerConfig:
     # With a publisher_url: pull the newest published version (if any) before serving, so a
     # server (re)started during a run never answers with weights older than the run's.
     pull_on_start: bool = True
+    # API key and admin API key (rl_jax.generator.auth; never shown in a repr or a log)
+    keys: auth.Keys = auth.NO_KEYS
 
 
 class EngineStopped(RuntimeError):
@@ -619,8 +626,10 @@ class GeneratorServer:
             self.http_requests[request.path] += 1
             return await handler(request)
 
-        app = web.Application(middlewares=[count, _errors_middleware],
-                              client_max_size=MAX_BODY_BYTES)
+        middlewares = [count, _errors_middleware]
+        if self.config.keys:
+            middlewares.insert(1, auth.aiohttp_middleware(self.config.keys, error_json))
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         add = app.router.add_route
         for method in ("POST", "PUT"):
             add(method, "/generate", self.generate)
@@ -646,6 +655,9 @@ class GeneratorServer:
     async def serve(self, stop: asyncio.Event | None = None):
         """Serves until ``stop`` is set (or SIGINT/SIGTERM), then shuts the engine down."""
         stop = stop or asyncio.Event()
+        warning = auth.exposure_warning(self.config.host, self.config.keys)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):

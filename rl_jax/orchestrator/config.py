@@ -149,6 +149,7 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     if g.max_slots % g.get("data_parallel", 1):
         raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "
                             f"generator.data_parallel={g.data_parallel} replicas")
+    _check_auth(g.get("auth"))
     if "cpus" in c and "generators_nice" in c.cpus:
         from rl_jax.generator.launcher import LaunchError, check_nice
         try:
@@ -178,6 +179,27 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
     if c.env.name not in envs.names():
         raise RLConfigError(f"env.name must be one of {envs.names()}, got {c.env.name!r}")
     return settings
+
+
+AUTH_SETTINGS = ("api_key_file", "admin_api_key_file", "generate_keys")
+
+
+def _check_auth(auth: Any) -> None:
+    """``generator.auth`` names key files (never keys: a config is saved and logged)."""
+    if auth is None:
+        return
+    unknown = sorted(set(auth.keys()) - set(AUTH_SETTINGS))
+    if unknown:
+        raise RLConfigError(f"generator.auth has unknown settings {unknown} (known: "
+                            f"{list(AUTH_SETTINGS)}); keys come from files or the environment "
+                            "(RL_JAX_API_KEY, RL_JAX_ADMIN_API_KEY), never from the config")
+    for name in AUTH_SETTINGS[:2]:
+        if not isinstance(auth.get(name, ""), str):
+            raise RLConfigError(f"generator.auth.{name} must be a file path or \"\", got "
+                                f"{type(auth.get(name)).__name__}")
+    if not isinstance(auth.get("generate_keys", False), bool):
+        raise RLConfigError("generator.auth.generate_keys must be true or false, got "
+                            f"{auth.get('generate_keys')!r}")
 
 
 def _loss_names() -> tuple[str, ...]:

@@ -5,6 +5,11 @@ A restarted server of this project pulls the newest published weights before it 
 (``--publisher_url``), and the client re-applies the last weight update to any server it sees
 come back, so a restart never serves old weights for long; requests in flight on the dead server
 are retried on the others (or once it is back) by the client and the rollout.
+
+API keys (:func:`generator_keys`): from the files ``generator.auth.api_key_file`` /
+``admin_api_key_file``, else the environment (``RL_JAX_API_KEY``, ``RL_JAX_ADMIN_API_KEY``);
+servers started here without either get fresh random keys for the run
+(``generator.auth.generate_keys``), so that no run's servers answer unauthenticated requests.
 """
 
 from __future__ import annotations
@@ -12,11 +17,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import threading
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigError, Keys,
+                                   load_keys)
+from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
 from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
+from rl_jax.orchestrator.config import RLConfigError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +57,39 @@ class BackgroundLoop:
             self.loop.close()
 
 
+def generator_keys(block: Any, *, environ: Mapping[str, str] | None = None) -> Keys:
+    """The API keys of a run's generator servers (see the module docstring); raises
+    :class:`RLConfigError` naming the setting whose key cannot be used."""
+    auth = block.get("auth") or {}
+    files = {name: auth.get(name) or None for name in ("api_key_file", "admin_api_key_file")}
+    try:
+        keys = load_keys(api_key_file=files["api_key_file"],
+                         admin_api_key_file=files["admin_api_key_file"], environ=environ)
+    except AuthConfigError as e:
+        raise RLConfigError(f"generator.auth: {e}") from None
+    if keys or block.urls or not auth.get("generate_keys", False):
+        return keys
+    return Keys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+
+
+async def check_keys(client: GeneratorClient) -> None:
+    """Raises :class:`RLConfigError` unless every server up takes the client's keys: the API
+    key at ``/get_weight_version``, the admin key at ``/abort_request`` of an unknown request
+    (which changes nothing), so that wrong keys stop a run at start with one clear line."""
+    for method, path, body, which in (
+            ("GET", "/get_weight_version", None, "API key"),
+            ("POST", "/abort_request", {"rid": f"auth-check-{uuid.uuid4().hex}"}, "admin key")):
+        try:
+            await client.broadcast(method, path, body)
+        except GeneratorRequestError as e:
+            if e.status not in (401, 403):
+                raise
+            raise RLConfigError(
+                f"generator server {e.url} refused this run's {which} (HTTP {e.status}) at "
+                f"{path}: give the servers' keys in generator.auth.api_key_file / "
+                f"admin_api_key_file or in {API_KEY_ENV} / {ADMIN_API_KEY_ENV}") from None
+
+
 class GeneratorPool:
     """Servers for one run.
 
@@ -55,11 +100,14 @@ class GeneratorPool:
       cpu_cores: cores the servers run on ("" = any).
       nice: the servers' CPU priority (``PoolConfig.nice``).
       log_dir: where server logs go.
+      keys: the servers' API keys (default: :func:`generator_keys` of ``block``).
     """
 
     def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
-                 cpu_cores: str = "", nice: int = 0, log_dir: str | Path):
+                 cpu_cores: str = "", nice: int = 0, log_dir: str | Path,
+                 keys: Keys | None = None):
         self.block = block
+        self.keys = generator_keys(block) if keys is None else keys
         self.external = tuple(block.urls)
         self.restarts: collections.Counter = collections.Counter()
         self._servers: ServerPool | None = None
@@ -77,7 +125,8 @@ class GeneratorPool:
                 env=tuple(tuple(kv) for kv in block.get("env", ())),
                 extra_args=tuple(block.get("extra_args", ())) + (
                     ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
-                publisher_url=publisher_url if block.kind == "rl_jax" else ""))
+                publisher_url=publisher_url if block.kind == "rl_jax" else "",
+                keys=self.keys))
 
     @property
     def urls(self) -> list[str]:

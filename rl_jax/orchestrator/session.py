@@ -35,7 +35,7 @@ from rl_jax.orchestrator.evaluation import EvalResult, evaluate, held_out_prompt
 from rl_jax.orchestrator.policy import (INT_FIELDS, POLICY_FIELDS, PolicyBatch,
                                         make_policy_loss)
 from rl_jax.generator.launcher import PoolConfig
-from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool
+from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool, check_keys
 from rl_jax.orchestrator.snapshots import SnapshotWriter
 from rl_jax.orchestrator.weights import WeightSync
 from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
@@ -290,7 +290,7 @@ class Session:
                                      control_timeout=max(c.transfer.timeout_s, 60.0))
         self.control_loop = BackgroundLoop("generator-control")
         self._closers.append(self.control_loop.close)
-        self.control = GeneratorClient(self.pool.urls, client_config)
+        self.control = GeneratorClient(self.pool.urls, client_config, keys=self.pool.keys)
         self._closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
         if c.generator.urls:
             health = self.control_loop.run(self.control.check_health(), timeout=60)
@@ -298,7 +298,9 @@ class Session:
             if down:
                 raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
                                     "answer at /health)")
-        self.rollout_client = GeneratorClient(self.pool.urls, client_config)
+        self.control_loop.run(check_keys(self.control), timeout=60)
+        self.rollout_client = GeneratorClient(self.pool.urls, client_config,
+                                              keys=self.pool.keys)
         self.sampler = PoolSampler([self.rollout_client, self.control])
         self._closers.append(self.sampler.close)
         self.weights = WeightSync(
