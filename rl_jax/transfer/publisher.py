@@ -391,10 +391,10 @@ class Publisher:
         """Frees the staging slots of layouts that are no longer registered (dropped for a new
         one past ``max_layouts``). Runs in the publishing thread, which owns them."""
         with self._cond:
-            gone = [k for k in self._host if k not in self._layouts]
-        for key in gone:
-            log.info("freeing the staging of layout %s (no longer registered)", key)
-            self._host.pop(key).close()
+            gone = [self._host.pop(k) for k in list(self._host) if k not in self._layouts]
+        for staging in gone:
+            log.info("freeing the staging of layout %s (no longer registered)", staging.dir.name)
+            staging.close()
 
     def _streamed(self, reg: _Registration) -> bool:
         return (self.config.stream and self.algorithm == "xxh3_64_blocks"
@@ -645,7 +645,10 @@ class Publisher:
                 raise HTTPStatus(409, "host staging was not prepared for this layout")
             if {"offset": offset, "nbytes": nbytes} not in prep.staging["chunks"]:
                 raise HTTPStatus(400, f"no chunk at offset {offset} of {nbytes} bytes")
-            path = self._host[key].slot_path(prep.staging["slot"])
+            staging = self._host.get(key)
+            if staging is None:  # the layout was dropped meanwhile
+                raise HTTPStatus(410, f"version {version} is no longer offered")
+            path = staging.slot_path(prep.staging["slot"])
         # A shared lock for the send: the slot is not rewritten under it.
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -656,7 +659,7 @@ class Publisher:
         except BlockingIOError:
             os.close(fd)
             raise HTTPStatus(410, f"version {version} is no longer offered")
-        if self._host[key].stamp(prep.staging["slot"]) != version:
+        if staging.stamp(prep.staging["slot"]) != version:
             os.close(fd)
             raise HTTPStatus(410, f"version {version} is no longer offered")
         return FileSlice(fd, offset, nbytes, owned=True)
