@@ -4,6 +4,7 @@ bad query values, manifests naming paths outside the staging directory, digests 
 match, a publisher that accepts connections and never answers, and a staging filesystem
 too small for a version (a real tmpfs)."""
 
+import http.client
 import json
 import logging
 import os
@@ -17,8 +18,6 @@ import time
 import urllib.parse
 from pathlib import Path
 
-import http.client
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +25,7 @@ import pytest
 
 from rl_jax.models import ModelConfig
 from rl_jax.trainer.state import ModelSpec
-from rl_jax.transfer import (AuthenticationError, GeneratorPuller, IntegrityError, LayoutError,
+from rl_jax.transfer import (AuthenticationError, GeneratorPuller, IntegrityError,
                              PublisherNotAllowed, Publisher, PublisherConfig, Puller,
                              PullerConfig, TransferTimeout, pinned_publisher)
 from rl_jax.transfer.control import ControlClient, ControlServer, HTTPStatus
@@ -514,6 +513,35 @@ def test_a_stalled_publisher_releases_the_pull_within_its_deadline(spec):
         assert len(results) == 2 and time.monotonic() - start <= 2 * 1.5 + 1.5
     finally:
         stalled.close()
+
+
+def test_a_publisher_trickling_its_answer_cannot_stretch_the_deadline(spec):
+    """One byte of the status line and headers every 0.3 s, for ever: the pull still ends at
+    its deadline, although no single read waits longer than the socket timeout."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = server.accept()
+        conn.recv(65536)
+        with conn:
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10000:
+                if stop.wait(0.3):
+                    return
+                conn.sendall(bytes([byte]))
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    engine = FakeEngine(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target_of(spec)))
+    gp = GeneratorPuller(url, config=puller_config(timeout_s=2.0, http_timeout_s=1.0))
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransferTimeout, match="deadline"):
+            gp.pull_latest(engine)
+        assert 1.8 <= time.monotonic() - start <= 3.0
+    finally:
+        stop.set()
+        server.close()
 
 
 # ---- running out of staging space --------------------------------------------------------------

@@ -284,6 +284,37 @@ def normalize_url(url: str) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
+class _DeadlineSocket(socket.socket):
+    """A socket whose receives each wait at most ``step`` seconds and never past ``deadline``
+    (``time.monotonic()``): a peer that trickles its answer cannot stretch a request past it."""
+
+    deadline: float = math.inf
+    step: float | None = None
+
+    def recv_into(self, buffer, nbytes=0, flags=0):
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        self.settimeout(left if self.step is None else min(self.step, left))
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An ``HTTPConnection`` whose reads end at ``deadline`` (see :class:`_DeadlineSocket`)."""
+
+    def __init__(self, host: str, port: int, timeout: float, deadline: float):
+        super().__init__(host, port, timeout=timeout)
+        self._deadline = deadline
+
+    def connect(self):
+        super().connect()
+        raw = self.sock
+        sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+        sock.deadline, sock.step = self._deadline, self.timeout
+        sock.settimeout(self.timeout)
+        self.sock = sock
+
+
 class ControlClient:
     """Blocking JSON requests to a publisher (one connection per request), authenticated with
     ``token`` (default: ``$RL_JAX_TRANSFER_TOKEN`` when each request is made)."""
@@ -318,7 +349,8 @@ class ControlClient:
                 raise TransferTimeout(f"publisher {self.url}: the pull's deadline passed before "
                                       f"{method} {url_path(path)}")
             timeout = min(timeout, left)
-        conn = self.connection(timeout)
+        conn = self.connection(timeout) if deadline is None else \
+            _DeadlineConnection(self.host, self.port, timeout, deadline)
         headers = self.headers()
         if raw:
             headers["Content-Type"] = "application/json"

@@ -393,7 +393,8 @@ class Publisher:
         with self._cond:
             gone = [self._host.pop(k) for k in list(self._host) if k not in self._layouts]
         for staging in gone:
-            log.info("freeing the staging of layout %s (no longer registered)", staging.dir.name)
+            log.info("freeing the staging of layout %s (no longer registered)",
+                     staging.dir.name)
             staging.close()
 
     def _streamed(self, reg: _Registration) -> bool:

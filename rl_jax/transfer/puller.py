@@ -961,10 +961,11 @@ class GeneratorPuller:
         ``min_version``), waiting up to ``wait_s`` for one. Raises ``TransferError`` on
         failure; the engine is untouched either way.
 
-        Returns or raises within ``config.timeout_s + wait_s`` (``wait_s`` at most
-        ``MAX_WAIT_S``) whatever the publisher does: the pull runs in a thread that is
-        abandoned at that deadline (a stalled publisher gives :class:`TransferTimeout`), so a
-        caller holding a lock around this call holds it for a bounded time."""
+        Returns or raises within about ``config.timeout_s + wait_s`` (``wait_s`` at most
+        ``MAX_WAIT_S``) whatever the publisher does (see :meth:`Puller.pull`: every request
+        and wait of the pull ends at its deadline; a stalled publisher gives
+        :class:`TransferTimeout`), so a caller holding a lock around this call holds it for a
+        bounded time."""
         wait_s = min(max(float(wait_s), 0.0), MAX_WAIT_S)
         bound = self.config.timeout_s + wait_s
         if not self._lock.acquire(timeout=bound):
@@ -972,17 +973,9 @@ class GeneratorPuller:
         try:
             current = int(engine.version)
             after = current if min_version is None else max(current, int(min_version) - 1)
-            puller = self.puller(engine.params)
-
-            def abandon():  # a fresh Puller for the next pull; this one's thread may linger
-                if self._puller is puller:
-                    self._puller = None
-
             try:
-                update = run_with_deadline(
-                    lambda: puller.pull(after, wait_s=wait_s, current=current,
-                                        transport=transport),
-                    bound, f"weight pull from {self.url}", on_abandon=abandon)
+                update = self.puller(engine.params).pull(after, wait_s=wait_s, current=current,
+                                                         transport=transport)
             except TransferError as e:
                 self.counters["failures"] += 1
                 self.last_error = str(e)
