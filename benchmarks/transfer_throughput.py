@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -354,6 +355,8 @@ def run(args) -> dict:
     repeats = args.repeats or (3 if args.quick else 7)
     scratch = tempfile.TemporaryDirectory(prefix="transfer-bench-")
     disk_dir = Path(args.disk_dir or scratch.name)
+    # The publisher (trainer) and its puller (generator) share the control channel's token.
+    os.environ.setdefault("RL_JAX_TRANSFER_TOKEN", secrets.token_urlsafe(32))
     trainer, generator = Proc("trainer", 8), Proc("generator", 1)
     rows = []
     try:

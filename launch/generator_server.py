@@ -57,6 +57,9 @@ _NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models."
 _PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
 _PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight publisher "
                                  "(rl_jax.transfer), for /update_weights_from_transfer.")
+_ANY_PUBLISHER = flags.DEFINE_bool("allow_any_publisher", False, "Let "
+                                   "/update_weights_from_transfer pull from publishers other "
+                                   "than --publisher_url.")
 _CPU_CORES = flags.DEFINE_string("cpu_cores", "", "CPU cores to run on, e.g. '1' or '2-3' "
                                  "(taskset syntax; empty: any).")
 _API_KEY = flags.DEFINE_string("api_key", None, "API key for the normal endpoints (SGLang's "
@@ -106,7 +109,8 @@ def main(argv):
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,
-        publisher_url=_PUBLISHER.value, keys=keys)
+        publisher_url=_PUBLISHER.value, keys=keys,
+        allow_any_publisher=_ANY_PUBLISHER.value)
     try:
         server.run(config)
     except USER_ERRORS as e:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("transfer_worker.py")
+# The token the workers' publishers require and their pullers send (RL_JAX_TRANSFER_TOKEN).
+TOKEN = secrets.token_urlsafe(24)
 
 
 class Worker:
@@ -18,6 +21,7 @@ class Worker:
 
     def __init__(self, *args: str, name: str = "worker", script: str = WORKER.name):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["RL_JAX_TRANSFER_TOKEN"] = TOKEN
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKER.parent),
                                                           env.get("PYTHONPATH")]))
         self.name = name

@@ -103,6 +103,8 @@ class ServerConfig:
     pull_on_start: bool = True
     # API key and admin API key (rl_jax.generator.auth; never shown in a repr or a log)
     keys: auth.Keys = auth.NO_KEYS
+    # /update_weights_from_transfer may name another publisher than publisher_url (admin only).
+    allow_any_publisher: bool = False
 
 
 class EngineStopped(RuntimeError):
@@ -574,12 +576,17 @@ class GeneratorServer:
         the engine's shardings, verifies their checksums, and swaps them in between two decode
         steps. Body: ``publisher_url`` (default: the server's), ``weight_version`` (pull at least
         this version), ``wait_s`` (wait this long for a newer version), ``transport``."""
-        from rl_jax.transfer import GeneratorPuller, TransferError
+        from rl_jax.transfer import GeneratorPuller, PublisherNotAllowed, TransferError
+        from rl_jax.transfer import pinned_publisher
 
         body = await _json_body(request, optional=True)
-        url = body.get("publisher_url") or self.config.publisher_url
-        if not isinstance(url, str) or not url:
-            raise ProtocolError("publisher_url is required (no --publisher_url was given)")
+        try:
+            url = pinned_publisher(body.get("publisher_url"), self.config.publisher_url,
+                                   self.config.allow_any_publisher)
+        except PublisherNotAllowed as e:
+            return _error(str(e), "forbidden", 403)
+        except ValueError as e:
+            raise ProtocolError(f"publisher_url: {e}") from None
         wait_s = body.get("wait_s", 0.0)
         if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or wait_s < 0:
             raise ProtocolError(f"wait_s must be a non-negative number, got {wait_s!r}")

@@ -9,17 +9,20 @@ loads). SGLang's distributed protocol lives in :mod:`rl_jax.transfer.sglang` (ne
 """
 
 from rl_jax.transfer.config import TRANSPORTS, PublisherConfig, PullerConfig
-from rl_jax.transfer.errors import (IntegrityError, LayoutError, PublisherUnavailable,
-                                    TransferError, TransferTimeout, TransportUnavailable,
-                                    VersionGone)
+from rl_jax.transfer.errors import (AuthenticationError, IntegrityError, LayoutError,
+                                    PublisherNotAllowed, PublisherUnavailable,
+                                    StagingSpaceError, TransferError, TransferTimeout,
+                                    TransportUnavailable, VersionGone)
 from rl_jax.transfer.layout import Layout
 from rl_jax.transfer.manifest import Manifest, verify
 from rl_jax.transfer.publisher import PublishStats, Publisher
-from rl_jax.transfer.puller import GeneratorPuller, PullMetrics, Puller, WeightUpdate
+from rl_jax.transfer.puller import (GeneratorPuller, PullMetrics, Puller, WeightUpdate,
+                                    pinned_publisher)
 
 __all__ = [
     "TRANSPORTS", "PublisherConfig", "PullerConfig", "TransferError", "IntegrityError",
     "LayoutError", "PublisherUnavailable", "TransferTimeout", "TransportUnavailable",
-    "VersionGone", "Layout", "Manifest", "verify", "Publisher", "PublishStats", "Puller",
-    "GeneratorPuller", "PullMetrics", "WeightUpdate",
+    "VersionGone", "AuthenticationError", "PublisherNotAllowed", "StagingSpaceError",
+    "Layout", "Manifest", "verify", "Publisher", "PublishStats", "Puller", "GeneratorPuller",
+    "PullMetrics", "WeightUpdate", "pinned_publisher",
 ]

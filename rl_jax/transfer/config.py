@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import secrets
 import tempfile
 
 # Transports, fastest first on one host (see benchmarks/transfer_throughput.py):
@@ -13,6 +15,41 @@ import tempfile
 #   disk          an HF safetensors directory (the fallback; also what SGLang servers load)
 TRANSPORTS = ("shm", "socket", "jax_transfer", "disk")
 HOST_TRANSPORTS = ("shm", "socket")  # both read the publisher's staging buffers
+
+# The shared secret of a publisher and its pullers when their configs name none.
+TOKEN_ENV = "RL_JAX_TRANSFER_TOKEN"
+# The default deadline of one whole pull (seconds), for pullers built without a config (as the
+# generator server builds them).
+TIMEOUT_ENV = "RL_JAX_TRANSFER_TIMEOUT_S"
+MAX_WAIT_S = 600.0  # the longest a manifest long-poll may wait
+
+
+def env_token() -> str | None:
+    """The token in ``$RL_JAX_TRANSFER_TOKEN`` (None when unset or empty)."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def publisher_token(configured: str | None) -> str:
+    """The token a publisher requires: ``configured``, else ``$RL_JAX_TRANSFER_TOKEN``, else a
+    fresh random one, which is then exported to this process's environment so that the
+    generator servers it starts (which inherit it) can pull."""
+    token = configured or env_token()
+    if token is None:
+        token = os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+    return token
+
+
+def _env_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if not raw:
+        return 120.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def default_staging_dir() -> str:
@@ -53,6 +90,12 @@ class PublisherConfig:
         mark each checksum block in the slot's progress table once it is copied and hashed:
         pullers verify the version while it is written (reading it from cache), so a pull
         ends about when the publish does instead of starting after it.
+      auth_token: the secret every control request must carry (``Authorization: Bearer``);
+        None: ``$RL_JAX_TRANSFER_TOKEN``, else a random one exported to this process's
+        environment (see :func:`publisher_token`). Never logged.
+      max_layouts: layouts registered at once (each costs a copy of the model per staging
+        slot); a new one past this is refused (409) unless an idle one can be dropped.
+      max_body_bytes: the largest control request body accepted (a layout description).
     """
 
     host: str = "127.0.0.1"
@@ -67,6 +110,15 @@ class PublisherConfig:
     staging_threads: int = 0
     max_host_slots: int = 8
     stream: bool = True
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    max_layouts: int = 8
+    max_body_bytes: int = 4 << 20
+
+    def __post_init__(self):
+        if self.max_layouts < 1:
+            raise ValueError(f"max_layouts must be >= 1, got {self.max_layouts}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +128,10 @@ class PullerConfig:
     Attributes:
       transport: one of ``TRANSPORTS`` or ``"auto"`` (the first the publisher offers, in the
         order of ``TRANSPORTS``, skipping ``shm`` when the publisher is on another host).
-      timeout_s: deadline of one whole pull (manifest, data, verification); past it the pull
-        is abandoned and the generator keeps its weights.
+      timeout_s: deadline of one whole pull (registration, manifest, data, verification; a
+        long-poll's ``wait_s`` comes on top); past it the pull is abandoned with
+        :class:`TransferTimeout` and the generator keeps its weights. Default:
+        ``$RL_JAX_TRANSFER_TIMEOUT_S``, else 120.
       http_timeout_s: socket timeout of one control request.
       socket_connections: parallel HTTP connections of the socket transport.
       num_transport_addresses: streams of this process's jax transfer server (must equal the
@@ -90,13 +144,21 @@ class PullerConfig:
         weights alias them on CPU, so one is in use per live version; reusing the others
         avoids page faults). ``shm`` pulls need none: their weights alias the publisher's
         staging slot, which stays locked for as long as they live.
+      auth_token: the publisher's token; None: ``$RL_JAX_TRANSFER_TOKEN`` at the time of each
+        request. Never logged.
     """
 
     transport: str = "auto"
-    timeout_s: float = 120.0
+    timeout_s: float = dataclasses.field(default_factory=_env_timeout)
     http_timeout_s: float = 30.0
     socket_connections: int = 4
     num_transport_addresses: int = 1
     retries: int = 2
     digest_threads: int = 0
     host_buffers: int = 3
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got "
+                             f"{self.timeout_s!r}")

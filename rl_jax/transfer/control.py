@@ -15,23 +15,32 @@ Publisher endpoints (JSON unless noted):
         superseded meanwhile.
   POST /v1/report {puller_id, version, transport, ok, seconds, bytes, error}  (metrics)
 
+Every endpoint needs ``Authorization: Bearer <token>`` (the publisher's
+``PublisherConfig.auth_token``, compared in constant time); a request without it, or with another
+token, gets 401. Request bodies are JSON objects of at most ``max_body_bytes``; query values are
+checked (a bad one gets 400 naming it).
+
 Errors are ``{"error": message}`` with a 4xx/5xx status.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import http.client
 import json
 import logging
+import math
 import os
 import socket
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from rl_jax.transfer.errors import PublisherUnavailable
+from rl_jax.transfer.config import env_token
+from rl_jax.transfer.errors import AuthenticationError, PublisherUnavailable, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +74,69 @@ class FileSlice:
 
 Route = Callable[[dict[str, str], dict[str, Any]], Any]
 
+MAX_QUERY_INT = (1 << 62) - 1  # versions, offsets and sizes fit in an int64 with room to spare
+
+
+def query_int(query: dict[str, str], name: str, *, default: int | None = None,
+              minimum: int = 0, maximum: int = MAX_QUERY_INT) -> int:
+    """The integer query value ``name`` in ``[minimum, maximum]``; 400 naming it otherwise
+    (missing without a default, not a plain integer, out of range)."""
+    raw = query.get(name)
+    if raw is None:
+        if default is None:
+            raise HTTPStatus(400, f"query value {name!r} is required")
+        return default
+    text = raw.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    if not digits.isdigit() or not digits.isascii() or len(digits) > 19:
+        raise HTTPStatus(400, f"query value {name}={raw[:40]!r} is not an integer")
+    value = int(text)
+    if not minimum <= value <= maximum:
+        raise HTTPStatus(400, f"query value {name}={value} is out of range "
+                              f"[{minimum}, {maximum}]")
+    return value
+
+
+def query_seconds(query: dict[str, str], name: str, *, default: float, maximum: float
+                  ) -> float:
+    """The number of seconds ``name`` in ``[0, maximum]``; 400 naming it otherwise."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw[:40])
+    except ValueError:
+        raise HTTPStatus(400, f"query value {name}={raw[:40]!r} is not a number") from None
+    if not math.isfinite(value) or not 0 <= value <= maximum:
+        raise HTTPStatus(400, f"query value {name}={raw[:40]!r} must be a number of seconds "
+                              f"in [0, {maximum:g}]")
+    return value
+
+
+def body_int(body: dict[str, Any], name: str, *, minimum: int = -1,
+             maximum: int = MAX_QUERY_INT) -> int:
+    """The integer field ``name`` of a request body; 400 naming it otherwise."""
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise HTTPStatus(400, f"field {name!r} must be an integer in [{minimum}, {maximum}], "
+                              f"got {str(value)[:40]!r}")
+    return value
+
 
 class ControlServer:
-    """A ``ThreadingHTTPServer`` dispatching ``(method, path)`` to routes in a daemon thread."""
+    """A ``ThreadingHTTPServer`` dispatching ``(method, path)`` to routes in a daemon thread.
 
-    def __init__(self, host: str, port: int, routes: dict[tuple[str, str], Route]):
+    Requests must carry ``auth_token``; bodies are limited to ``body_limits[path]`` bytes
+    (default ``max_body_bytes``), refused with 413 before they are read."""
+
+    def __init__(self, host: str, port: int, routes: dict[tuple[str, str], Route], *,
+                 auth_token: str, max_body_bytes: int = 4 << 20,
+                 body_limits: dict[str, int] | None = None):
+        if not auth_token:
+            raise ValueError("the control server needs a non-empty auth_token")
         routes_ = routes
+        limits = dict(body_limits or {})
+        expected = f"Bearer {auth_token}".encode()
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -78,16 +144,47 @@ class ControlServer:
             def log_message(self, fmt, *args):  # quiet: the trainer's log is not an access log
                 log.debug("control: " + fmt, *args)
 
+            def _authorized(self) -> bool:
+                given = self.headers.get("Authorization", "").encode("utf-8", "replace")
+                return hmac.compare_digest(given, expected)
+
+            def _refuse(self, status: int, message: str, **headers: str):
+                """Answers without reading the body (so the connection is closed after)."""
+                self.close_connection = True
+                self._json(status, {"error": message}, headers)
+
             def _dispatch(self, method: str):
                 url = urllib.parse.urlsplit(self.path)
-                query = dict(urllib.parse.parse_qsl(url.query))
+                if not self._authorized():
+                    return self._refuse(401, "missing or wrong transfer token (send "
+                                             "'Authorization: Bearer <token>', the publisher's "
+                                             "RL_JAX_TRANSFER_TOKEN)",
+                                        **{"WWW-Authenticate": 'Bearer realm="rl_jax.transfer"'})
+                if "Transfer-Encoding" in self.headers:
+                    return self._refuse(411, "chunked request bodies are not accepted; send "
+                                             "Content-Length")
+                raw_length = self.headers.get("Content-Length") or "0"
+                if not raw_length.isdigit() or not raw_length.isascii():
+                    return self._refuse(400, f"Content-Length {raw_length[:40]!r} is not a "
+                                             "non-negative integer")
+                length = int(raw_length)
+                limit = limits.get(url.path, max_body_bytes)
+                if length > limit:
+                    return self._refuse(413, f"request body of {length} bytes exceeds the "
+                                             f"limit of {limit} bytes for {url.path}")
+                try:
+                    query = dict(urllib.parse.parse_qsl(url.query, strict_parsing=False,
+                                                        max_num_fields=16))
+                except ValueError as e:
+                    return self._refuse(400, f"bad query string: {e}")
                 body: dict[str, Any] = {}
-                length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     try:
                         body = json.loads(self.rfile.read(length))
-                    except (json.JSONDecodeError, UnicodeDecodeError):
+                    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                         return self._json(400, {"error": "request body is not valid JSON"})
+                    if not isinstance(body, dict):
+                        return self._json(400, {"error": "request body must be a JSON object"})
                 route = routes_.get((method, url.path))
                 if route is None:
                     return self._json(404, {"error": f"no endpoint {method} {url.path}"})
@@ -107,11 +204,13 @@ class ControlServer:
                 else:
                     self._json(200, result)
 
-            def _json(self, status: int, data: Any):
+            def _json(self, status: int, data: Any, headers: dict[str, str] | None = None):
                 raw = json.dumps(data).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(raw)
 
@@ -168,41 +267,122 @@ class ControlServer:
         self._thread.join(timeout=10)
 
 
-class ControlClient:
-    """Blocking JSON requests to a publisher (one connection per request)."""
+def normalize_url(url: str) -> str:
+    """``http://host:port`` of a publisher address (``host:port`` or a URL, any case)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"publisher url must look like http://HOST:PORT, got {url!r}")
+    text = url.strip()
+    parts = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or not port or parts.username \
+            or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"publisher url must look like http://HOST:PORT, got {url!r}")
+    host = parts.hostname.lower()
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
-    def __init__(self, url: str, timeout: float = 30.0):
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-        if not parts.hostname or not parts.port:
-            raise ValueError(f"publisher url must look like http://HOST:PORT, got {url!r}")
-        self.url = f"http://{parts.hostname}:{parts.port}"
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose receives each wait at most ``step`` seconds and never past ``deadline``
+    (``time.monotonic()``): a peer that trickles its answer cannot stretch a request past it."""
+
+    deadline: float = math.inf
+    step: float | None = None
+
+    def recv_into(self, buffer, nbytes=0, flags=0):
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        self.settimeout(left if self.step is None else min(self.step, left))
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An ``HTTPConnection`` whose reads end at ``deadline`` (see :class:`_DeadlineSocket`)."""
+
+    def __init__(self, host: str, port: int, timeout: float, deadline: float):
+        super().__init__(host, port, timeout=timeout)
+        self._deadline = deadline
+
+    def connect(self):
+        super().connect()
+        raw = self.sock
+        sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+        sock.deadline, sock.step = self._deadline, self.timeout
+        sock.settimeout(self.timeout)
+        self.sock = sock
+
+
+class ControlClient:
+    """Blocking JSON requests to a publisher (one connection per request), authenticated with
+    ``token`` (default: ``$RL_JAX_TRANSFER_TOKEN`` when each request is made)."""
+
+    def __init__(self, url: str, timeout: float = 30.0, token: str | None = None):
+        self.url = normalize_url(url)
+        parts = urllib.parse.urlsplit(self.url)
         self.host, self.port, self.timeout = parts.hostname, parts.port, timeout
+        self._token = token
+
+    def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header of every request (empty without a token: refused)."""
+        token = self._token or env_token()
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     def connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
 
     def request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
-                body: dict[str, Any] | None = None, timeout: float | None = None
-                ) -> tuple[int, Any]:
+                body: dict[str, Any] | None = None, timeout: float | None = None,
+                deadline: float | None = None) -> tuple[int, Any]:
         """Returns ``(status, decoded JSON or None)``; raises :class:`PublisherUnavailable` when
-        the publisher cannot be reached or answers 5xx."""
+        the publisher cannot be reached or answers 5xx, :class:`AuthenticationError` on 401,
+        and :class:`TransferTimeout` once ``deadline`` (``time.monotonic()``) has passed."""
         if query:
             path += "?" + urllib.parse.urlencode(query)
         raw = None if body is None else json.dumps(body).encode()
-        conn = self.connection(timeout)
+        timeout = timeout or self.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"publisher {self.url}: the pull's deadline passed before "
+                                      f"{method} {url_path(path)}")
+            timeout = min(timeout, left)
+        conn = self.connection(timeout) if deadline is None else \
+            _DeadlineConnection(self.host, self.port, timeout, deadline)
+        headers = self.headers()
+        if raw:
+            headers["Content-Type"] = "application/json"
         try:
-            conn.request(method, path, body=raw,
-                         headers={"Content-Type": "application/json"} if raw else {})
+            conn.request(method, path, body=raw, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException) as e:
-            raise PublisherUnavailable(f"publisher {self.url} unreachable ({method} {path}): "
-                                       f"{type(e).__name__}: {e}") from e
+            if deadline is not None and time.monotonic() >= deadline - 0.05:
+                raise TransferTimeout(f"publisher {self.url} did not answer {method} "
+                                      f"{url_path(path)} before the pull's deadline") from e
+            raise PublisherUnavailable(f"publisher {self.url} unreachable ({method} "
+                                       f"{url_path(path)}): {type(e).__name__}: {e}") from e
         finally:
             conn.close()
-        payload = json.loads(data) if data else None
+        if resp.status == 401:
+            raise AuthenticationError(f"publisher {self.url} refused this puller's token (set "
+                                      "RL_JAX_TRANSFER_TOKEN or PullerConfig.auth_token to the "
+                                      "publisher's)")
+        try:
+            payload = json.loads(data) if data else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise PublisherUnavailable(f"publisher {self.url} answered {method} "
+                                       f"{url_path(path)} with {resp.status} and a body that "
+                                       f"is not JSON: {data[:100]!r}") from None
         if resp.status >= 500:
             message = payload.get("error") if isinstance(payload, dict) else data[:200]
             raise PublisherUnavailable(f"publisher {self.url} failed ({method} {path}): "
                                        f"{resp.status} {message}")
         return resp.status, payload
+
+
+def url_path(path: str) -> str:
+    """``path`` without its query (what error messages name)."""
+    return path.split("?", 1)[0]

@@ -35,3 +35,17 @@ class TransportUnavailable(TransferError):
 
 class LayoutError(TransferError):
     """A generator's layout cannot be produced (unknown tensors, mesh that does not fit)."""
+
+
+class AuthenticationError(TransferError):
+    """The publisher refused this puller's token (HTTP 401)."""
+
+
+class PublisherNotAllowed(TransferError):
+    """A pull names a publisher other than the one this generator was started with (and its
+    configuration does not allow any publisher)."""
+
+
+class StagingSpaceError(TransferError):
+    """The staging directory (shared memory or disk) has no room for a version: it is refused
+    with this error instead of the process dying of SIGBUS on a write into a sparse mapping."""

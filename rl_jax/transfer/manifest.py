@@ -102,12 +102,16 @@ class Manifest:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Manifest":
         try:
-            return cls(int(d["version"]), str(d["layout_key"]), str(d["checksum"]),
-                       str(d.get("host_id", "")),
-                       tuple(TensorInfo.from_json(t) for t in d["tensors"]),
-                       dict(d.get("transports", {})))
-        except (KeyError, TypeError, ValueError) as e:
+            manifest = cls(int(d["version"]), str(d["layout_key"]), str(d["checksum"]),
+                           str(d.get("host_id", "")),
+                           tuple(TensorInfo.from_json(t) for t in d["tensors"]),
+                           dict(d.get("transports", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise IntegrityError(f"malformed manifest: {e!r}") from e
+        if manifest.algorithm not in checksum.ALGORITHMS:
+            raise IntegrityError(f"manifest of version {manifest.version} names checksum "
+                                 f"{manifest.algorithm[:40]!r}; known: {checksum.ALGORITHMS}")
+        return manifest
 
 
 def shard_digests(array: jax.Array, algorithm: str) -> dict[Index, str]:

@@ -40,10 +40,11 @@ import jax
 import numpy as np
 
 from rl_jax.transfer import checksum, jax_transport
-from rl_jax.transfer.config import HOST_TRANSPORTS, TRANSPORTS, PublisherConfig, \
-    default_staging_dir
-from rl_jax.transfer.control import ControlServer, FileSlice, HTTPStatus, host_id
-from rl_jax.transfer.errors import LayoutError, TransferError
+from rl_jax.transfer.config import HOST_TRANSPORTS, MAX_WAIT_S, TRANSPORTS, PublisherConfig, \
+    default_staging_dir, publisher_token
+from rl_jax.transfer.control import ControlServer, FileSlice, HTTPStatus, body_int, host_id, \
+    query_int, query_seconds
+from rl_jax.transfer.errors import LayoutError, StagingSpaceError, TransferError
 from rl_jax.transfer.layout import Layout, flatten, index_slices
 from rl_jax.transfer.manifest import PENDING, Manifest, ShardInfo, TensorInfo, \
     canonical_digests
@@ -54,6 +55,13 @@ log = logging.getLogger(__name__)
 
 _STAGING_PREFIX = "rl_jax-transfer-"
 POLLERS_WAIT_S = 0.002  # longest a publish waits for long-polling pullers to get a manifest
+MAX_PULLERS = 256  # puller ids remembered per layout (the oldest are forgotten)
+MAX_ID_CHARS = 200  # of a puller id or a layout key
+# What a pull report may hold: field -> accepted types (others are dropped)
+REPORT_FIELDS = {"puller_id": str, "version": int, "transport": str, "ok": bool,
+                 "seconds": (int, float), "bytes": int, "error": str, "layout_key": str}
+MAX_REPORT_CHARS = 2000  # of one string in a report
+MAX_REPORT_BYTES = 16 << 10  # of one report's body
 
 
 @dataclasses.dataclass
@@ -61,7 +69,7 @@ class _Registration:
     layout: Layout
     transports: set[str]
     last_seen: float
-    pullers: set[str] = dataclasses.field(default_factory=set)
+    pullers: dict[str, None] = dataclasses.field(default_factory=dict)  # oldest first
 
 
 @dataclasses.dataclass
@@ -182,7 +190,9 @@ class Publisher:
             ("POST", "/v1/ticket"): self._route_ticket,
             ("GET", "/v1/chunk"): self._route_chunk,
             ("POST", "/v1/report"): self._route_report,
-        })
+        }, auth_token=publisher_token(config.auth_token), max_body_bytes=config.max_body_bytes,
+            body_limits={"/v1/report": MAX_REPORT_BYTES, "/v1/ticket": MAX_REPORT_BYTES,
+                         "/v1/info": 0, "/v1/manifest": 0, "/v1/chunk": 0})
         log.info("transfer publisher at %s (transports %s)", self.url, config.transports)
 
     # ---- public API -----------------------------------------------------------------------------
@@ -239,15 +249,20 @@ class Publisher:
                 fault = self.faults.get("corrupt")
                 if fault and int(fault.get("version", -1)) == version:
                     _corrupt_hf_tensor(Path(disk_path), fault["tensor"], self.spec.config)
+            self._drop_unregistered_staging()
             streams: dict[str, StagedVersion] = {}
             for key, reg in active.items():
                 try:
-                    if self._streamed(reg):
-                        prepared[key], streams[key] = self._begin_stream(key, reg, flat,
-                                                                         version, nbytes)
-                    else:
-                        prepared[key] = self._prepare(key, reg, flat, version, nbytes,
-                                                      host_full)
+                    try:
+                        if self._streamed(reg):
+                            prepared[key], streams[key] = self._begin_stream(key, reg, flat,
+                                                                             version, nbytes)
+                        else:
+                            prepared[key] = self._prepare(key, reg, flat, version, nbytes,
+                                                          host_full)
+                    except StagingSpaceError as e:
+                        prepared[key] = self._prepare_unstaged(key, reg, flat, version, nbytes,
+                                                               host_full, e)
                 except (LayoutError, TransferError) as e:
                     log.warning("layout %s cannot be published: %s", key, e)
                     prepared[key] = _Prepared(error=str(e))
@@ -354,6 +369,33 @@ class Publisher:
         prep.manifest = Manifest(version, key, self.algorithm, self.host_id,
                                  tuple(infos[n] for n in sorted(infos)), transports)
         return prep
+
+    def _prepare_unstaged(self, key: str, reg: _Registration, flat: Mapping[str, jax.Array],
+                          version: int, nbytes: collections.Counter,
+                          host_full: Mapping[str, np.ndarray] | None,
+                          error: StagingSpaceError) -> _Prepared:
+        """The fallback when host staging has no room: the version is offered over the
+        enabled transports that need no staging space (``disk``, whose checkpoint is written
+        anyway, and ``jax_transfer`` when the layout's pullers asked for it); raises ``error``
+        when there is none."""
+        others = set(reg.transports) | ({"disk"} if host_full is not None else set())
+        others = (others & set(self.config.transports)) - set(HOST_TRANSPORTS)
+        if not others:
+            raise error
+        log.warning("layout %s: %s; offering version %d over %s instead", key, error, version,
+                    sorted(others))
+        return self._prepare(key, dataclasses.replace(reg, transports=others), flat, version,
+                             nbytes, host_full)
+
+    def _drop_unregistered_staging(self) -> None:
+        """Frees the staging slots of layouts that are no longer registered (dropped for a new
+        one past ``max_layouts``). Runs in the publishing thread, which owns them."""
+        with self._cond:
+            gone = [self._host.pop(k) for k in list(self._host) if k not in self._layouts]
+        for staging in gone:
+            log.info("freeing the staging of layout %s (no longer registered)",
+                     staging.dir.name)
+            staging.close()
 
     def _streamed(self, reg: _Registration) -> bool:
         return (self.config.stream and self.algorithm == "xxh3_64_blocks"
@@ -480,14 +522,25 @@ class Publisher:
             return {"version": None if self._current is None else self._current.version,
                     "transports": list(self.config.transports), "host_id": self.host_id,
                     "pid": os.getpid(), "layouts": len(self._layouts),
-                    "checksum": self.algorithm}
+                    "checksum": self.algorithm, "staging_dir": str(self._staging_root),
+                    "disk_dir": self.config.disk_dir and str(Path(self.config.disk_dir))}
 
     def _route_register(self, query, body):
         try:
             layout = Layout.from_json(body["layout"])
-        except (KeyError, TypeError, LayoutError) as e:
-            raise HTTPStatus(400, f"register needs a valid layout: {e}")
-        requested = set(body.get("transports") or self.config.transports)
+        except (KeyError, TypeError, ValueError, AttributeError, LayoutError) as e:
+            raise HTTPStatus(400, f"register needs a valid layout: {type(e).__name__}: "
+                                  f"{str(e)[:300]}")
+        transports = body.get("transports")
+        if transports is not None and (not isinstance(transports, list) or not all(
+                isinstance(t, str) for t in transports) or len(transports) > len(TRANSPORTS)):
+            raise HTTPStatus(400, f"field 'transports' must be a list of at most "
+                                  f"{len(TRANSPORTS)} names from {list(TRANSPORTS)}")
+        puller_id = body.get("puller_id", "")
+        if not isinstance(puller_id, str) or len(puller_id) > MAX_ID_CHARS:
+            raise HTTPStatus(400, f"field 'puller_id' must be a string of at most "
+                                  f"{MAX_ID_CHARS} characters")
+        requested = set(transports or self.config.transports)
         usable = requested & set(self.config.transports)
         if not usable:
             raise HTTPStatus(409, f"none of the transports {sorted(requested)} is enabled on "
@@ -496,18 +549,41 @@ class Publisher:
         with self._cond:
             reg = self._layouts.get(key)
             if reg is None:
+                self._make_room_for_layout()
                 reg = self._layouts[key] = _Registration(layout, set(), time.monotonic())
             reg.transports |= usable
-            reg.pullers.add(str(body.get("puller_id", "")))
+            reg.pullers.pop(puller_id, None)
+            reg.pullers[puller_id] = None
+            while len(reg.pullers) > MAX_PULLERS:
+                reg.pullers.pop(next(iter(reg.pullers)))
             reg.last_seen = time.monotonic()
             self._cond.notify_all()
             return {"layout_key": key, "transports": sorted(reg.transports),
                     "version": None if self._current is None else self._current.version}
 
+    def _make_room_for_layout(self) -> None:
+        """Caller holds ``self._cond``. Makes room for one more layout under
+        ``max_layouts`` by forgetting the idle ones (not seen for ``layout_ttl_s``, so not
+        published to any more); 409 when every registered layout is in use."""
+        limit = self.config.max_layouts
+        if len(self._layouts) < limit:
+            return
+        now = time.monotonic()
+        idle = sorted((r.last_seen, k) for k, r in self._layouts.items()
+                      if now - r.last_seen > self.config.layout_ttl_s)
+        for _, k in idle[:len(self._layouts) - limit + 1]:
+            del self._layouts[k]
+        if len(self._layouts) >= limit:
+            raise HTTPStatus(409, f"this publisher already serves {len(self._layouts)} layouts "
+                                  f"(PublisherConfig.max_layouts={limit}; each costs a copy of "
+                                  "the model); pull in one of those layouts or raise the limit",
+                             layouts=len(self._layouts))
+
     def _route_manifest(self, query, body):
         key = query.get("layout", "")
-        after = int(query.get("after", -1))
-        deadline = time.monotonic() + min(float(query.get("wait", 0)), 600.0)
+        after = query_int(query, "after", default=-1, minimum=-1)
+        deadline = time.monotonic() + query_seconds(query, "wait", default=0.0,
+                                                    maximum=MAX_WAIT_S)
         with self._cond:
             while True:
                 reg = self._layouts.get(key)
@@ -543,9 +619,12 @@ class Publisher:
         return prep
 
     def _route_ticket(self, query, body):
-        version = int(body.get("version", -1))
+        version = body_int(body, "version", minimum=0)
+        key = body.get("layout_key")
+        if not isinstance(key, str) or len(key) > MAX_ID_CHARS:
+            raise HTTPStatus(400, "field 'layout_key' must be a layout key (a string)")
         with self._cond:
-            prep = self._prepared(str(body.get("layout_key", "")), version)
+            prep = self._prepared(key, version)
             arrays = prep.device_arrays
         if arrays is None:
             raise HTTPStatus(409, "jax_transfer was not prepared for this layout (register it "
@@ -560,17 +639,17 @@ class Publisher:
 
     def _route_chunk(self, query, body):
         key = query.get("layout", "")
-        try:
-            version, offset, nbytes = (int(query[k]) for k in ("version", "offset", "nbytes"))
-        except (KeyError, ValueError):
-            raise HTTPStatus(400, "chunk needs integer version, offset and nbytes")
+        version, offset, nbytes = (query_int(query, k) for k in ("version", "offset", "nbytes"))
         with self._cond:
             prep = self._prepared(key, version)
             if prep.staging is None:
                 raise HTTPStatus(409, "host staging was not prepared for this layout")
             if {"offset": offset, "nbytes": nbytes} not in prep.staging["chunks"]:
                 raise HTTPStatus(400, f"no chunk at offset {offset} of {nbytes} bytes")
-            path = self._host[key].slot_path(prep.staging["slot"])
+            staging = self._host.get(key)
+            if staging is None:  # the layout was dropped meanwhile
+                raise HTTPStatus(410, f"version {version} is no longer offered")
+            path = staging.slot_path(prep.staging["slot"])
         # A shared lock for the send: the slot is not rewritten under it.
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -581,11 +660,20 @@ class Publisher:
         except BlockingIOError:
             os.close(fd)
             raise HTTPStatus(410, f"version {version} is no longer offered")
-        if self._host[key].stamp(prep.staging["slot"]) != version:
+        if staging.stamp(prep.staging["slot"]) != version:
             os.close(fd)
             raise HTTPStatus(410, f"version {version} is no longer offered")
         return FileSlice(fd, offset, nbytes, owned=True)
 
     def _route_report(self, query, body):
-        self.reports.append({**body, "time": time.time()})
+        """Keeps the known fields of a pull report (strings cut short, others dropped); the
+        body's size is bounded by the server, the number of reports kept by ``reports``."""
+        report: dict[str, Any] = {"time": time.time()}
+        for name, types in REPORT_FIELDS.items():
+            value = body.get(name)
+            if value is None or not isinstance(value, types) or (
+                    isinstance(value, bool) and types is not bool):
+                continue
+            report[name] = value[:MAX_REPORT_CHARS] if isinstance(value, str) else value
+        self.reports.append(report)
         return {"ok": True}

@@ -9,6 +9,11 @@ rewrites a held slot. Any failure
 (publisher gone, deadline passed, corrupted or superseded data, layout refused) raises a
 :class:`~rl_jax.transfer.errors.TransferError` and the caller simply keeps serving the weights it
 has: a generator can never see a half-written version.
+
+What a manifest names is checked before it is used: the files of the host transports must lie
+in the staging directory the publisher announced (no ``..``, no symlink leading out), a
+``disk`` checkpoint in its disk directory, every byte range inside the staging file, and the
+version must be newer than the one asked after.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ import numpy as np
 
 from rl_jax.transfer import checksum, jax_transport
 from rl_jax.transfer.chunks import numpy_dtype, parse_chunk
-from rl_jax.transfer.config import TRANSPORTS, PullerConfig
-from rl_jax.transfer.control import ControlClient, host_id
-from rl_jax.transfer.errors import (IntegrityError, LayoutError, PublisherUnavailable,
-                                    TransferError, TransferTimeout, TransportUnavailable,
-                                    VersionGone)
+from rl_jax.transfer.config import MAX_WAIT_S, TRANSPORTS, PullerConfig
+from rl_jax.transfer.control import ControlClient, host_id, normalize_url
+from rl_jax.transfer.errors import (IntegrityError, LayoutError, PublisherNotAllowed,
+                                    PublisherUnavailable, TransferError, TransferTimeout,
+                                    TransportUnavailable, VersionGone)
 from rl_jax.transfer.layout import (Index, Layout, flatten, index_shape, normalize_index,
                                     unflatten)
 from rl_jax.transfer.manifest import PENDING, Manifest, verify
@@ -243,7 +248,7 @@ def _hold_slot(path: str) -> int:
     """Opens a staging slot with a shared lock (the publisher does not rewrite a slot while
     anyone holds it); raises :class:`VersionGone` when it is being rewritten or gone."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise VersionGone(f"staging file {path} is gone: {e}") from e
     try:
@@ -256,6 +261,83 @@ def _hold_slot(path: str) -> int:
 
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+STAGING_PREFIX = "rl_jax-transfer-"  # the name of a publisher's staging directory
+
+
+def contained(path: Any, root: str | None, what: str) -> str:
+    """``path`` (a path a manifest names), resolved, if it lies strictly inside the directory
+    ``root`` (resolved too); raises :class:`IntegrityError` for ``..`` components, a path
+    elsewhere, or a symlink on the way that leads out."""
+    if root is None:
+        raise IntegrityError(f"{what} {str(path)[:200]!r}: the publisher named no directory "
+                             "for it, so it cannot be checked; refused")
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise IntegrityError(f"{what} must be a path, got {str(path)[:200]!r}")
+    if ".." in Path(path).parts:
+        raise IntegrityError(f"{what} {path[:200]!r} contains '..'; refused")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, path))  # an absolute path stays itself
+    if real == real_root or os.path.commonpath([real, real_root]) != real_root:
+        raise IntegrityError(f"{what} {path[:200]!r} lies outside the publisher's directory "
+                             f"{root!r} (resolved: {real!r}); refused")
+    return real
+
+
+def pinned_publisher(requested: str | None, configured: str | None, allow_any: bool = False
+                     ) -> str:
+    """The publisher a generator may pull from when a request names ``requested`` (None:
+    the ``configured`` one, the generator's own): that one, or any other only with
+    ``allow_any``.
+
+    Addresses are compared as ``http://host:port`` (lower-case host). Raises
+    :class:`PublisherNotAllowed` for another publisher, ``ValueError`` for a malformed address
+    or when neither is given."""
+    if requested in (None, ""):
+        if not configured:
+            raise ValueError("publisher_url is required (this generator was started without "
+                             "one)")
+        return configured
+    url = normalize_url(requested)
+    if configured and url == normalize_url(configured):
+        return configured  # as configured: the generator keeps one puller per publisher
+    if allow_any:
+        return url
+    if not configured:
+        raise PublisherNotAllowed(f"this generator was started without a publisher and may "
+                                  f"not pull from {url} (its configuration does not allow any "
+                                  "publisher)")
+    raise PublisherNotAllowed(f"this generator pulls only from its publisher "
+                              f"{normalize_url(configured)}, not {url} (its configuration does "
+                              "not allow other publishers)")
+
+
+def _check_extents(manifest: Manifest) -> None:
+    """Raises :class:`IntegrityError` unless every chunk and shard a host transport reads lies
+    inside the staging file the manifest describes."""
+    staging = manifest.transports.get("staging")
+    if not isinstance(staging, Mapping):
+        raise IntegrityError(f"version {manifest.version}: the manifest describes no staging")
+    try:
+        total = int(staging["nbytes"])
+        chunks = [(int(c["offset"]), int(c["nbytes"])) for c in staging["chunks"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"version {manifest.version}: malformed staging description: "
+                             f"{e!r}") from e
+    if not 0 <= total <= 1 << 50:
+        raise IntegrityError(f"version {manifest.version}: staging size {total} is out of range")
+    for offset, nbytes in chunks:
+        if offset < 0 or nbytes <= 0 or offset + nbytes > total:
+            raise IntegrityError(f"version {manifest.version}: chunk at {offset} of {nbytes} "
+                                 f"bytes lies outside the {total}-byte staging file")
+    for tensor in manifest.tensors:
+        for shard in tensor.shards:
+            if shard.offset is None or shard.offset < 0 or shard.nbytes < 0 \
+                    or shard.offset + shard.nbytes > total:
+                raise IntegrityError(f"version {manifest.version}: {tensor.name}'s shard at "
+                                     f"{shard.offset} of {shard.nbytes} bytes lies outside the "
+                                     f"{total}-byte staging file")
 
 
 class Puller:
@@ -271,13 +353,14 @@ class Puller:
     """
 
     def __init__(self, url: str, target: Mapping[str, Any], *,
-                 config: PullerConfig = PullerConfig(), puller_id: str | None = None,
+                 config: PullerConfig | None = None, puller_id: str | None = None,
                  transports: Sequence[str] | None = None):
+        config = PullerConfig() if config is None else config
         if config.transport != "auto" and config.transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got "
                              f"{config.transport!r}")
         self.config = config
-        self.client = ControlClient(url, config.http_timeout_s)
+        self.client = ControlClient(url, config.http_timeout_s, config.auth_token)
         self.layout = Layout.from_arrays(target)
         self.layout_key = self.layout.key
         flat = flatten(target)
@@ -286,6 +369,8 @@ class Puller:
                                       f"{uuid_lib.uuid4().hex[:8]}"
         self._transports = list(transports) if transports else None
         self._registered = False
+        self._dirs: dict[str, str | None] = {}  # the publisher's staging and disk directories
+        self._deadline: float | None = None  # of the pull under way
         self._transfer_host = "127.0.0.1" if _is_loopback(self.client.host) else "0.0.0.0"
         self.hooks: dict[str, Callable[[], None]] = {}  # test seams: "mid_pull", "stream_start"
         self._buffers = HostBufferPool(config.host_buffers)
@@ -307,17 +392,32 @@ class Puller:
 
     def register(self) -> dict[str, Any]:
         """Tells the publisher this layout (and transports); returns its answer."""
-        status, info = self.client.request("GET", "/v1/info")
+        status, info = self.client.request("GET", "/v1/info", deadline=self._deadline)
+        if status != 200 or not isinstance(info, dict):
+            raise PublisherUnavailable(f"publisher {self.client.url} answered /v1/info with "
+                                       f"{status}: {str(info)[:200]}")
+        self._dirs = {"staging": self._staging_dir(info.get("staging_dir")),
+                      "disk": info.get("disk_dir") if isinstance(info.get("disk_dir"), str)
+                      else None}
         if self._transports is None:
             self._transports = [self._choose(info["transports"], info["host_id"])]
         status, data = self.client.request("POST", "/v1/register", body={
             "layout": self.layout.to_json(), "transports": self._transports,
-            "puller_id": self.puller_id})
+            "puller_id": self.puller_id}, deadline=self._deadline)
         if status != 200:
             raise TransportUnavailable(f"publisher refused the registration: "
                                        f"{(data or {}).get('error')}")
         self._registered = True
         return data
+
+    @staticmethod
+    def _staging_dir(path: Any) -> str | None:
+        """The publisher's staging directory, if it looks like one (an absolute path to a
+        directory named ``rl_jax-transfer-*``); host transport files must lie inside it."""
+        if not isinstance(path, str) or not os.path.isabs(path) \
+                or not Path(path).name.startswith(STAGING_PREFIX) or ".." in Path(path).parts:
+            return None
+        return path
 
     def poll(self, after: int, wait_s: float = 0.0) -> Manifest | None:
         """The manifest of the newest version ``> after`` for this layout, waiting up to
@@ -328,7 +428,7 @@ class Puller:
             status, data = self.client.request(
                 "GET", "/v1/manifest", query={"layout": self.layout_key, "after": after,
                                               "wait": wait_s},
-                timeout=self.config.http_timeout_s + wait_s)
+                timeout=self.config.http_timeout_s + wait_s, deadline=self._deadline)
             if status == 404:  # a restarted publisher: register again
                 self._registered = False
                 continue
@@ -339,7 +439,18 @@ class Puller:
                 return None
             if status != 200:
                 raise TransferError(f"manifest request failed: {status} {data}")
-            return Manifest.from_json(data)
+            if not isinstance(data, dict):
+                raise IntegrityError(f"the publisher's manifest is not a JSON object: "
+                                     f"{str(data)[:200]}")
+            manifest = Manifest.from_json(data)
+            if manifest.version <= after:
+                raise IntegrityError(f"the publisher answered with version {manifest.version} "
+                                     f"when asked for one newer than {after}; refused")
+            if manifest.layout_key != self.layout_key:
+                raise IntegrityError(f"the publisher answered with a manifest for layout "
+                                     f"{manifest.layout_key[:80]!r}, not this generator's "
+                                     f"{self.layout_key!r}; refused")
+            return manifest
         raise PublisherUnavailable("publisher keeps forgetting this layout")
 
     # ---- pulling --------------------------------------------------------------------------------
@@ -353,10 +464,25 @@ class Puller:
         raises :class:`TransferError` on any failure (the caller keeps its weights).
         """
         current = after if current is None else current
+        wait_s = min(max(float(wait_s), 0.0), MAX_WAIT_S)
+        # One deadline for the whole pull (registration, manifest, data, verification); the
+        # long-poll's wait comes on top of it, and the data must come within ``timeout_s`` of
+        # the manifest.
+        deadline = time.monotonic() + self.config.timeout_s + wait_s
+        self._deadline = deadline
+        try:
+            return self._pull(after, wait_s, current, transport, deadline)
+        finally:
+            self._deadline = None
+
+    def _pull(self, after: int, wait_s: float, current: int | None, transport: str | None,
+              deadline: float) -> WeightUpdate | None:
         manifest = self.poll(after, wait_s)
         if manifest is None:
             return None
-        deadline = time.monotonic() + self.config.timeout_s
+        # Fetching and verifying get ``timeout_s`` from the manifest's arrival (within the
+        # whole pull's deadline).
+        deadline = self._deadline = min(deadline, time.monotonic() + self.config.timeout_s)
         attempts = 0
         while True:
             attempts += 1
@@ -395,15 +521,19 @@ class Puller:
 
     def _pick(self, manifest: Manifest) -> str:
         offered = [t for t in TRANSPORTS if t in manifest.transports]
-        if self._transports:
-            offered = [t for t in offered if t in self._transports]
-        return self._choose(offered, manifest.host_id)
+        registered = [t for t in offered if t in (self._transports or offered)]
+        if not registered and self.config.transport == "auto":
+            # The publisher fell back to another transport (e.g. ``disk`` when its staging
+            # space ran out).
+            registered = offered
+        return self._choose(registered, manifest.host_id)
 
     def _superseded(self, manifest: Manifest, error: Exception) -> bool:
         if isinstance(error, VersionGone):
             return True
         try:
-            _, info = self.client.request("GET", "/v1/info", timeout=5.0)
+            _, info = self.client.request("GET", "/v1/info", timeout=5.0,
+                                          deadline=self._deadline)
         except TransferError:
             return False
         return info.get("version") is not None and info["version"] > manifest.version
@@ -443,6 +573,11 @@ class Puller:
                 f"(offered: {sorted(t for t in manifest.transports if t in TRANSPORTS)}); "
                 "register with that transport")
         remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeout(f"the pull's deadline passed before version "
+                                  f"{manifest.version} was fetched")
+        if transport in ("shm", "socket"):
+            _check_extents(manifest)
         try:
             if transport == "jax_transfer":
                 return self._fetch_jax(manifest, remaining)
@@ -465,9 +600,12 @@ class Puller:
         version is verified block by block as the publisher writes it."""
         if manifest.host_id != host_id():
             raise TransportUnavailable("the publisher is on another host: shm is unusable")
-        info, staging = manifest.transports["shm"], manifest.transports["staging"]
+        info, staging = dict(manifest.transports["shm"]), manifest.transports["staging"]
         total = int(staging["nbytes"])
         streamed = _streamed(manifest)
+        for name in ("file", "stamp") + (("progress",) if streamed else ()):
+            info[name] = contained(info.get(name), self._dirs.get("staging"),
+                                   f"staging {name} of version {manifest.version}")
 
         def stamps() -> tuple[int, int]:
             try:
@@ -500,7 +638,8 @@ class Puller:
                 verify(manifest, arrays, checksums=False)
                 if not all(_aliases(a, base) for a in arrays.values()):
                     arrays = None
-                digests = self._verify_streamed(manifest, base, stamps, deadline)
+                digests = self._verify_streamed(manifest, base, stamps, deadline,
+                                                info["progress"])
             else:
                 hashed = checksum.Digests(manifest.algorithm, self.config.digest_threads)
                 for k, tensor in enumerate(manifest.tensors):
@@ -525,8 +664,8 @@ class Puller:
             raise
 
     def _verify_streamed(self, manifest: Manifest, base: np.ndarray,
-                         stamps: Callable[[], tuple[int, int]], deadline: float
-                         ) -> dict[str, dict[Index, str]]:
+                         stamps: Callable[[], tuple[int, int]], deadline: float,
+                         progress_path: str) -> dict[str, dict[Index, str]]:
         """Hashes each checksum block of a streamed version as soon as the publisher marks it
         written in the slot's progress table (so it is read while still in cache) and checks
         it against the digest there; returns the shard digests once every block matched and
@@ -543,7 +682,7 @@ class Puller:
                     stop = min(shard.offset + shard.nbytes, start + checksum.BLOCK_BYTES)
                     blocks.append((tensor.name, shard.index, shard.offset, start, stop))
         try:
-            table = self._sources.table(info["progress"], np.uint64)
+            table = self._sources.table(progress_path, np.uint64)
         except OSError as e:
             raise VersionGone(f"progress table of version {manifest.version} is gone: "
                               f"{e}") from e
@@ -619,6 +758,7 @@ class Puller:
         chunks = [(int(c["offset"]), int(c["nbytes"])) for c in staging["chunks"]]
         local = threading.local()
         done = []
+        headers = self.client.headers()
 
         def get(chunk):
             offset, nbytes = chunk
@@ -628,7 +768,7 @@ class Puller:
             query = (f"/v1/chunk?layout={self.layout_key}&version={manifest.version}"
                      f"&offset={offset}&nbytes={nbytes}")
             try:
-                conn.request("GET", query)
+                conn.request("GET", query, headers=headers)
                 resp = conn.getresponse()
                 if resp.status == 410:
                     resp.read()
@@ -716,7 +856,7 @@ class Puller:
                 f"{self.config.num_transport_addresses}; they must match")
         status, ticket = self.client.request("POST", "/v1/ticket", body={
             "version": manifest.version, "layout_key": self.layout_key,
-            "puller_id": self.puller_id})
+            "puller_id": self.puller_id}, deadline=self._deadline)
         if status == 410:
             raise VersionGone(f"version {manifest.version} was superseded")
         if status != 200:
@@ -751,7 +891,8 @@ class Puller:
 
     def _fetch_disk(self, manifest: Manifest) -> tuple[dict[str, jax.Array], int]:
         from rl_jax.models.hf import CheckpointError, _TensorReader, hf_mappings, read_config
-        path = manifest.transports["disk"]["path"]
+        path = contained(manifest.transports["disk"].get("path"), self._dirs.get("disk"),
+                         f"checkpoint of version {manifest.version}")
         try:
             cfg = read_config(path)
             reader = _TensorReader(Path(path))
@@ -794,9 +935,9 @@ class GeneratorPuller:
     steps. :meth:`start` runs that loop in a background thread instead.
     """
 
-    def __init__(self, url: str, *, config: PullerConfig = PullerConfig(),
+    def __init__(self, url: str, *, config: PullerConfig | None = None,
                  puller_id: str | None = None, transports: Sequence[str] | None = None):
-        self.url, self.config = url, config
+        self.url, self.config = url, PullerConfig() if config is None else config
         self.puller_id, self.transports = puller_id, transports
         self._puller: Puller | None = None
         self._lock = threading.Lock()
@@ -818,8 +959,18 @@ class GeneratorPuller:
                     transport: str | None = None) -> WeightUpdate | None:
         """Pulls the newest version newer than ``engine.version`` (and at least
         ``min_version``), waiting up to ``wait_s`` for one. Raises ``TransferError`` on
-        failure; the engine is untouched either way."""
-        with self._lock:
+        failure; the engine is untouched either way.
+
+        Returns or raises within about ``config.timeout_s + wait_s`` (``wait_s`` at most
+        ``MAX_WAIT_S``) whatever the publisher does (see :meth:`Puller.pull`: every request
+        and wait of the pull ends at its deadline; a stalled publisher gives
+        :class:`TransferTimeout`), so a caller holding a lock around this call holds it for a
+        bounded time."""
+        wait_s = min(max(float(wait_s), 0.0), MAX_WAIT_S)
+        bound = self.config.timeout_s + wait_s
+        if not self._lock.acquire(timeout=bound):
+            raise TransferTimeout(f"another pull from {self.url} still runs after {bound:.1f} s")
+        try:
             current = int(engine.version)
             after = current if min_version is None else max(current, int(min_version) - 1)
             try:
@@ -835,6 +986,8 @@ class GeneratorPuller:
                 self.counters["versions_skipped"] += update.metrics.versions_skipped
                 self.counters["bytes"] += update.metrics.bytes
             return update
+        finally:
+            self._lock.release()
 
     def run(self, engine: Any, stop: threading.Event, wait_s: float = 30.0,
             backoff_s: float = 1.0) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import fcntl
 import functools
 import mmap
@@ -39,7 +40,7 @@ from jax.sharding import NamedSharding
 
 from rl_jax.transfer import checksum
 from rl_jax.transfer.chunks import ChunkPlan, Entry, numpy_dtype, plan_chunks
-from rl_jax.transfer.errors import LayoutError
+from rl_jax.transfer.errors import LayoutError, StagingSpaceError, TransferError
 from rl_jax.transfer.layout import Index, Layout, index_shape, normalize_index
 from rl_jax.transfer.manifest import ShardInfo, TensorInfo
 
@@ -471,6 +472,43 @@ class StagingFull(LayoutError):
     """Every staging slot of a layout is held by pullers (no slot can be rewritten)."""
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def reserve(fd: int, size: int, path: Path | str) -> None:
+    """Allocates the first ``size`` bytes of the open file ``fd`` before it is mapped.
+
+    Writing into a mapping of a sparse file whose filesystem is full (a full ``/dev/shm``)
+    kills the process with SIGBUS; with the blocks allocated up front, running out of space is
+    a :class:`StagingSpaceError` here instead, naming the directory, the size and the free
+    space. The free space is checked first (``statvfs``), ``posix_fallocate`` settles races."""
+    st = os.fstat(fd)
+    missing = size - min(st.st_blocks * 512, size)
+    if missing <= 0:
+        return
+    directory = Path(path).parent
+    try:
+        vfs = os.fstatvfs(fd)
+        free = vfs.f_bavail * vfs.f_frsize
+    except OSError:
+        free = None
+    if free is not None and missing > free:
+        raise StagingSpaceError(
+            f"staging directory {directory} has {free} bytes free, {Path(path).name} needs "
+            f"{missing} more ({size} in all); give it room or set PublisherConfig.staging_dir "
+            "to a larger filesystem")
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in _NO_SPACE:
+            raise StagingSpaceError(
+                f"staging directory {directory} ran out of space allocating {size} bytes for "
+                f"{Path(path).name} ({os.strerror(e.errno)}); give it room or set "
+                "PublisherConfig.staging_dir to a larger filesystem") from e
+        raise TransferError(f"cannot allocate {size} bytes for staging file {path}: "
+                            f"{os.strerror(e.errno)}") from e
+
+
 @dataclasses.dataclass
 class _Slot:
     fd: int
@@ -563,9 +601,18 @@ class HostStaging:
 
     def _new_slot(self, slot: int) -> _Slot:
         fd = os.open(self.slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-        stamp_fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(stamp_fd, 16)
-        stamp_map = mmap.mmap(stamp_fd, 16)
+        try:
+            stamp_fd = os.open(self.stamp_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            os.close(fd)
+            raise
+        try:
+            reserve(stamp_fd, 16, self.stamp_path(slot))
+            stamp_map = mmap.mmap(stamp_fd, 16)
+        except BaseException:
+            os.close(fd)
+            os.close(stamp_fd)
+            raise
         entry = _Slot(fd, None, 0, stamp_fd, stamp_map, np.frombuffer(stamp_map, np.int64),
                       paths=(str(self.slot_path(slot)), str(self.stamp_path(slot)),
                              str(self.progress_path(slot))))
@@ -580,6 +627,7 @@ class HostStaging:
             if entry.progress_fd is None:
                 entry.progress_fd = os.open(self.progress_path(slot), os.O_RDWR | os.O_CREAT,
                                             0o600)
+            reserve(entry.progress_fd, size, self.progress_path(slot))
             if entry.progress_map is not None:
                 try:
                     entry.progress_map.close()
@@ -608,6 +656,7 @@ class HostStaging:
 
     def _map(self, entry: _Slot, size: int) -> mmap.mmap:
         if entry.map is None or entry.size < size:
+            reserve(entry.fd, size, entry.paths[0])  # the old mapping stays valid if it fails
             entry.plan = entry.views = None  # headers rewritten, views remade on the new map
             if entry.map is not None:
                 try:
