@@ -238,9 +238,9 @@ def _bool(value: Any, name: str) -> bool:
 def _token_ids(value: Any, name: str, vocab_size: int | None) -> list[int]:
     if not isinstance(value, list) or not value:
         raise ProtocolError(f"{name} must be a non-empty list of token ids")
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise ProtocolError(f"{name} must contain integer token ids, got {t!r}")
+    if not all(type(t) is int for t in value):  # not bool, not float
+        bad = next(t for t in value if type(t) is not int)
+        raise ProtocolError(f"{name} must contain integer token ids, got {bad!r:.40}")
     if vocab_size is not None:
         if 0 <= min(value) and max(value) < vocab_size:
             return value

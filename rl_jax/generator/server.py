@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -378,21 +379,17 @@ class GeneratorServer:
             vocab_size=self.engine.config.vocab_size, max_seq_len=self.config.max_seq_len,
             strict=self.config.strict, max_sequences=self.config.max_waiting,
             max_text_chars=self.max_text_chars)
-        futures = []
-        try:
-            for item in parsed.items:
-                futures.append(asyncio.wrap_future(self.engine.submit(item.request)))
-        except (GeneratorError, Overloaded):
-            await self._abort([it.request.rid for it in parsed.items[:len(futures)]])
-            raise
+        # Submitting thousands of prompts is work too: a worker thread does it.
+        submitted = await asyncio.to_thread(self._submit_all, parsed)
         group = body.get("rid") if isinstance(body.get("rid"), str) else None
         engine_rids = [it.request.rid for it in parsed.items]
         if group:
             self._groups[group] = engine_rids
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, futures)
-            results = await asyncio.gather(*futures)
+                return await self._stream(request, parsed,
+                                          [asyncio.wrap_future(f) for f in submitted])
+            results = await _all_results(submitted)
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             await asyncio.shield(self._abort(engine_rids))
             raise
@@ -403,13 +400,25 @@ class GeneratorServer:
             if group:
                 self._groups.pop(group, None)
         # Detokenising and serialising run off the event loop too.
-        text = await asyncio.to_thread(self._answers_text, parsed, results)
-        return web.Response(text=text, content_type="application/json")
+        data = await asyncio.to_thread(self._answers_json, parsed, results)
+        return web.Response(body=data, content_type="application/json")
 
-    def _answers_text(self, parsed: ParsedGenerate, results) -> str:
+    def _submit_all(self, parsed: ParsedGenerate) -> list[concurrent.futures.Future]:
+        """Queues every prompt of a request (all or none: a refusal aborts those queued)."""
+        futures = []
+        try:
+            for item in parsed.items:
+                futures.append(self.engine.submit(item.request))
+        except (GeneratorError, Overloaded):
+            for item in parsed.items[:len(futures)]:
+                self.engine.abort(item.request.rid)
+            raise
+        return futures
+
+    def _answers_json(self, parsed: ParsedGenerate, results) -> bytes:
         answers = [self._answer(parsed, i, out)
                    for i, outs in enumerate(results) for out in outs]
-        return json.dumps(answers if parsed.as_list else answers[0])
+        return json.dumps(answers if parsed.as_list else answers[0]).encode()
 
     def _answer(self, parsed: ParsedGenerate, i: int, out) -> dict[str, Any]:
         item = parsed.items[i]
@@ -773,6 +782,40 @@ async def _exit_with_parent(parent_pid: int, stop: asyncio.Event, interval: floa
         await asyncio.sleep(interval)
     log.warning("parent process %d is gone; shutting down", parent_pid)
     stop.set()
+
+
+async def _all_results(futures: list[concurrent.futures.Future]) -> list:
+    """The results of the engine's ``futures``, in order, awaited as one: a single wake-up of
+    the event loop when the last is done (or the first fails), whatever their number."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def settle(result_or_error, failed: bool):
+        if done.done():
+            return
+        if failed:
+            done.set_exception(result_or_error)
+        else:
+            done.set_result(result_or_error)
+
+    def finished(future: concurrent.futures.Future):
+        error = None if future.cancelled() else future.exception()
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if error is not None:
+            loop.call_soon_threadsafe(settle, error, True)
+        elif last:
+            loop.call_soon_threadsafe(settle, None, False)
+
+    if not futures:
+        return []
+    for future in futures:
+        future.add_done_callback(finished)
+    await done
+    return [f.result() for f in futures]
 
 
 def wait_for_swap(engine: Engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:
