@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import math
 import socket
 import threading
 import time
@@ -469,6 +468,14 @@ def test_corrupt_weights_are_refused_and_the_old_ones_kept(weights, name):
         assert after.output_ids == before.output_ids and after.output_versions == [0] * 10
     finally:
         engine.shutdown()
+
+
+def test_every_floating_dtype_may_hold_weights(weights):
+    from rl_jax.generator.engine import check_weights
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        check_weights(jax.tree.map(lambda a: a.astype(dtype), weights[1]), weights[0])
+    with pytest.raises(WeightsRefused, match="complex64"):
+        check_weights(jax.tree.map(lambda a: a.astype(jnp.complex64), weights[1]), weights[0])
 
 
 def test_versions_may_not_go_back_unless_allowed(weights):

@@ -95,7 +95,7 @@ def check_weights(params: dict[str, Any], reference: dict[str, Any]):
     if shapes:
         raise WeightsRefused(f"new weights have wrong shapes: {'; '.join(shapes[:5])}")
     dtypes = [f"{n}: {np.dtype(a.dtype).name}" for n, a in zip(names, leaves)
-              if not np.issubdtype(np.dtype(a.dtype), np.floating)]
+              if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]  # bfloat16 included
     if dtypes:
         raise WeightsRefused(f"new weights have dtypes that cannot hold weights (floating point "
                              f"only): {'; '.join(dtypes[:5])}")

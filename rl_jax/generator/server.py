@@ -16,14 +16,29 @@ probes. Endpoints (SGLang's names; the router probes the ``/server_info``-style 
   POST /pause_generation            {mode: abort | retract | in_place}
   POST /continue_generation
   POST /update_weights_from_disk    {model_path, load_format, abort_all_requests,
-                                     weight_version, flush_cache}; an in-flight swap
+                                     weight_version, flush_cache, allow_older}; an in-flight
+                                     swap
   GET  /v1/models                   OpenAI-style model list
 
 Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for malformed or unservable
 requests (which fields are honoured, ignored or refused: see ``protocol``), 404 for unknown
 paths, 503 with ``Retry-After`` when the waiting queue is full, 503 once the engine has stopped.
-A client that disconnects has its requests aborted. Weight versions are integers (SGLang uses
-strings); every token's version is in ``meta_info.output_token_weight_versions``.
+A client that disconnects has its requests aborted. A refused request is logged as one warning
+line; a 500 (with its traceback) is a bug.
+
+Requests are bounded before they cost memory or time: bodies past ``max_request_bytes`` (413)
+or slower than ``body_timeout_s`` (408); bodies nested deeper than 32 levels, holding ``NaN``,
+``Infinity`` or integers outside int64 (400 naming the field: ``protocol.parse_json_body``);
+sampling integers outside what the engine stores (int32), ``n`` x prompts above the queue
+limit whatever ``max_new_tokens`` is, texts longer than ``max_text_chars`` before they are
+tokenised. Parsing, tokenising, submitting, detokenising and serialising run in worker threads,
+so health probes stay fast beside a big request. A connection gets ``keepalive_timeout_s`` to
+send its headers and as long idle between requests. New weights, whichever path they take, are
+checked where the engine takes them (``Engine.update_weights``): tree, shapes, floating dtypes,
+finite values, and a version that does not go back unless the request sets ``allow_older``;
+refused ones get a 400 saying why while the old weights keep serving. Weight versions are
+integers (SGLang uses strings); every token's version is in
+``meta_info.output_token_weight_versions``.
 
 Differences from SGLang worth knowing: the engine stops on token ids only, so ``stop`` strings
 are applied to the finished completion (decoding continues until a stop token or
