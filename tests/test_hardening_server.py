@@ -138,7 +138,7 @@ def server_log():
 def gen(url, ids, **sampling):
     sampling.setdefault("ignore_eos", True)
     status, data, _ = http(url, "/generate", {"input_ids": ids, "sampling_params": sampling,
-                                              "return_logprob": True})
+                                              "return_logprob": True}, timeout=900)
     assert status == 200, data
     return data
 
@@ -361,22 +361,30 @@ def run_engine(engine, poison: GenerateRequest | None):
     return outputs, poisoned
 
 
+POISON_CONFIG = EngineConfig(max_slots=8, max_seq_len=96, max_waiting=MAX_WAITING)
+
+
+@pytest.fixture(scope="module")
+def unpoisoned(weights):
+    """The innocent requests' outputs from the plain engine, without the poison."""
+    reference = Engine(CFG, weights[0], engine_config=POISON_CONFIG)
+    try:
+        return run_engine(reference, None)[0]
+    finally:
+        reference.shutdown()
+
+
 @pytest.mark.parametrize("engine_class, poison", [
     (PoisonEngine, GenerateRequest(POISON, SamplingParams(max_new_tokens=8, seed=3, n=2),
                                    rid="poison")),
     (UncheckedEngine, GenerateRequest([1, 5, 9], SamplingParams(max_new_tokens=8, seed=1,
                                                                 top_k=2 ** 40), rid="poison")),
 ], ids=["injected", "top_k beyond int32"])
-def test_a_failing_request_fails_alone(weights, engine_class, poison):
+def test_a_failing_request_fails_alone(weights, unpoisoned, engine_class, poison):
     """The poison request gets the error; every other request, running or queued, finishes
     with the tokens it has in a run without the poison; the engine keeps serving."""
-    config = EngineConfig(max_slots=8, max_seq_len=96, max_waiting=MAX_WAITING)
-    reference = Engine(CFG, weights[0], engine_config=config)
-    try:
-        expected, _ = run_engine(reference, None)
-    finally:
-        reference.shutdown()
-    engine = engine_class(CFG, weights[0], engine_config=config)
+    expected = unpoisoned
+    engine = engine_class(CFG, weights[0], engine_config=POISON_CONFIG)
     try:
         got, poisoned = run_engine(engine, poison)
         with pytest.raises(RequestFailed, match="failed in the engine"):
@@ -406,19 +414,21 @@ def test_a_failing_request_fails_alone_over_http(ckpts):
               for i in range(6)]
     running = start(ckpts["a"], engine_class=PoisonEngine)
     try:
-        expected = [http(running.url, "/generate", b)[1]["output_ids"] for b in bodies]
+        # (the first call compiles: generous time on a loaded machine)
+        expected = [http(running.url, "/generate", b, timeout=900)[1]["output_ids"]
+                    for b in bodies]
         assert http(running.url, "/pause_generation", {"mode": "in_place"})[0] == 200
         pool = concurrent.futures.ThreadPoolExecutor(8)
-        innocent = [pool.submit(http, running.url, "/generate", b) for b in bodies]
+        innocent = [pool.submit(http, running.url, "/generate", b, timeout=900) for b in bodies]
         poison = pool.submit(http, running.url, "/generate", {
-            "input_ids": POISON, "sampling_params": {"max_new_tokens": 5}})
+            "input_ids": POISON, "sampling_params": {"max_new_tokens": 5}}, timeout=900)
         while http(running.url, "/get_load")[1]["waiting"] < 7:
             time.sleep(0.01)
         assert http(running.url, "/continue_generation", {})[0] == 200
-        status, data, _ = poison.result(timeout=120)
+        status, data, _ = poison.result(timeout=900)
         assert status == 500 and "injected admission failure" in data["error"]["message"]
         for b, f, want in zip(bodies, innocent, expected):
-            status, data, _ = f.result(timeout=120)
+            status, data, _ = f.result(timeout=900)
             assert status == 200 and data["output_ids"] == want, (b, data)
         assert http(running.url, "/health")[0] == 200
     finally:
@@ -441,33 +451,38 @@ def _first_leaf_path(params) -> tuple:
     return tuple(k.key for k in path)
 
 
-@pytest.mark.parametrize("name", ["nan", "inf", "int32", "bool", "shape", "missing"])
-def test_corrupt_weights_are_refused_and_the_old_ones_kept(weights, name):
+@pytest.fixture(scope="module")
+def guarded(weights):
+    """One engine for the refusals (a refused update leaves it as it was)."""
     engine = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=64))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["nan", "inf", "int32", "bool", "shape", "missing"])
+def test_corrupt_weights_are_refused_and_the_old_ones_kept(weights, guarded, name):
+    engine = guarded
     request = GenerateRequest([1, 5, 9], SamplingParams(max_new_tokens=10, temperature=0.0,
                                                         ignore_eos=True))
-    try:
-        before = engine.generate(request, timeout=120)[0]
-        leaf = _first_leaf_path(weights[1])
-        bad, words = {
-            "nan": (_corrupt(weights[1], leaf, lambda a: a.at[(0,) * a.ndim].set(jnp.nan)),
-                    "non-finite"),
-            "inf": (_corrupt(weights[1], leaf, lambda a: a.at[(-1,) * a.ndim].set(-jnp.inf)),
-                    "non-finite"),
-            "int32": (_corrupt(weights[1], leaf, lambda a: a.astype(jnp.int32)), "int32"),
-            "bool": (_corrupt(weights[1], leaf, lambda a: a > 0), "bool"),
-            "shape": (_corrupt(weights[1], leaf, lambda a: a[..., :-1]), "wrong shapes"),
-            "missing": ({k: v for k, v in weights[1].items() if k != leaf[0]}, "missing"),
-        }[name]
-        with pytest.raises(WeightsRefused, match=words) as info:
-            engine.update_weights(bad, version=1)
-        if name in ("nan", "inf", "int32", "bool"):
-            assert ".".join(map(str, leaf)) in str(info.value)
-        assert engine.version == 0 and engine.params is weights[0]
-        after = engine.generate(request, timeout=120)[0]
-        assert after.output_ids == before.output_ids and after.output_versions == [0] * 10
-    finally:
-        engine.shutdown()
+    before = engine.generate(request, timeout=300)[0]
+    leaf = _first_leaf_path(weights[1])
+    bad, words = {
+        "nan": (_corrupt(weights[1], leaf, lambda a: a.at[(0,) * a.ndim].set(jnp.nan)),
+                "non-finite"),
+        "inf": (_corrupt(weights[1], leaf, lambda a: a.at[(-1,) * a.ndim].set(-jnp.inf)),
+                "non-finite"),
+        "int32": (_corrupt(weights[1], leaf, lambda a: a.astype(jnp.int32)), "int32"),
+        "bool": (_corrupt(weights[1], leaf, lambda a: a > 0), "bool"),
+        "shape": (_corrupt(weights[1], leaf, lambda a: a[..., :-1]), "wrong shapes"),
+        "missing": ({k: v for k, v in weights[1].items() if k != leaf[0]}, "missing"),
+    }[name]
+    with pytest.raises(WeightsRefused, match=words) as info:
+        engine.update_weights(bad, version=1)
+    if name in ("nan", "inf", "int32", "bool"):
+        assert ".".join(map(str, leaf)) in str(info.value)
+    assert engine.version == 0 and engine.params is weights[0]
+    after = engine.generate(request, timeout=300)[0]
+    assert after.output_ids == before.output_ids and after.output_versions == [0] * 10
 
 
 def test_every_floating_dtype_may_hold_weights(weights):
