@@ -53,6 +53,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -78,6 +79,10 @@ from rl_jax.models.hf import CheckpointError, load_pretrained, load_tokenizer, r
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 512 << 20
+# /generate requests up to this size (bytes), answers up to this many tokens, are handled on the
+# event loop; bigger ones in worker threads.
+INLINE_BYTES = 16 << 10
+INLINE_TOKENS = 4096
 SWAP_TIMEOUT_S = 300.0
 # Fields that may differ between checkpoints served by one engine (its compiled functions
 # close over everything else).
@@ -388,14 +393,17 @@ class GeneratorServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
         self._require_alive()
-        # Tokenising runs off the event loop (health probes stay fast behind a big batch).
-        parsed = await asyncio.to_thread(
+        # Tokenising and submitting a big request run off the event loop (health probes stay
+        # fast behind it); a small one costs less than the hand-over to a thread.
+        small = (request.content_length or INLINE_BYTES + 1) <= INLINE_BYTES
+        parse = functools.partial(
             parse_generate, body, tokenize=self._tokenize if self.tokenizer else None,
             vocab_size=self.engine.config.vocab_size, max_seq_len=self.config.max_seq_len,
             strict=self.config.strict, max_sequences=self.config.max_waiting,
             max_text_chars=self.max_text_chars)
-        # Submitting thousands of prompts is work too: a worker thread does it.
-        submitted = await asyncio.to_thread(self._submit_all, parsed)
+        parsed = parse() if small else await asyncio.to_thread(parse)
+        submitted = (self._submit_all(parsed) if small
+                     else await asyncio.to_thread(self._submit_all, parsed))
         group = body.get("rid") if isinstance(body.get("rid"), str) else None
         engine_rids = [it.request.rid for it in parsed.items]
         if group:
@@ -414,8 +422,10 @@ class GeneratorServer:
         finally:
             if group:
                 self._groups.pop(group, None)
-        # Detokenising and serialising run off the event loop too.
-        data = await asyncio.to_thread(self._answers_json, parsed, results)
+        # Detokenising and serialising a big answer run off the event loop too.
+        tokens = sum(len(out.output_ids) for outs in results for out in outs)
+        data = (self._answers_json(parsed, results) if small and tokens <= INLINE_TOKENS
+                else await asyncio.to_thread(self._answers_json, parsed, results))
         return web.Response(body=data, content_type="application/json")
 
     def _submit_all(self, parsed: ParsedGenerate) -> list[concurrent.futures.Future]:
