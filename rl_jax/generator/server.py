@@ -412,7 +412,8 @@ class GeneratorServer:
             if parsed.stream:
                 return await self._stream(request, parsed,
                                           [asyncio.wrap_future(f) for f in submitted])
-            results = await _all_results(submitted)
+            results = (await asyncio.gather(*map(asyncio.wrap_future, submitted)) if small
+                       else await _all_results(submitted))
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             await asyncio.shield(self._abort(engine_rids))
             raise
