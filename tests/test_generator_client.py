@@ -378,7 +378,8 @@ def test_local_engine_and_http_pool_behind_one_interface(pool, ckpts):
 
     async def main():
         async with GeneratorClient(pool.urls) as client:
-            await client.update_weights_from_disk(ckpts["a"], 0)
+            # back to checkpoint a under a newer version (versions never go back)
+            await client.update_weights_from_disk(ckpts["a"], 11)
             remote, _ = await rollout_round(client, ckpts["b"])
         server = GeneratorServer.from_config(ServerConfig(
             model=str(ckpts["a"]), max_slots=8, max_seq_len=512, warmup=False))

@@ -52,6 +52,58 @@ from rl_jax.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+_INT32 = np.iinfo(np.int32)
+
+
+class WeightsRefused(GeneratorError):
+    """New weights that would corrupt the policy (wrong structure, shapes or dtype, non-finite
+    values, an older version); the engine keeps serving the weights it has."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while serving one request: that request fails, the others go on."""
+
+
+@jax.jit
+def _finite_leaves(leaves: list) -> jax.Array:
+    """``[L]`` bool: whether every value of each leaf is finite (one program over the tree, one
+    small read-back)."""
+    import jax.numpy as jnp
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
+def _leaf_names(tree) -> list[str]:
+    return [jax.tree_util.keystr(path, simple=True, separator=".")
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def check_weights(params: dict[str, Any], reference: dict[str, Any]):
+    """Refuses (:class:`WeightsRefused`, naming the leaves) ``params`` that differ from
+    ``reference`` in tree structure or shapes, hold a dtype that cannot hold weights (anything
+    but floating point), or hold a non-finite value. The finiteness check runs on the device
+    the weights live on: one jitted reduction over the whole tree."""
+    got, want = jax.tree.structure(params), jax.tree.structure(reference)
+    if got != want:
+        missing = sorted(set(_leaf_names(reference)) - set(_leaf_names(params)))
+        extra = sorted(set(_leaf_names(params)) - set(_leaf_names(reference)))
+        raise WeightsRefused(f"new weights do not match the engine's parameter tree (missing "
+                             f"{missing[:5]}, unexpected {extra[:5]})")
+    names = _leaf_names(params)
+    leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(reference)
+    shapes = [f"{n}: {tuple(a.shape)} (serving {tuple(b.shape)})"
+              for n, a, b in zip(names, leaves, ref_leaves) if tuple(a.shape) != tuple(b.shape)]
+    if shapes:
+        raise WeightsRefused(f"new weights have wrong shapes: {'; '.join(shapes[:5])}")
+    dtypes = [f"{n}: {np.dtype(a.dtype).name}" for n, a in zip(names, leaves)
+              if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]  # bfloat16 included
+    if dtypes:
+        raise WeightsRefused(f"new weights have dtypes that cannot hold weights (floating point "
+                             f"only): {'; '.join(dtypes[:5])}")
+    finite = np.asarray(_finite_leaves(leaves))
+    if not finite.all():
+        bad = [n for n, ok in zip(names, finite) if not ok]
+        raise WeightsRefused(f"new weights hold non-finite values (NaN or infinity) in "
+                             f"{len(bad)} tensor(s): {bad[:5]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +263,7 @@ class Engine:
                                  dtype=dtype or jnp.float32, attention=engine_config.attention)
             self._replicas.append(_Replica(i, runner, params))
         self.version = version
+        self._accepted_version = version  # the newest version handed to update_weights
         # the decode attention the replicas run: "native" (the CPU kernel) or "xla"
         self.attention_backend = ("native" if all(r.runner.native_attention
                                                   for r in self._replicas) else "xla")
@@ -276,6 +329,10 @@ class Engine:
             raise GeneratorError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
                 f"the engine's max_seq_len={limit}")
+        if sampling.n > self.engine_config.max_waiting:
+            raise GeneratorError(f"n={sampling.n} samples can never be queued (the engine "
+                                 f"holds at most {self.engine_config.max_waiting} waiting)")
+        self._check_sampling(sampling)
         future: concurrent.futures.Future = concurrent.futures.Future()
         rid = request.rid or uuid.uuid4().hex
         if sampling.max_new_tokens == 0:
@@ -287,9 +344,6 @@ class Engine:
         with self._lock:
             if rid in self._requests:
                 raise GeneratorError(f"request id {rid!r} is already running")
-            if sampling.n > self.engine_config.max_waiting:
-                raise GeneratorError(f"n={sampling.n} samples can never be queued (the engine "
-                                     f"holds at most {self.engine_config.max_waiting} waiting)")
             if len(self._waiting) + sampling.n > self.engine_config.max_waiting:
                 self.stats["refused_overloaded"] += 1
                 raise Overloaded(f"{len(self._waiting)} sequences are waiting (limit "
@@ -304,31 +358,47 @@ class Engine:
             self._lock.notify_all()
         return future
 
+    def _check_sampling(self, sampling: SamplingParams):
+        """Refuses sampling values the per-slot state cannot hold (``runner.SLOT_FIELDS``)."""
+        if not _INT32.min <= sampling.top_k <= _INT32.max:
+            raise GeneratorError(f"top_k must fit in int32, got {sampling.top_k}")
+
     def generate(self, request: GenerateRequest, timeout: float | None = None
                  ) -> list[GenerateOutput]:
         return self.submit(request).result(timeout)
 
-    def update_weights(self, params: dict[str, Any], version: int):
+    def update_weights(self, params: dict[str, Any], version: int, *,
+                       allow_older: bool = False):
         """Swaps in ``params`` between two decode steps (running sequences continue).
 
-        Returns at once: a helper thread lays the weights out for decode first (the running
+        Checks them first, here, for every path new weights take (disk, transfer, SGLang's
+        distributed protocol): :func:`check_weights` (tree, shapes, floating dtypes, finite
+        values) and the version, which may not go below the newest one accepted unless
+        ``allow_older``. Refused weights raise :class:`WeightsRefused` and change nothing.
+
+        Returns once checked: a helper thread lays the weights out for decode (the running
         batch keeps decoding meanwhile), then the scheduler swaps them in before its next step;
         :attr:`version` (and :attr:`params`) change then. A newer update given before an older
-        one was swapped in supersedes it. Raises :class:`GeneratorError` when ``params`` do not
-        have the current parameters' structure and shapes.
+        one was swapped in supersedes it.
         """
-        def signature(tree):
-            return jax.tree.map(lambda a: tuple(a.shape), tree)
-
-        got, want = signature(params), signature(self.params)
-        if got != want:
-            raise GeneratorError("new weights do not match the engine's parameters (tree "
-                                 "structure or shapes differ)")
+        version = int(version)
+        with self._lock:
+            newest = self._accepted_version
+        if version < newest and not allow_older:
+            raise WeightsRefused(f"weight version {version} is older than version {newest} "
+                                 f"(already accepted); set allow_older to go back on purpose")
+        start = time.perf_counter()
+        check_weights(params, self.params)
+        self.stats["weight_check_ms"] += int((time.perf_counter() - start) * 1000)
         with self._lock:
             if not self.alive:
                 raise RuntimeError("the engine's scheduler is not running (shut down or "
                                    "crashed); the weights were not applied")
-            self._to_prepare.append((params, int(version)))
+            if version < self._accepted_version and not allow_older:
+                raise WeightsRefused(f"weight version {version} is older than version "
+                                     f"{self._accepted_version} (accepted meanwhile)")
+            self._accepted_version = version
+            self._to_prepare.append((params, version))
             self._helper_wake.notify_all()
 
     def wait_for_version(self, version: int, timeout: float = 60.0) -> bool:
@@ -550,9 +620,58 @@ class Engine:
         for replica in self._replicas:
             mine = [g for r, g in groups if r == replica.index]
             if mine:
-                parts.append(self._admit_to(replica, mine))
-        self._inflight.append(_InFlight(parts, self.version))
-        self._release_fully_dispatched([seq for _, group in groups for seq in group])
+                parts.extend(self._admit_isolated(replica, mine))
+        if parts:
+            self._inflight.append(_InFlight(parts, self.version))
+        self._release_fully_dispatched([seq for _, group in groups for seq in group
+                                        if seq.finish_reason is None])
+
+    def _admit_isolated(self, replica: _Replica, groups: list[list[_Sequence]]) -> list:
+        """:meth:`_admit_to`, with a failure kept to the request that causes it: the admission
+        is undone and retried one prefill group at a time, then one request at a time; a
+        request that still fails alone gets the error, the others are admitted as usual (with
+        the same tokens: sampling depends on seeds, not on batch composition)."""
+        try:
+            return [self._admit_to(replica, groups)]
+        except Exception as e:
+            self._undo_admission([seq for group in groups for seq in group])
+            if len(groups) > 1:
+                return [part for group in groups
+                        for part in self._admit_isolated(replica, [group])]
+            by_request: dict[int, list[_Sequence]] = {}
+            for seq in groups[0]:
+                by_request.setdefault(id(seq.request), []).append(seq)
+            if len(by_request) > 1:
+                return [part for seqs in by_request.values()
+                        for part in self._admit_isolated(replica, [seqs])]
+            request = groups[0][0].request
+            log.exception("request %s failed in the engine; the other requests go on",
+                          request.rid)
+            self.stats["failed_requests"] += 1
+            self._fail_request(request, RequestFailed(
+                f"request {request.rid} failed in the engine: {type(e).__name__}: {e}"))
+            return []
+
+    def _undo_admission(self, seqs: list[_Sequence]):
+        """Returns sequences whose admission raised to their state before it (no slot)."""
+        with self._lock:
+            for seq in seqs:
+                self._release(seq)
+                seq.dispatched = len(seq.output_ids)
+                seq.cached_tokens = 0
+
+    def _fail_request(self, req: _Request, error: Exception):
+        """Finishes every sequence of ``req`` and resolves its future with ``error``."""
+        with self._lock:
+            for seq in req.sequences:
+                if seq.finish_reason is None:
+                    seq.finish_reason = {"type": "abort", "message": str(error)}
+                self._release(seq)
+                if seq in self._waiting:
+                    self._waiting.remove(seq)
+            self._requests.pop(req.rid, None)
+            if not req.future.done():
+                req.future.set_exception(error)
 
     def _admit_to(self, replica: _Replica, groups: list[list[_Sequence]]):
         """Prefills ``groups`` on ``replica`` and installs them in its lowest free slots; returns

@@ -17,6 +17,7 @@ Unknown top-level fields are ignored, as SGLang does; unknown sampling fields ar
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import uuid
@@ -29,6 +30,15 @@ log = logging.getLogger(__name__)
 
 # SGLang treats temperatures below this as greedy.
 GREEDY_TEMPERATURE = 1e-6
+# Request bodies nest at most this deep (SGLang's deepest field, a per-prompt list of sampling
+# params with their stop-token lists, is 4 levels down).
+MAX_JSON_DEPTH = 32
+# Integers anywhere in a request body lie in int64; fields check their own, narrower ranges.
+INT64 = (-(1 << 63), (1 << 63) - 1)
+# The engine's per-slot sampling state holds top_k as int32.
+INT32_MAX = (1 << 31) - 1
+# Largest finite float32: a temperature above it would become infinite on the device.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ProtocolError(GeneratorError):
@@ -38,6 +48,76 @@ class ProtocolError(GeneratorError):
 def _is_default(value: Any) -> bool:
     return value is None or value is False or value == 0 or value in ("", [], {}) or (
         isinstance(value, list) and all(v is None or v in ([], [None]) for v in value))
+
+
+# ---- JSON bodies --------------------------------------------------------------------------------
+
+class _HugeInt:
+    """An integer literal too long for Python's int conversion (over 4300 digits), kept as a
+    marker so that the field holding it can be named."""
+
+    def __init__(self, digits: str):
+        self.digits = len(digits.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _field(path: tuple) -> str:
+    """``("sampling_params", 0, "top_k")`` → ``sampling_params[0].top_k``."""
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out or "the request body"
+
+
+def _check_json_values(value: Any, max_depth: int):
+    """Refuses nesting deeper than ``max_depth``, non-finite numbers (``NaN``, ``Infinity``,
+    ``1e999``) and integers outside int64 anywhere in a parsed body, naming the field.
+    Iterative (a stack), so a deep body cannot exhaust Python's recursion."""
+    stack: list[tuple[Any, tuple, int]] = [(value, (), 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict):
+            items = node.items()
+        elif isinstance(node, list):
+            if all(type(x) is int for x in node):  # token ids: the common, large case
+                if node and (min(node) < INT64[0] or max(node) > INT64[1]):
+                    i = next(i for i, x in enumerate(node) if not INT64[0] <= x <= INT64[1])
+                    raise ProtocolError(f"{_field(path + (i,))} is an integer outside int64")
+                continue
+            items = enumerate(node)
+        else:
+            items = ()
+        if items and depth > max_depth:
+            raise ProtocolError(f"{_field(path)} nests deeper than {max_depth} levels")
+        for key, x in items:
+            if isinstance(x, (dict, list)):
+                stack.append((x, path + (key,), depth + 1))
+            elif isinstance(x, float) and not math.isfinite(x):
+                raise ProtocolError(f"{_field(path + (key,))} is not a finite number ({x!r})")
+            elif isinstance(x, _HugeInt) or (type(x) is int and not INT64[0] <= x <= INT64[1]):
+                raise ProtocolError(f"{_field(path + (key,))} is an integer outside int64 "
+                                    f"({x!r:.40})")
+
+
+def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A request body → its JSON object, refusing (:class:`ProtocolError`, naming the field)
+    invalid JSON, non-objects, nesting deeper than ``max_depth``, ``NaN``/``Infinity`` and
+    numbers that overflow, and integers outside int64 (including literals of thousands of
+    digits, which Python's ``int`` would refuse with a bare ``ValueError``)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ProtocolError(f"the request body nests deeper than {max_depth} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # an integer literal beyond Python's digit limit: find its field
+        body = json.loads(raw, parse_int=lambda s: int(s) if len(s) <= 40 else _HugeInt(s))
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_json_values(body, max_depth)
+    return body
 
 
 # ---- request fields -----------------------------------------------------------------------------
@@ -130,17 +210,22 @@ def _unsupported(name: str, what: str, value: Any, strict: bool):
         log.warning("ignoring unsupported %s=%r (%s)", name, value, what)
 
 
-def _int(value: Any, name: str, minimum: int | None = None) -> int:
+def _int(value: Any, name: str, minimum: int | None = None, maximum: int = INT32_MAX) -> int:
+    """An integer field within ``[minimum, maximum]`` (int32 unless said otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{name} must be an integer, got {value!r}")
+        raise ProtocolError(f"{name} must be an integer, got {value!r:.60}")
     if minimum is not None and value < minimum:
         raise ProtocolError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ProtocolError(f"{name} must be <= {maximum}, got {value!r:.60}")
     return value
 
 
-def _float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProtocolError(f"{name} must be a finite number, got {value!r}")
+def _float(value: Any, name: str, maximum: float = FLOAT32_MAX) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or abs(value) > maximum):
+        raise ProtocolError(f"{name} must be a finite number (|x| <= {maximum:.4g}), got "
+                            f"{value!r:.60}")
     return float(value)
 
 
@@ -153,10 +238,12 @@ def _bool(value: Any, name: str) -> bool:
 def _token_ids(value: Any, name: str, vocab_size: int | None) -> list[int]:
     if not isinstance(value, list) or not value:
         raise ProtocolError(f"{name} must be a non-empty list of token ids")
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise ProtocolError(f"{name} must contain integer token ids, got {t!r}")
+    if not all(type(t) is int for t in value):  # not bool, not float
+        bad = next(t for t in value if type(t) is not int)
+        raise ProtocolError(f"{name} must contain integer token ids, got {bad!r:.40}")
     if vocab_size is not None:
+        if 0 <= min(value) and max(value) < vocab_size:
+            return value
         bad = [t for t in value if not 0 <= t < vocab_size]
         if bad:
             raise ProtocolError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
@@ -165,12 +252,14 @@ def _token_ids(value: Any, name: str, vocab_size: int | None) -> list[int]:
 
 
 def parse_sampling(raw: Any, *, prompt_len: int, max_seq_len: int | None, strict: bool = True,
-                   vocab_size: int | None = None) -> tuple[SamplingParams, dict[str, Any]]:
+                   vocab_size: int | None = None, max_sequences: int = INT32_MAX
+                   ) -> tuple[SamplingParams, dict[str, Any]]:
     """SGLang ``sampling_params`` → (:class:`SamplingParams`, text options).
 
     ``null`` values mean "default", as in SGLang; ``max_new_tokens: null`` means "up to the
     engine's ``max_seq_len``". Text options are ``stop`` strings, ``no_stop_trim`` and
-    ``skip_special_tokens``.
+    ``skip_special_tokens``. Integers are bounded by what the engine stores them in (int32;
+    seeds int64), ``n`` by ``max_sequences``.
     """
     if raw is None:
         raw = {}
@@ -203,7 +292,7 @@ def parse_sampling(raw: Any, *, prompt_len: int, max_seq_len: int | None, strict
     if raw.get("top_k") is not None:
         kw["top_k"] = _int(raw["top_k"], "top_k", -1)
     if raw.get("n") is not None:
-        kw["n"] = _int(raw["n"], "n", 1)
+        kw["n"] = _int(raw["n"], "n", 1, maximum=max_sequences)
     if raw.get("ignore_eos") is not None:
         kw["ignore_eos"] = _bool(raw["ignore_eos"], "ignore_eos")
     stops = raw.get("stop_token_ids")
@@ -213,13 +302,13 @@ def parse_sampling(raw: Any, *, prompt_len: int, max_seq_len: int | None, strict
         kw["stop_token_ids"] = tuple(_token_ids(stops, "stop_token_ids", vocab_size))
     seed = raw.get("sampling_seed", raw.get("seed"))
     if seed is not None:
-        kw["seed"] = _int(seed, "sampling_seed")
+        kw["seed"] = _int(seed, "sampling_seed", INT64[0], INT64[1])
     text = {"stop": (), "no_stop_trim": False, "skip_special_tokens": True}
     stop = raw.get("stop")
     if stop:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ProtocolError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise ProtocolError(f"stop must be a string or a list of strings, got {stop!r:.80}")
         text["stop"] = tuple(s for s in stop if s)
     for name in ("no_stop_trim", "skip_special_tokens"):
         if raw.get(name) is not None:
@@ -239,11 +328,28 @@ def _per_prompt(value: Any, name: str, count: int, batch: bool) -> list[Any]:
     return [value] * count
 
 
+def _sample_count(sampling: Any, count: int, batch: bool, max_sequences: int) -> int:
+    """Sequences a request asks for (``n`` summed over its prompts), read before any prompt is
+    tokenised; refuses more than ``max_sequences`` whatever ``max_new_tokens`` is."""
+    per_prompt = _per_prompt(sampling, "sampling_params", count, batch)
+    total = 0
+    for i, raw in enumerate(per_prompt):
+        n = raw.get("n") if isinstance(raw, dict) else None
+        total += 1 if n is None else _int(n, "sampling_params.n", 1, maximum=max_sequences)
+    if total > max_sequences:
+        raise ProtocolError(f"n x prompts = {total} sequences exceeds this server's queue limit "
+                            f"of {max_sequences}")
+    return total
+
+
 def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
                    vocab_size: int | None = None, max_seq_len: int | None = None,
-                   strict: bool = True) -> ParsedGenerate:
+                   strict: bool = True, max_sequences: int = INT32_MAX,
+                   max_text_chars: int | None = None) -> ParsedGenerate:
     """Validates SGLang's ``GenerateReqInput`` JSON and splits it into per-prompt requests.
 
+    Bounds come first, before anything is tokenised: the number of sequences (``n`` x prompts,
+    at most ``max_sequences``) and each text's length (at most ``max_text_chars`` characters).
     Raises :class:`ProtocolError` (HTTP 400) naming the first problem found.
     """
     if not isinstance(body, dict):
@@ -253,7 +359,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
             _unsupported(name, what, body[name], strict)
     unknown = sorted(set(body) - HONOURED_FIELDS - IGNORED_FIELDS - set(UNSUPPORTED_FIELDS))
     if unknown:
-        log.debug("ignoring unknown /generate fields %s", unknown)
+        log.debug("ignoring unknown /generate fields %s", unknown[:20])
 
     text, ids = body.get("text"), body.get("input_ids")
     if text is not None and ids is not None:
@@ -263,6 +369,8 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
             raise ProtocolError("input_ids must be a non-empty list of token ids or a list of "
                                 "such lists")
         batch = isinstance(ids[0], list)
+        _sample_count(body.get("sampling_params"), len(ids) if batch else 1, batch,
+                      max_sequences)
         prompts = [_token_ids(p, f"input_ids[{i}]" if batch else "input_ids", vocab_size)
                    for i, p in enumerate(ids if batch else [ids])]
         texts: list[str | None] = [None] * len(prompts)
@@ -273,6 +381,14 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
             raise ProtocolError("text is an empty list")
         if not all(isinstance(t, str) for t in texts):
             raise ProtocolError("text must be a string or a list of strings")
+        _sample_count(body.get("sampling_params"), len(texts), batch, max_sequences)
+        if max_text_chars is not None:
+            for i, t in enumerate(texts):
+                if len(t) > max_text_chars:
+                    raise ProtocolError(
+                        f"{f'text[{i}]' if batch else 'text'} has {len(t)} characters; this "
+                        f"server tokenises at most {max_text_chars} (more could not fit its "
+                        f"max_seq_len)")
         if tokenize is None:
             raise ProtocolError("this server has no tokenizer (tokenizer.json); send input_ids")
         prompts = []
@@ -299,7 +415,9 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
         if len(rids) != count or not all(isinstance(r, str) for r in rids):
             raise ProtocolError(f"rid must be a string or a list of {count} strings")
         if len(set(rids)) != len(rids):
-            raise ProtocolError(f"rid has duplicates: {rids}")
+            seen: set[str] = set()
+            dups = [r for r in rids if r in seen or seen.add(r)]
+            raise ProtocolError(f"rid has duplicates: {dups[:5]}")
     else:
         raise ProtocolError(f"rid must be a string (or a list of strings for a batch), "
                             f"got {rids!r}")
@@ -315,7 +433,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
     for i, prompt in enumerate(prompts):
         params, text_opts = parse_sampling(sampling[i], prompt_len=len(prompt),
                                            max_seq_len=max_seq_len, strict=strict,
-                                           vocab_size=vocab_size)
+                                           vocab_size=vocab_size, max_sequences=max_sequences)
         want_lp = False if logprob[i] is None else _bool(logprob[i], "return_logprob")
         if start[i] is not None:
             s = _int(start[i], "logprob_start_len", -1)

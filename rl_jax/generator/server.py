@@ -16,14 +16,29 @@ probes. Endpoints (SGLang's names; the router probes the ``/server_info``-style 
   POST /pause_generation            {mode: abort | retract | in_place}
   POST /continue_generation
   POST /update_weights_from_disk    {model_path, load_format, abort_all_requests,
-                                     weight_version, flush_cache}; an in-flight swap
+                                     weight_version, flush_cache, allow_older}; an in-flight
+                                     swap
   GET  /v1/models                   OpenAI-style model list
 
 Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for malformed or unservable
 requests (which fields are honoured, ignored or refused: see ``protocol``), 404 for unknown
 paths, 503 with ``Retry-After`` when the waiting queue is full, 503 once the engine has stopped.
-A client that disconnects has its requests aborted. Weight versions are integers (SGLang uses
-strings); every token's version is in ``meta_info.output_token_weight_versions``.
+A client that disconnects has its requests aborted. A refused request is logged as one warning
+line; a 500 (with its traceback) is a bug.
+
+Requests are bounded before they cost memory or time: bodies past ``max_request_bytes`` (413)
+or slower than ``body_timeout_s`` (408); bodies nested deeper than 32 levels, holding ``NaN``,
+``Infinity`` or integers outside int64 (400 naming the field: ``protocol.parse_json_body``);
+sampling integers outside what the engine stores (int32), ``n`` x prompts above the queue
+limit whatever ``max_new_tokens`` is, texts longer than ``max_text_chars`` before they are
+tokenised. Parsing, tokenising, submitting, detokenising and serialising run in worker threads,
+so health probes stay fast beside a big request. A connection gets ``keepalive_timeout_s`` to
+send its headers and as long idle between requests. New weights, whichever path they take, are
+checked where the engine takes them (``Engine.update_weights``): tree, shapes, floating dtypes,
+finite values, and a version that does not go back unless the request sets ``allow_older``;
+refused ones get a 400 saying why while the old weights keep serving. Weight versions are
+integers (SGLang uses strings); every token's version is in
+``meta_info.output_token_weight_versions``.
 
 With ``ServerConfig.keys`` set, requests need SGLang's API key or admin API key
 (``rl_jax.generator.auth``: 401/403 otherwise; ``/health`` stays open).
@@ -39,7 +54,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -55,9 +72,9 @@ from aiohttp import web
 import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator import auth
-from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
+from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig, WeightsRefused
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
-                                       error_json, output_json, parse_generate)
+                                       error_json, output_json, parse_generate, parse_json_body)
 from rl_jax.generator import kernels
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
 from rl_jax.heap import GcMonitor, freeze_long_lived
@@ -67,6 +84,10 @@ from rl_jax.models.hf import CheckpointError, load_pretrained, load_tokenizer, r
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 512 << 20
+# /generate requests up to this size (bytes), answers up to this many tokens, are handled on the
+# event loop; bigger ones in worker threads.
+INLINE_BYTES = 16 << 10
+INLINE_TOKENS = 4096
 SWAP_TIMEOUT_S = 300.0
 # Fields that may differ between checkpoints served by one engine (its compiled functions
 # close over everything else).
@@ -105,6 +126,19 @@ class ServerConfig:
     keys: auth.Keys = auth.NO_KEYS
     # /update_weights_from_transfer may name another publisher than publisher_url (admin only).
     allow_any_publisher: bool = False
+    # Request bounds, checked before a request costs memory or time. Bodies larger than this
+    # are refused (413) before they are read in full.
+    max_request_bytes: int = 64 << 20
+    # Characters of one prompt text tokenised at most; 0: derived from the tokenizer, twice
+    # max_seq_len times its longest token (longer text could not fit max_seq_len).
+    max_text_chars: int = 0
+    # Seconds a connection may take to send a request's headers, and stay idle between
+    # requests (aiohttp's keep-alive timer covers both; uvicorn, in front of SGLang, closes
+    # idle ones after 5 s). Above the 15 s an aiohttp client keeps idle connections, so a
+    # client never reuses one the server is closing.
+    keepalive_timeout_s: float = 20.0
+    # Seconds a request's body may take to arrive.
+    body_timeout_s: float = 60.0
 
 
 class EngineStopped(RuntimeError):
@@ -159,6 +193,15 @@ def eos_ids(config: ModelConfig) -> tuple[int, ...]:
     return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
+def text_limit(tokenizer, max_seq_len: int) -> int | None:
+    """Characters of text that may be tokenised for one prompt: twice what ``max_seq_len``
+    tokens of the tokenizer's longest token could spell (None without a tokenizer)."""
+    if tokenizer is None:
+        return None
+    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return 2 * max_seq_len * max(longest, 1)
+
+
 def parse_version(value: Any, current: int) -> int:
     """A request's ``weight_version`` (int or integer string; None → current + 1)."""
     if value is None:
@@ -190,6 +233,7 @@ class GeneratorServer:
         self._update_lock: asyncio.Lock | None = None
         self._pullers: dict[str, Any] = {}  # publisher URL -> rl_jax.transfer.GeneratorPuller
         self.gc = GcMonitor().install()
+        self.max_text_chars = config.max_text_chars or text_limit(tokenizer, config.max_seq_len)
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
@@ -244,7 +288,12 @@ class GeneratorServer:
                         self.engine.version, e)
             return
         if update is not None:
-            self.engine.update_weights(update.params, update.version)
+            try:
+                self.engine.update_weights(update.params, update.version)
+            except WeightsRefused as e:
+                log.warning("initial weights from %s refused (serving version %d): %s", url,
+                            self.engine.version, e)
+                return
             if not wait_for_swap(self.engine, update.params):
                 raise EngineStopped("the engine did not apply the initial weights")
             log.info("pulled initial weight version %d from %s", update.version, url)
@@ -331,6 +380,19 @@ class GeneratorServer:
         if not self.alive():
             raise EngineStopped("the engine's scheduler is not running")
 
+    async def _json_body(self, request: web.Request, optional: bool = False) -> dict[str, Any]:
+        """The request's JSON object, read within this server's size and time bounds and
+        parsed off the event loop (see :func:`read_body`, :func:`parse_json_body`)."""
+        raw = await read_body(request, self.config.max_request_bytes,
+                              self.config.body_timeout_s)
+        if not raw.strip():
+            if optional:
+                return {}
+            raise ProtocolError("the request body is empty; send a JSON object")
+        if len(raw) < 4096:
+            return parse_json_body(raw)
+        return await asyncio.to_thread(parse_json_body, raw)
+
     async def _abort(self, rids: list[str]):
         for rid in rids:
             await asyncio.to_thread(self.engine.abort, rid)
@@ -338,40 +400,60 @@ class GeneratorServer:
     # ---- /generate ------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await self._json_body(request)
         self._require_alive()
-        parsed = parse_generate(
-            body, tokenize=self._tokenize if self.tokenizer else None,
+        # Tokenising and submitting a big request run off the event loop (health probes stay
+        # fast behind it); a small one costs less than the hand-over to a thread.
+        small = (request.content_length or INLINE_BYTES + 1) <= INLINE_BYTES
+        parse = functools.partial(
+            parse_generate, body, tokenize=self._tokenize if self.tokenizer else None,
             vocab_size=self.engine.config.vocab_size, max_seq_len=self.config.max_seq_len,
-            strict=self.config.strict)
-        for item in parsed.items:
-            if item.request.sampling.n > self.config.max_waiting:
-                raise ProtocolError(f"n={item.request.sampling.n} exceeds this server's queue "
-                                    f"limit of {self.config.max_waiting} sequences")
-        futures = []
-        try:
-            for item in parsed.items:
-                futures.append(asyncio.wrap_future(self.engine.submit(item.request)))
-        except (GeneratorError, Overloaded):
-            await self._abort([it.request.rid for it in parsed.items[:len(futures)]])
-            raise
+            strict=self.config.strict, max_sequences=self.config.max_waiting,
+            max_text_chars=self.max_text_chars)
+        parsed = parse() if small else await asyncio.to_thread(parse)
+        submitted = (self._submit_all(parsed) if small
+                     else await asyncio.to_thread(self._submit_all, parsed))
         group = body.get("rid") if isinstance(body.get("rid"), str) else None
         engine_rids = [it.request.rid for it in parsed.items]
         if group:
             self._groups[group] = engine_rids
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, futures)
-            results = await asyncio.gather(*futures)
+                return await self._stream(request, parsed,
+                                          [asyncio.wrap_future(f) for f in submitted])
+            results = (await asyncio.gather(*map(asyncio.wrap_future, submitted)) if small
+                       else await _all_results(submitted))
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             await asyncio.shield(self._abort(engine_rids))
+            raise
+        except Exception:  # one request of a batch failed: the others' work is wasted
+            await self._abort(engine_rids)
             raise
         finally:
             if group:
                 self._groups.pop(group, None)
+        # Detokenising and serialising a big answer run off the event loop too.
+        tokens = sum(len(out.output_ids) for outs in results for out in outs)
+        data = (self._answers_json(parsed, results) if small and tokens <= INLINE_TOKENS
+                else await asyncio.to_thread(self._answers_json, parsed, results))
+        return web.Response(body=data, content_type="application/json")
+
+    def _submit_all(self, parsed: ParsedGenerate) -> list[concurrent.futures.Future]:
+        """Queues every prompt of a request (all or none: a refusal aborts those queued)."""
+        futures = []
+        try:
+            for item in parsed.items:
+                futures.append(self.engine.submit(item.request))
+        except (GeneratorError, Overloaded):
+            for item in parsed.items[:len(futures)]:
+                self.engine.abort(item.request.rid)
+            raise
+        return futures
+
+    def _answers_json(self, parsed: ParsedGenerate, results) -> bytes:
         answers = [self._answer(parsed, i, out)
                    for i, outs in enumerate(results) for out in outs]
-        return _json_response(answers if parsed.as_list else answers[0])
+        return json.dumps(answers if parsed.as_list else answers[0]).encode()
 
     def _answer(self, parsed: ParsedGenerate, i: int, out) -> dict[str, Any]:
         item = parsed.items[i]
@@ -412,8 +494,9 @@ class GeneratorServer:
                 except Exception as e:  # headers are sent: report in-band, as SGLang does
                     await _sse(response, error_json(str(e), "internal_error", 500))
                     continue
-                for j, out in enumerate(outs):
-                    chunk = self._answer(parsed, i, out)
+                chunks = await asyncio.to_thread(
+                    lambda: [self._answer(parsed, i, out) for out in outs])
+                for j, chunk in enumerate(chunks):
                     if parsed.as_list:
                         chunk["index"] = offsets[i] + j
                     await _sse(response, chunk)
@@ -497,7 +580,7 @@ class GeneratorServer:
 
     async def abort_request(self, request):
         self._require_alive()
-        body = await _json_body(request, optional=True)
+        body = await self._json_body(request, optional=True)
         rid = body.get("rid")
         abort_all = body.get("abort_all", False)
         if rid is not None and not isinstance(rid, str):
@@ -514,7 +597,7 @@ class GeneratorServer:
 
     async def pause_generation(self, request):
         self._require_alive()
-        body = await _json_body(request, optional=True)
+        body = await self._json_body(request, optional=True)
         mode = body.get("mode") or "abort"
         if mode not in PAUSE_MODES:
             raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
@@ -524,14 +607,14 @@ class GeneratorServer:
 
     async def continue_generation(self, request):
         self._require_alive()
-        await _json_body(request, optional=True)
+        await self._json_body(request, optional=True)
         await asyncio.to_thread(self.engine.resume)
         return _json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def update_weights_from_disk(self, request):
         """Loads an HF checkpoint of the same shape and swaps it in between two decode steps;
         running sequences continue under the new version (no pause needed)."""
-        body = await _json_body(request)
+        body = await self._json_body(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise ProtocolError("model_path (an HF checkpoint directory) is required")
@@ -539,9 +622,9 @@ class GeneratorServer:
         if load_format not in (None, "auto", "safetensors"):
             raise ProtocolError(f"load_format={load_format!r} is not supported "
                                 f"(HF safetensors directories only: auto or safetensors)")
-        for name in ("abort_all_requests", "flush_cache"):
+        for name in ("abort_all_requests", "flush_cache", "allow_older"):
             if body.get(name) is not None and not isinstance(body[name], bool):
-                raise ProtocolError(f"{name} must be true or false, got {body[name]!r}")
+                raise ProtocolError(f"{name} must be true or false, got {body[name]!r:.60}")
         self._require_alive()
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
@@ -555,10 +638,12 @@ class GeneratorServer:
                 return _json_response({"success": False, "message": str(e),
                                        **error_json(str(e), "invalid_request_error", 400)},
                                       status=400)
+            start = time.perf_counter()
+            refused = await self._install(params, version, bool(body.get("allow_older")))
+            if refused is not None:
+                return refused
             if body.get("abort_all_requests"):
                 await asyncio.to_thread(self.engine.abort, None)
-            start = time.perf_counter()
-            self.engine.update_weights(params, version)
             swapped = await asyncio.to_thread(wait_for_swap, self.engine, params)
             if not swapped:
                 return _error(f"the engine did not apply the new weights within "
@@ -579,7 +664,7 @@ class GeneratorServer:
         from rl_jax.transfer import GeneratorPuller, PublisherNotAllowed, TransferError
         from rl_jax.transfer import pinned_publisher
 
-        body = await _json_body(request, optional=True)
+        body = await self._json_body(request, optional=True)
         try:
             url = pinned_publisher(body.get("publisher_url"), self.config.publisher_url,
                                    self.config.allow_any_publisher)
@@ -590,9 +675,14 @@ class GeneratorServer:
         wait_s = body.get("wait_s", 0.0)
         if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or wait_s < 0:
             raise ProtocolError(f"wait_s must be a non-negative number, got {wait_s!r}")
+        if wait_s > 3600:
+            raise ProtocolError(f"wait_s must be at most 3600 s, got {wait_s!r:.60}")
         transport = body.get("transport")
         if transport is not None and not isinstance(transport, str):
-            raise ProtocolError(f"transport must be a string, got {transport!r}")
+            raise ProtocolError(f"transport must be a string, got {transport!r:.60}")
+        allow_older = body.get("allow_older", False)
+        if not isinstance(allow_older, bool):
+            raise ProtocolError(f"allow_older must be true or false, got {allow_older!r:.60}")
         min_version = body.get("weight_version")
         if min_version is not None:
             min_version = parse_version(min_version, self.engine.version)
@@ -616,7 +706,9 @@ class GeneratorServer:
                 return _json_response({"success": True, "weight_version": self.engine.version,
                                        "message": "no newer version was published"})
             start = time.perf_counter()
-            self.engine.update_weights(update.params, update.version)
+            refused = await self._install(update.params, update.version, allow_older)
+            if refused is not None:
+                return refused
             if not await asyncio.to_thread(wait_for_swap, self.engine, update.params):
                 return _error(f"the engine did not apply the new weights within "
                               f"{SWAP_TIMEOUT_S:.0f} s", "internal_error", 500)
@@ -624,6 +716,21 @@ class GeneratorServer:
         return _json_response({"success": True, "weight_version": update.version,
                                "swap_ms": swap_ms, "transfer": update.metrics.to_json(),
                                "message": f"pulled weight version {update.version}"})
+
+    async def _install(self, params, version: int, allow_older: bool) -> web.Response | None:
+        """Hands new weights to the engine, which checks them (off the event loop); the 400
+        answer saying why when it refuses them (the old weights keep serving), else None."""
+        try:
+            await asyncio.to_thread(self.engine.update_weights, params, version,
+                                    allow_older=allow_older)
+        except WeightsRefused as e:
+            log.warning("refused weight version %d (serving version %d): %s", version,
+                        self.engine.version, e)
+            return _json_response({"success": False, "message": str(e),
+                                   "weight_version": self.engine.version,
+                                   **error_json(str(e), "invalid_request_error", 400)},
+                                  status=400)
+        return None
 
     # ---- app ------------------------------------------------------------------------------------
 
@@ -669,7 +776,8 @@ class GeneratorServer:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                               keepalive_timeout=self.config.keepalive_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         await site.start()
@@ -721,6 +829,40 @@ async def _exit_with_parent(parent_pid: int, stop: asyncio.Event, interval: floa
     stop.set()
 
 
+async def _all_results(futures: list[concurrent.futures.Future]) -> list:
+    """The results of the engine's ``futures``, in order, awaited as one: a single wake-up of
+    the event loop when the last is done (or the first fails), whatever their number."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def settle(result_or_error, failed: bool):
+        if done.done():
+            return
+        if failed:
+            done.set_exception(result_or_error)
+        else:
+            done.set_result(result_or_error)
+
+    def finished(future: concurrent.futures.Future):
+        error = None if future.cancelled() else future.exception()
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if error is not None:
+            loop.call_soon_threadsafe(settle, error, True)
+        elif last:
+            loop.call_soon_threadsafe(settle, None, False)
+
+    if not futures:
+        return []
+    for future in futures:
+        future.add_done_callback(finished)
+    await done
+    return [f.result() for f in futures]
+
+
 def wait_for_swap(engine: Engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout
     while engine.params is not params:
@@ -743,19 +885,37 @@ async def _sse(response: web.StreamResponse, data: Any):
     await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
 
-async def _json_body(request: web.Request, optional: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip():
-        if optional:
-            return {}
-        raise ProtocolError("the request body is empty; send a JSON object")
+async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes, announced or not, and (408) when
+    it takes longer than ``timeout`` seconds to arrive."""
+    size = request.content_length
+    if size is not None and size > limit:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=size,
+            reason=f"the request body ({size} bytes) is larger than this server's limit of "
+                   f"{limit} bytes")
+    chunks, total = [], 0
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"the request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+        async with asyncio.timeout(timeout):
+            while chunk := await request.content.readany():
+                total += len(chunk)
+                if total > limit:
+                    raise web.HTTPRequestEntityTooLarge(
+                        max_size=limit, actual_size=total,
+                        reason=f"the request body is larger than this server's limit of "
+                               f"{limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(
+            reason=f"the request body did not arrive within {timeout:g} s") from None
+    return b"".join(chunks)
+
+
+def _refused(request: web.Request, status: int, message: str):
+    """One warning line for a refused request (no traceback: the client erred, not the
+    server)."""
+    log.warning("%d %s %s from %s: %.300s", status, request.method, request.path,
+                request.remote, message)
 
 
 @web.middleware
@@ -767,15 +927,17 @@ async def _errors_middleware(request: web.Request, handler):
     except EngineStopped as e:
         return _error(str(e), "unavailable", 503)
     except (GeneratorError, CheckpointError) as e:
+        _refused(request, 400, str(e))
         return _error(str(e), "invalid_request_error", 400)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
-            e.status, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "payload_too_large"}.get(e.status, "http_error")
         message = {404: f"no endpoint {request.path}",
                    405: f"{request.method} is not allowed on {request.path}"}.get(e.status,
                                                                                   e.reason)
+        _refused(request, e.status, message)
         return _error(message, kind, e.status)
     except asyncio.CancelledError:
         raise
