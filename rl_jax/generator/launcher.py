@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,10 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from rl_jax.cpus import lower_priority
+
+log = logging.getLogger(__name__)
 
 KINDS = ("rl_jax", "sglang")
 # What rl_jax.generator.server prints once it serves.
@@ -65,7 +70,9 @@ class PoolConfig:
     # CPU priority of the servers: their ``nice`` value, 0 (the default priority) to 19 (the
     # lowest). Above 0, processes at the default priority on the same cores (the trainer's
     # rollout client and batch packing) run first whenever they have work, and the servers
-    # decode in the time left; raising priority (a negative value) needs privileges.
+    # decode in the time left; raising priority (a negative value) needs privileges. Where
+    # the kernel schedules by session (autogroup), the value is given to each server's
+    # session as well (``ServerPool.priority`` says which applies).
     nice: int = 0
     # The trainer's weight publisher (rl_jax.transfer): servers pull the newest published
     # version before they report ready (so a restarted server never serves old weights) and on
@@ -167,6 +174,8 @@ class ServerPool:
         self.log_files = [self.log_dir / f"{self.config.kind}-server-{i}.log"
                           for i in range(len(self.ports))]
         self._log_offsets = [0] * len(self.ports)
+        # How the servers' CPU priority applies (rl_jax.cpus.lower_priority), once started.
+        self.priority = "default"
         self.env = {**os.environ, **dict(self.config.env)}
         if self.config.kind == "rl_jax":  # `launch` must be importable from the subprocess
             root = str(Path(__file__).resolve().parents[2])
@@ -201,6 +210,17 @@ class ServerPool:
             self.processes[index] = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, start_new_session=True)
+        # A new session is a scheduling group of its own where the kernel groups by session:
+        # the `nice` prefix of the command line alone would not order the server against
+        # the trainer's processes there.
+        try:
+            self.priority = lower_priority(self.processes[index].pid, self.config.nice)
+        except OSError as e:
+            self.priority = f"nice {self.config.nice} (autogroup not set: {e})"
+            log.warning("generator server %d: could not lower its session's CPU priority (%s); "
+                        "its nice value only orders it within its own session", index, e)
+        if index == 0 and self.config.nice:
+            log.info("generator servers' CPU priority: %s", self.priority)
         if wait:
             self.wait_healthy([index])
 

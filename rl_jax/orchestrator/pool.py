@@ -84,6 +84,11 @@ class GeneratorPool:
         return list(self.external) if self.external else self._servers.urls
 
     @property
+    def priority(self) -> str:
+        """How the servers' CPU priority applies (:func:`rl_jax.cpus.lower_priority`)."""
+        return "external" if self._servers is None else self._servers.priority
+
+    @property
     def log_dir(self) -> Path | None:
         return None if self._servers is None else self._servers.log_dir
 

@@ -760,6 +760,7 @@ class Session:
             **{k: v for k, v in rollout_metrics.items()},
             "weights": dict(self.weights.totals),
             "generator_restarts": dict(self.pool.restarts), "export": str(export),
+            "generators_priority": self.pool.priority,
             **cpu_spent,
         }
         idle = writer.series("generator/idle_fraction")[1]
