@@ -139,3 +139,16 @@ def lower_priority(pid: int, nice: int) -> str:
     with open(f"/proc/{pid}/autogroup", "w") as f:
         f.write(str(nice))
     return f"autogroup nice {nice}"
+
+
+def seconds_since_start(pid: int | str = "self") -> float:
+    """Wall seconds since process ``pid`` started (its launch, interpreter start-up included),
+    from ``/proc``; NaN where that is not available."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError):
+        return float("nan")
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start, since boot

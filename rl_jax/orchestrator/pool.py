@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from rl_jax import compile_cache
 from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,13 @@ class GeneratorPool:
       cpu_cores: cores the servers run on ("" = any).
       nice: the servers' CPU priority (``PoolConfig.nice``).
       log_dir: where server logs go.
+      compilation_cache_dir: JAX's persistent compilation cache of the servers
+        (:mod:`rl_jax.compile_cache`; "" = none).
     """
 
     def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
-                 cpu_cores: str = "", nice: int = 0, log_dir: str | Path):
+                 cpu_cores: str = "", nice: int = 0, log_dir: str | Path,
+                 compilation_cache_dir: str = ""):
         self.block = block
         self.external = tuple(block.urls)
         self.restarts: collections.Counter = collections.Counter()
@@ -74,7 +78,8 @@ class GeneratorPool:
                 decode_steps=int(block.get("decode_steps", 1)),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
                 cpu_cores=cpu_cores, nice=nice,
-                env=tuple(tuple(kv) for kv in block.get("env", ())),
+                env=tuple(tuple(kv) for kv in block.get("env", ())) + tuple(
+                    compile_cache.environment(compilation_cache_dir).items()),
                 extra_args=tuple(block.get("extra_args", ())) + (
                     ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else ""))
