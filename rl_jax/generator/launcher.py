@@ -205,10 +205,10 @@ class ServerPool:
     def start_server(self, index: int, *, wait: bool = True):
         """(Re)starts server ``index`` (e.g. after it died)."""
         cmd = server_command(self.config, self.ports[index], index)
-        with open(self.log_files[index], "ab") as log:
-            self._log_offsets[index] = log.tell()
+        with open(self.log_files[index], "ab") as out:
+            self._log_offsets[index] = out.tell()
             self.processes[index] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, start_new_session=True)
         # A new session is a scheduling group of its own where the kernel groups by session:
         # the `nice` prefix of the command line alone would not order the server against
