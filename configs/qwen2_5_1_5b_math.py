@@ -77,6 +77,10 @@ def get_config() -> ConfigDict:
     c.checkpoint = ConfigDict(dict(every=25, keep=3, use_async=True))
     c.logging = ConfigDict(dict(every=1, tensorboard=True))
     c.distributed = ConfigDict(dict(coordinator="", num_processes=1, process_id=0))
+    # JAX's persistent compilation cache of the trainer and the servers started here: "auto"
+    # (~/.cache/rl_jax/xla, private to the user), a directory, or "" (off). A second run of
+    # the recipe loads its compiled programs instead of compiling them.
+    c.compilation_cache_dir = "auto"
     # The final policy goes to <workdir>/hf; every > 0 also writes one every that many steps
     # to <workdir>/hf_steps/step_N (rl_jax.orchestrator.snapshots), e.g. to evaluate later.
     c.export = ConfigDict(dict(dtype="bfloat16", every=0))

@@ -105,3 +105,50 @@ def cpu_seconds_between(before: dict[str, float], after: dict[str, float],
     spent = {name: after[name] - before.get(name, 0.0) for name in after}
     return {name: round(s, 3) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])
             if s >= floor}
+
+
+AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
+
+
+def autogroup_enabled() -> bool:
+    """Whether Linux groups processes by session for CPU scheduling (``CONFIG_SCHED_AUTOGROUP``
+    with ``kernel.sched_autogroup_enabled=1``, the default on many distributions). There a
+    process's ``nice`` value only orders it against the processes of its own session: two
+    sessions share a core equally whatever their processes' nice values."""
+    try:
+        with open(AUTOGROUP_SWITCH) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+def lower_priority(pid: int, nice: int) -> str:
+    """Gives process ``pid``, started in a session of its own (``start_new_session=True``, e.g.
+    a generator server), the CPU priority ``nice`` (0 to 19) against every other session, and
+    returns how: ``"autogroup nice N"`` where scheduling is grouped by session (the session's
+    group gets the nice value, writing ``/proc/<pid>/autogroup``), ``"nice N"`` otherwise (the
+    process's own nice value, set by the caller, e.g. ``nice -n N`` in its command line, then
+    applies), ``"default"`` for 0. Raises ``ValueError`` for a value outside 0..19 (raising
+    priority needs privileges) and ``OSError`` if the group's value cannot be written."""
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ValueError(f"nice must be an integer from 0 to 19, got {nice!r}")
+    if nice == 0:
+        return "default"
+    if not autogroup_enabled():
+        return f"nice {nice}"
+    with open(f"/proc/{pid}/autogroup", "w") as f:
+        f.write(str(nice))
+    return f"autogroup nice {nice}"
+
+
+def seconds_since_start(pid: int | str = "self") -> float:
+    """Wall seconds since process ``pid`` started (its launch, interpreter start-up included),
+    from ``/proc``; NaN where that is not available."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError):
+        return float("nan")
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start, since boot

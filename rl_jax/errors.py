@@ -3,6 +3,7 @@
 Entry points print these as one line instead of a traceback.
 """
 
+from rl_jax.compile_cache import CacheDirError
 from rl_jax.losses import GroupSizeError, LossConfigError
 from rl_jax.models.config import ConfigError
 from rl_jax.models.hf import CheckpointError
@@ -12,4 +13,4 @@ from rl_jax.trainer.checkpoint import CheckpointRestoreError
 from rl_jax.trainer.lm import RecipeConfigError
 
 USER_ERRORS = (ConfigError, CheckpointError, ShardingError, CheckpointRestoreError,
-               RecipeConfigError, LossConfigError, GroupSizeError, RLConfigError)
+               RecipeConfigError, LossConfigError, GroupSizeError, RLConfigError, CacheDirError)

@@ -125,6 +125,8 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
             cap = cfg.correction_cap
         rho = np.clip(d["ref"][b, ts] - lp[b, ts], -CLAMP, CLAMP)
         kl = {"k1": -rho, "k2": 0.5 * rho ** 2, "k3": np.exp(rho) - 1 - rho}[cfg.kl_estimator]
+        if cfg.kl_value_clamp is not None:
+            kl = np.clip(kl, -cfg.kl_value_clamp, cfg.kl_value_clamp)
         h = d["ent"][b, ts]
         per_token = pg + cfg.kl_coef * kl - cfg.entropy_coef * h
         norm = m.sum() if cfg.normalization == "sequence" else 1.0

@@ -1,6 +1,8 @@
 """CPU pinning of processes and of single threads (Linux affinity is per thread)."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -84,3 +86,55 @@ def test_thread_cpu_seconds_names_python_threads_and_counts_their_time():
     assert 0.25 <= spent["cpu-burner"] <= 1.0
     assert list(spent) == sorted(spent, key=lambda k: -spent[k])  # largest first
     assert all(v >= 0.005 for v in spent.values())
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy_pair_share(lower: bool, seconds: float = 2.0) -> tuple[float, str]:
+    """Two busy processes on one core, each in a session of its own (as generator servers are
+    started); the second at nice 10, through ``lower_priority`` when ``lower``. Returns the
+    second's share of the CPU time the two got, and how the priority applied."""
+    core = str(max(os.sched_getaffinity(0)))
+    busy = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(["taskset", "-c", core, *prefix, *busy], start_new_session=True)
+             for prefix in ([], ["nice", "-n", "10"])]
+    try:
+        how = cpus.lower_priority(procs[1].pid, 10) if lower else "nice 10"
+        time.sleep(0.5)
+        start = [_cpu_seconds(p.pid) for p in procs]
+        time.sleep(seconds)
+        spent = [_cpu_seconds(p.pid) - s for p, s in zip(procs, start)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return spent[1] / max(sum(spent), 1e-9), how
+
+
+def test_lower_priority_applies_across_sessions():
+    share, how = _busy_pair_share(lower=True)
+    if cpus.autogroup_enabled():
+        assert how == "autogroup nice 10"
+    else:
+        assert how == "nice 10"
+    # nice 10 against nice 0: a CFS weight of 110 against 1024, ~10% of the core.
+    assert share < 0.3, (share, how)
+
+
+@pytest.mark.skipif(not cpus.autogroup_enabled(), reason="the kernel does not group by session")
+def test_nice_alone_does_not_apply_across_sessions_under_autogroup():
+    """Why lower_priority exists: under autogroup a session's nice value orders it only
+    within that session, so the two sessions share the core about equally."""
+    share, _ = _busy_pair_share(lower=False)
+    assert share > 0.35, share
+
+
+def test_lower_priority_refuses_values_outside_0_to_19():
+    for bad in (-1, 20, 1.5, True):
+        with pytest.raises(ValueError, match="nice"):
+            cpus.lower_priority(os.getpid(), bad)
+    assert cpus.lower_priority(os.getpid(), 0) == "default"

@@ -100,6 +100,7 @@ CASES = [
      dict(spread=1.5)),
     ("grpo", dict(kl_coef=0.1, entropy_coef=0.01), {}),
     ("grpo", dict(kl_coef=0.1, kl_estimator="k1"), dict(packed=True)),
+    ("grpo", dict(kl_coef=0.1, kl_value_clamp=0.3), dict(spread=1.5)),
     ("dapo", dict(kl_coef=0.05, kl_estimator="k2", correction="tis"), dict(token_advantages=True)),
     ("dr_grpo", {}, {}),
     ("dr_grpo", dict(max_tokens=20, correction="mis"), dict(packed=True)),
@@ -395,6 +396,62 @@ def test_published_defaults():
 def test_bad_configs_are_refused(name, overrides, match):
     with pytest.raises(LossConfigError, match=match):
         make_config(name, **overrides)
+
+
+def test_the_safe_mean_of_an_all_masked_batch_is_zero_with_a_zero_gradient():
+    d = make_batch(2)
+    cfg = make_config("grpo")
+    out = call("grpo", cfg, d, jit=False)
+    np.testing.assert_allclose(float(out.mean()), float(out.loss_sum / out.denominator),
+                               rtol=1e-6)
+    d["mask"][:] = 0.0
+
+    def mean(logprobs):
+        return call("grpo", cfg, {**d, "lp": logprobs}, jit=False).mean()
+
+    lp = jnp.asarray(d["lp"], jnp.float32)
+    empty = call("grpo", cfg, d, jit=False)
+    assert math.isnan(float(empty.loss_sum / empty.denominator))  # the plain quotient: 0 / 0
+    value, grad = jax.value_and_grad(mean)(lp)
+    assert float(value) == 0.0 and not np.any(np.asarray(grad))
+    assert float(losses.safe_mean(jnp.zeros(()), jnp.zeros(()))) == 0.0
+
+
+def test_kl_value_clamp_bounds_the_estimate_and_its_gradient():
+    rho = jnp.array([[15.0, 0.5, -15.0]])
+    logprobs = jnp.zeros_like(rho)
+    plain = losses.kl_penalty(logprobs, rho, "k3")
+    np.testing.assert_allclose(float(plain[0, 0]), math.expm1(15.0) - 15.0, rtol=1e-6)  # 3.3e6
+    clamped = losses.kl_penalty(logprobs, rho, "k3", value_clamp=10.0)
+    # k3 at ρ = −15 is e^−15 + 14 ≈ 14: clamped too.
+    np.testing.assert_allclose(np.asarray(clamped[0]), [10.0, math.expm1(0.5) - 0.5, 10.0],
+                               rtol=1e-6)
+    grad = jax.grad(lambda lp: losses.kl_penalty(lp, rho, "k3", value_clamp=10.0).sum())(
+        logprobs)
+    assert float(grad[0, 0]) == 0.0 and float(grad[0, 1]) != 0.0 and float(grad[0, 2]) == 0.0
+    k1 = losses.kl_penalty(logprobs, rho, "k1", value_clamp=10.0)
+    np.testing.assert_allclose(np.asarray(k1[0]), [-10.0, -0.5, 10.0])
+    with pytest.raises(LossConfigError, match="kl_value_clamp"):
+        make_config("grpo", kl_value_clamp=0.0)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_a_loss_refuses_the_configuration_of_another(name):
+    d = make_batch(3)
+    for other in ALL_LOSSES:
+        if losses.config_class(other) is losses.config_class(name):
+            continue
+        with pytest.raises(LossConfigError, match=f"{name} got a"):
+            call(name, make_config(other), d, jit=False)
+    with pytest.raises(LossConfigError, match="base of every loss"):
+        call(name, losses.PolicyLossConfig(), d, jit=False)
+
+    class Mine(losses.config_class(name)):  # a user's subclass stays the same loss's
+        pass
+
+    mine = call(name, Mine(), d, jit=False)
+    ours = call(name, make_config(name), d, jit=False)
+    assert float(mine.loss_sum) == float(ours.loss_sum)
 
 
 def test_missing_inputs_are_refused():

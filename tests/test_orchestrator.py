@@ -96,6 +96,10 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     assert summary["staleness/max"] <= 2
     assert sum(summary["staleness_histogram"].values()) == 6 * 16
     assert summary.get("gate/late", 0) == 0
+    # launch to the end of the first step (a run's start-up, compilations included)
+    assert 0 < summary["time_to_first_step_s"] < summary["wall_s"] + 600
+    assert any(line.startswith("first step ") for line in result.stdout.splitlines())
+    assert summary["generators_priority"] in ("default", "nice 10", "autogroup nice 10")
     # CPU seconds per thread over the steps, of this process and of the generator server
     trainer_cpu, generator_cpu = summary["trainer_cpu_seconds"], summary["generator_cpu_seconds"]
     assert trainer_cpu["main"] > 0 and "engine" in generator_cpu

@@ -39,6 +39,7 @@ from typing import Any
 
 from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys, child_environ,
                                    exposure_warning)
+from rl_jax.cpus import lower_priority
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ class PoolConfig:
     # CPU priority of the servers: their ``nice`` value, 0 (the default priority) to 19 (the
     # lowest). Above 0, processes at the default priority on the same cores (the trainer's
     # rollout client and batch packing) run first whenever they have work, and the servers
-    # decode in the time left; raising priority (a negative value) needs privileges.
+    # decode in the time left; raising priority (a negative value) needs privileges. Where
+    # the kernel schedules by session (autogroup), the value is given to each server's
+    # session as well (``ServerPool.priority`` says which applies).
     nice: int = 0
     # The trainer's weight publisher (rl_jax.transfer): servers pull the newest published
     # version before they report ready (so a restarted server never serves old weights) and on
@@ -215,6 +218,9 @@ class ServerPool:
         # The servers get the pool's keys and no others (not ones this process inherited).
         self.env = child_environ({**os.environ, **dict(self.config.env)}, self.config.keys)
         self._secrets: Path | None = None  # private directory of SGLang's key file
+        # How the servers' CPU priority applies (rl_jax.cpus.lower_priority), once started.
+        self.priority = "default"
+        self.env = {**os.environ, **dict(self.config.env)}
         if self.config.kind == "rl_jax":  # `launch` must be importable from the subprocess
             root = str(Path(__file__).resolve().parents[2])
             self.env["PYTHONPATH"] = os.pathsep.join(
@@ -254,11 +260,22 @@ class ServerPool:
     def start_server(self, index: int, *, wait: bool = True):
         """(Re)starts server ``index`` (e.g. after it died)."""
         cmd = self._command(index)
-        with open(self.log_files[index], "ab") as log:
-            self._log_offsets[index] = log.tell()
+        with open(self.log_files[index], "ab") as out:
+            self._log_offsets[index] = out.tell()
             self.processes[index] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, start_new_session=True)
+        # A new session is a scheduling group of its own where the kernel groups by session:
+        # the `nice` prefix of the command line alone would not order the server against
+        # the trainer's processes there.
+        try:
+            self.priority = lower_priority(self.processes[index].pid, self.config.nice)
+        except OSError as e:
+            self.priority = f"nice {self.config.nice} (autogroup not set: {e})"
+            log.warning("generator server %d: could not lower its session's CPU priority (%s); "
+                        "its nice value only orders it within its own session", index, e)
+        if index == 0 and self.config.nice:
+            log.info("generator servers' CPU priority: %s", self.priority)
         if wait:
             self.wait_healthy([index])
 

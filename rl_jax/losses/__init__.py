@@ -1,12 +1,14 @@
 """Policy losses and advantage estimators as pure, jit-able functions over arrays.
 
     from rl_jax.losses import get, make_config, finalize_metrics
-    loss_sum, denominator, metrics = get("grpo")(logprobs, behaviour_logprobs, advantages,
-                                                 loss_mask, config=make_config("grpo"))
+    out = get("grpo")(logprobs, behaviour_logprobs, advantages, loss_mask,
+                      config=make_config("grpo"))
+    loss = out.mean()  # loss_sum / denominator, 0 for a batch with no unmasked token
 
 Every policy loss returns ``(loss_sum, denominator, metrics)`` so that micro-batches, hosts and
 shards reduce exactly (``Σ loss_sum / Σ denominator``); see :mod:`rl_jax.losses.core` for the
-normalisations and :mod:`rl_jax.losses.policy` for the common signature.
+normalisations and :mod:`rl_jax.losses.policy` for the common signature, and ``docs/losses.md``
+for each loss's and normalisation's name in verl, tunix, TRL and AReaL.
 
 Registered policy losses: ``reinforce_tis``, ``ppo_clip``, ``grpo``, ``dapo``, ``dr_grpo``,
 ``gspo``, ``cispo``, ``decoupled_ppo``, ``m2po``. Advantage estimators (:func:`get_advantage_estimator`):
@@ -26,7 +28,8 @@ from rl_jax.losses.configs import (LOG_RATIO_CLAMP, NORMALIZATIONS, CISPOConfig,
                                    DecoupledPPOConfig, DrGRPOConfig, GRPOConfig, GSPOConfig,
                                    LossConfigError, M2POConfig, PolicyLossConfig, PPOClipConfig,
                                    ReinforceTISConfig)
-from rl_jax.losses.core import LossOutput, count_sequences, finalize_metrics, per_sequence_sum
+from rl_jax.losses.core import (LossOutput, count_sequences, finalize_metrics, per_sequence_sum,
+                               safe_mean)
 from rl_jax.losses.policy import (cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, grpo,
                                   gspo, m2po, ppo_clip, reinforce_tis,
                                   second_moment_mask)
@@ -103,5 +106,5 @@ __all__ = [
     "config_class", "count_sequences", "dapo", "decoupled_ppo", "dr_grpo", "dr_grpo_advantages",
     "finalize_metrics", "get", "get_advantage_estimator", "grpo", "grpo_advantages", "gspo",
     "importance_weights", "kl_penalty", "m2po", "make_config", "names", "per_sequence_sum", "ppo_clip",
-    "register", "reinforce_tis", "rloo_advantages", "second_moment_mask",
+    "register", "reinforce_tis", "rloo_advantages", "safe_mean", "second_moment_mask",
 ]

@@ -8,7 +8,7 @@ Every loss has a frozen, hashable (so usable as a static ``jit`` argument) datac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 LOG_RATIO_CLAMP = 20.0
 NORMALIZATIONS = ("token", "sequence", "sequence_sum", "constant")
@@ -32,6 +32,8 @@ class PolicyLossConfig:
       kl_coef: β of the penalty ``β · KL(π_θ ‖ π_ref)`` added to every token's loss (needs
         ``ref_logprobs``). 0 disables it; the KL is still reported when ``ref_logprobs`` is given.
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`rl_jax.losses.kl_penalty`).
+      kl_value_clamp: optional bound on each token's KL estimate (``None``: none; verl and AReaL
+        use 10); tokens beyond it get no gradient from the penalty.
       entropy_coef: α of the bonus ``−α · H`` added to every token's loss (needs ``entropy``).
       correction: trainer–generator mismatch correction of the policy term, weight
         ``π_prox / μ`` per token (needs ``proximal_logprobs``): ``"none"``, ``"tis"`` (truncate at
@@ -44,10 +46,15 @@ class PolicyLossConfig:
         loss or gradient overflows; clamped tokens get no gradient through the ratio.
     """
 
+    # The registered loss this configuration belongs to (None: a base, no loss's own); a loss
+    # refuses the configuration of another, whose defaults (e.g. the normalisation) differ.
+    loss: ClassVar[str | None] = None
+
     normalization: str = "token"
     max_tokens: int | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_value_clamp: float | None = None
     entropy_coef: float = 0.0
     correction: str = "none"
     correction_cap: float = 5.0
@@ -66,6 +73,8 @@ class PolicyLossConfig:
             raise LossConfigError(f"max_tokens must be positive, got {self.max_tokens}")
         _positive("correction_cap", self.correction_cap)
         _positive("log_ratio_clamp", self.log_ratio_clamp)
+        if self.kl_value_clamp is not None:
+            _positive("kl_value_clamp", self.kl_value_clamp)
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise LossConfigError(
                 f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
@@ -98,6 +107,8 @@ def _nonnegative(name: str, value: float) -> None:
 class ReinforceTISConfig(PolicyLossConfig):
     """``reinforce_tis``: ``truncation`` is the cap ``c`` of the importance weight."""
 
+    loss: ClassVar[str | None] = "reinforce_tis"
+
     normalization: str = "sequence_sum"
     truncation: float = 5.0
 
@@ -114,6 +125,8 @@ class PPOClipConfig(PolicyLossConfig):
     (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
     Learning", arXiv:1912.09729); off by default.
     """
+
+    loss: ClassVar[str | None] = "ppo_clip"
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
@@ -138,12 +151,16 @@ class GRPOConfig(PPOClipConfig):
     defaults to 0 (no reference model), set it together with ``ref_logprobs``.
     """
 
+    loss: ClassVar[str | None] = "grpo"
+
     normalization: str = "sequence"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DAPOConfig(PPOClipConfig):
     """``dapo``: decoupled clip ``ε_low = 0.2``, ``ε_high = 0.28``, token-level mean."""
+
+    loss: ClassVar[str | None] = "dapo"
 
     epsilon_high: float = 0.28
 
@@ -152,12 +169,16 @@ class DAPOConfig(PPOClipConfig):
 class DrGRPOConfig(PPOClipConfig):
     """``dr_grpo``: token sum per sequence divided by a constant ``max_tokens`` (or ``T``)."""
 
+    loss: ClassVar[str | None] = "dr_grpo"
+
     normalization: str = "constant"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GSPOConfig(PolicyLossConfig):
     """``gspo``: sequence ratio clipped to ``[1 − 3e-4, 1 + 4e-4]`` (the paper's ranges)."""
+
+    loss: ClassVar[str | None] = "gspo"
 
     normalization: str = "sequence"
     epsilon_low: float = 3e-4
@@ -176,6 +197,8 @@ class CISPOConfig(PolicyLossConfig):
     """``cispo``: weight ``clip(r, 1 − ε_low, 1 + ε_high)``; ``epsilon_low=None`` means no lower
     bound (as in the paper). ``ε_high = 4`` caps the weight at 5."""
 
+    loss: ClassVar[str | None] = "cispo"
+
     epsilon_low: float | None = None
     epsilon_high: float = 4.0
 
@@ -192,6 +215,8 @@ class DecoupledPPOConfig(PPOClipConfig):
     ``behaviour_weight_cap`` by ``behaviour_weight_mode`` (``"mis"``: AReaL's masking of tokens
     above the cap; ``"tis"``: truncation; ``cap=None``: uncapped). The generic ``correction``
     must stay ``"none"``: the behaviour weight is that correction."""
+
+    loss: ClassVar[str | None] = "decoupled_ppo"
 
     behaviour_weight_cap: float | None = 5.0
     behaviour_weight_mode: str = "mis"
@@ -214,6 +239,8 @@ class M2POConfig(PolicyLossConfig):
     """``m2po``: the fewest tokens with the largest ``(log r)²`` are masked so that the mean
     ``(log r)²`` of the kept tokens is at most ``m2_threshold`` (the paper's ``τ_M2 = 0.04``);
     token-level mean."""
+
+    loss: ClassVar[str | None] = "m2po"
 
     m2_threshold: float = 0.04
 

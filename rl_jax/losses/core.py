@@ -45,11 +45,28 @@ from rl_jax.losses.configs import LOG_RATIO_CLAMP, LossConfigError, PolicyLossCo
 
 
 class LossOutput(NamedTuple):
-    """``loss_sum / denominator`` is the loss; ``metrics`` are sums, counts and ``_max`` values."""
+    """``loss_sum / denominator`` is the loss; ``metrics`` are sums, counts and ``_max`` values.
+
+    Reduce with :meth:`mean` (or :func:`safe_mean` over sums accumulated across micro-batches):
+    a batch with no unmasked token has ``denominator == 0``, where the plain quotient is NaN.
+    """
 
     loss_sum: jax.Array
     denominator: jax.Array
     metrics: dict[str, jax.Array]
+
+    def mean(self) -> jax.Array:
+        """The loss, ``loss_sum / denominator``; 0 (with a zero gradient) when nothing is
+        unmasked."""
+        return safe_mean(self.loss_sum, self.denominator)
+
+
+def safe_mean(loss_sum: ArrayLike, denominator: ArrayLike) -> jax.Array:
+    """``loss_sum / denominator``, and 0 with a zero gradient where ``denominator <= 0`` (an
+    all-masked batch, whose ``loss_sum`` is 0 too) instead of ``0 / 0 = NaN``."""
+    loss_sum, denominator = jnp.asarray(loss_sum), jnp.asarray(denominator)
+    ok = denominator > 0
+    return jnp.where(ok, loss_sum / jnp.where(ok, denominator, 1.0), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

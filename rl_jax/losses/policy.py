@@ -102,11 +102,19 @@ def second_moment_mask(log_ratio: jax.Array, weights: jax.Array, threshold: floa
     return keep.reshape(shape) & (weights > 0)
 
 
-def _config(config, cls: type[PolicyLossConfig], default: type[PolicyLossConfig] | None = None):
+def _config(config, cls: type[PolicyLossConfig]):
+    """``config`` (or ``cls()`` when None), checked to be the configuration of ``cls``'s loss."""
     if config is None:
-        return (default or cls)()
-    if not isinstance(config, cls):
+        return cls()
+    if not isinstance(config, PolicyLossConfig):
         raise LossConfigError(f"expected a {cls.__name__}, got {type(config).__name__}")
+    if type(config).loss != cls.loss:
+        made_for = (f"the configuration of {type(config).loss!r}" if type(config).loss
+                    else "the base of every loss's configuration")
+        raise LossConfigError(
+            f"{cls.loss} got a {type(config).__name__}, {made_for}, whose defaults differ "
+            f"(e.g. normalization={config.normalization!r}); build it with "
+            f"rl_jax.losses.make_config({cls.loss!r}, ...)")
     return config
 
 
@@ -207,6 +215,13 @@ def ppo_clip(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: Arr
     on the clipped, zero-gradient branch), ``dual_clipped_tokens`` with ``dual_clip``.
     """
     config = _config(config, PPOClipConfig)
+    return _clipped_surrogate_loss(logprobs, behaviour_logprobs, advantages, loss_mask, config,
+                                   proximal_logprobs, ref_logprobs, entropy, segment_ids)
+
+
+def _clipped_surrogate_loss(logprobs, behaviour_logprobs, advantages, loss_mask, config,
+                            proximal_logprobs, ref_logprobs, entropy, segment_ids) -> LossOutput:
+    """The clipped surrogate of ``ppo_clip`` and its variants, ``config`` already checked."""
     x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
                        proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
                        entropy=entropy, segment_ids=segment_ids)
@@ -215,7 +230,7 @@ def ppo_clip(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: Arr
 
 
 def grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
-         loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+         loss_mask: ArrayLike, *, config: GRPOConfig | None = None,
          proximal_logprobs: ArrayLike | None = None,
          ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
          segment_ids: ArrayLike | None = None) -> LossOutput:
@@ -230,16 +245,15 @@ def grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLi
     Mathematical Reasoning in Open Language Models" (2024), arXiv:2402.03300.
 
     Arguments and return value: see the module docstring (config: :class:`GRPOConfig` by
-    default, any :class:`PPOClipConfig` accepted).
+    default; another loss's configuration is refused).
     """
-    config = _config(config, PPOClipConfig, GRPOConfig)
-    return ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, config=config,
-                   proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
-                   entropy=entropy, segment_ids=segment_ids)
+    config = _config(config, GRPOConfig)
+    return _clipped_surrogate_loss(logprobs, behaviour_logprobs, advantages, loss_mask, config,
+                                   proximal_logprobs, ref_logprobs, entropy, segment_ids)
 
 
 def dapo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
-         loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+         loss_mask: ArrayLike, *, config: DAPOConfig | None = None,
          proximal_logprobs: ArrayLike | None = None,
          ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
          segment_ids: ArrayLike | None = None) -> LossOutput:
@@ -253,16 +267,15 @@ def dapo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLi
     Learning System at Scale" (2025), arXiv:2503.14476.
 
     Arguments and return value: see the module docstring (config: :class:`DAPOConfig` by
-    default, any :class:`PPOClipConfig` accepted).
+    default; another loss's configuration is refused).
     """
-    config = _config(config, PPOClipConfig, DAPOConfig)
-    return ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, config=config,
-                    proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
-                    entropy=entropy, segment_ids=segment_ids)
+    config = _config(config, DAPOConfig)
+    return _clipped_surrogate_loss(logprobs, behaviour_logprobs, advantages, loss_mask, config,
+                                   proximal_logprobs, ref_logprobs, entropy, segment_ids)
 
 
 def dr_grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
-            loss_mask: ArrayLike, *, config: PPOClipConfig | None = None,
+            loss_mask: ArrayLike, *, config: DrGRPOConfig | None = None,
             proximal_logprobs: ArrayLike | None = None,
             ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
             segment_ids: ArrayLike | None = None) -> LossOutput:
@@ -277,12 +290,11 @@ def dr_grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: Arra
     Training: A Critical Perspective" (2025), arXiv:2503.20783.
 
     Arguments and return value: see the module docstring (config: :class:`DrGRPOConfig` by
-    default, any :class:`PPOClipConfig` accepted).
+    default; another loss's configuration is refused).
     """
-    config = _config(config, PPOClipConfig, DrGRPOConfig)
-    return ppo_clip(logprobs, behaviour_logprobs, advantages, loss_mask, config=config,
-                    proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
-                    entropy=entropy, segment_ids=segment_ids)
+    config = _config(config, DrGRPOConfig)
+    return _clipped_surrogate_loss(logprobs, behaviour_logprobs, advantages, loss_mask, config,
+                                   proximal_logprobs, ref_logprobs, entropy, segment_ids)
 
 
 def gspo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,

@@ -16,7 +16,8 @@ from rl_jax.losses.core import (TokenInputs, clamped_log_ratio, masked_sum, per_
 
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k3", *,
-               valid: jax.Array | None = None, clamp: float = LOG_RATIO_CLAMP) -> jax.Array:
+               valid: jax.Array | None = None, clamp: float = LOG_RATIO_CLAMP,
+               value_clamp: float | None = None) -> jax.Array:
     """Per-token estimate of ``KL(π_θ ‖ π_ref)`` from tokens sampled by (approximately) ``π_θ``.
 
     With ``ρ = log π_ref(y_t) − log π_θ(y_t)``, clamped to ``[−clamp, clamp]``:
@@ -32,6 +33,9 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
       estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
       valid: optional ``[B, T]`` bool; the estimate is 0 (with zero gradient) elsewhere.
       clamp: bound on ``|ρ|``, so that ``exp(ρ)`` stays finite.
+      value_clamp: optional bound on the estimate itself, ``[−value_clamp, value_clamp]`` (with
+        ``|ρ| ≤ 20``, k3 alone can reach 4.9e8; verl and AReaL clamp it at ±10). Tokens beyond
+        it get no gradient from the penalty.
 
     Returns:
       ``[B, T]`` float32, nats per token.
@@ -40,12 +44,19 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
         valid = jnp.ones(jnp.shape(logprobs), bool)
     rho = clamped_log_ratio(ref_logprobs, logprobs, valid, clamp)
     if estimator == "k1":
-        return -rho
-    if estimator == "k2":
-        return 0.5 * jnp.square(rho)
-    if estimator == "k3":
-        return jnp.expm1(rho) - rho
-    raise LossConfigError(f"kl estimator must be one of ('k1', 'k2', 'k3'), got {estimator!r}")
+        kl = -rho
+    elif estimator == "k2":
+        kl = 0.5 * jnp.square(rho)
+    elif estimator == "k3":
+        kl = jnp.expm1(rho) - rho
+    else:
+        raise LossConfigError(
+            f"kl estimator must be one of ('k1', 'k2', 'k3'), got {estimator!r}")
+    if value_clamp is not None:
+        if not value_clamp > 0:
+            raise LossConfigError(f"kl value_clamp must be positive, got {value_clamp}")
+        kl = jnp.clip(kl, -value_clamp, value_clamp)
+    return kl
 
 
 def importance_weights(target_logprobs: jax.Array, source_logprobs: jax.Array, *,
@@ -141,7 +152,7 @@ def add_regularizers(pg_loss: jax.Array, x: TokenInputs,
     metrics: dict[str, jax.Array] = {}
     if x.ref_logprobs is not None:
         kl = kl_penalty(x.logprobs, x.ref_logprobs, config.kl_estimator, valid=x.valid,
-                        clamp=config.log_ratio_clamp)
+                        clamp=config.log_ratio_clamp, value_clamp=config.kl_value_clamp)
         metrics["kl_sum"] = masked_sum(jax.lax.stop_gradient(kl), x.mask)
         if config.kl_coef:
             total = total + config.kl_coef * kl

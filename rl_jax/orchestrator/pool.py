@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rl_jax import compile_cache
 from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigError, Keys,
                                    load_keys)
 from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
@@ -101,11 +102,13 @@ class GeneratorPool:
       nice: the servers' CPU priority (``PoolConfig.nice``).
       log_dir: where server logs go.
       keys: the servers' API keys (default: :func:`generator_keys` of ``block``).
+      compilation_cache_dir: JAX's persistent compilation cache of the servers
+        (:mod:`rl_jax.compile_cache`; "" = none).
     """
 
     def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
                  cpu_cores: str = "", nice: int = 0, log_dir: str | Path,
-                 keys: Keys | None = None):
+                 keys: Keys | None = None, compilation_cache_dir: str = ""):
         self.block = block
         self.keys = generator_keys(block) if keys is None else keys
         self.external = tuple(block.urls)
@@ -122,7 +125,8 @@ class GeneratorPool:
                 decode_steps=int(block.get("decode_steps", 1)),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
                 cpu_cores=cpu_cores, nice=nice,
-                env=tuple(tuple(kv) for kv in block.get("env", ())),
+                env=tuple(tuple(kv) for kv in block.get("env", ())) + tuple(
+                    compile_cache.environment(compilation_cache_dir).items()),
                 extra_args=tuple(block.get("extra_args", ())) + (
                     ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else "",
@@ -131,6 +135,11 @@ class GeneratorPool:
     @property
     def urls(self) -> list[str]:
         return list(self.external) if self.external else self._servers.urls
+
+    @property
+    def priority(self) -> str:
+        """How the servers' CPU priority applies (:func:`rl_jax.cpus.lower_priority`)."""
+        return "external" if self._servers is None else self._servers.priority
 
     @property
     def log_dir(self) -> Path | None:

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from rl_jax import cpus, distributed, envs, heap
+from rl_jax import compile_cache, cpus, distributed, envs, heap
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
 from rl_jax.generator.client import ClientConfig, GeneratorClient, GeneratorUnavailable
@@ -165,6 +165,11 @@ class Session:
         self._closers: list[Any] = []
         self.rollout = None
         self.summary: dict[str, Any] = {}
+        self.first_step_s: float | None = None  # seconds from launch to the first step's end
+        # JAX's persistent compilation cache, for this process and the servers it starts
+        # (rl_jax.compile_cache): a later run of the recipe loads its programs.
+        self.compilation_cache_dir = compile_cache.resolve(c.get("compilation_cache_dir", ""))
+        compile_cache.enable(self.compilation_cache_dir)
 
     def __enter__(self) -> "Session":
         return self
@@ -281,7 +286,8 @@ class Session:
         self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
                                   publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
                                   nice=int(c.cpus.get("generators_nice", 0)),
-                                  log_dir=self.workdir / "generators")
+                                  log_dir=self.workdir / "generators",
+                                  compilation_cache_dir=self.compilation_cache_dir)
         self._closers.append(self.pool.stop)
         started = time.perf_counter()
         self.pool.start()
@@ -470,6 +476,10 @@ class Session:
                 log_step()
                 log_step = None
             metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
+            if i == start_iter:
+                self.first_step_s = cpus.seconds_since_start()
+                if self.primary:
+                    bar.write(f"first step {self.first_step_s:.1f} s after launch")
             version = int(self.state.step)
             t2 = time.perf_counter()
             published = self._publish(version)
@@ -762,6 +772,8 @@ class Session:
             **{k: v for k, v in rollout_metrics.items()},
             "weights": dict(self.weights.totals),
             "generator_restarts": dict(self.pool.restarts), "export": str(export),
+            "generators_priority": self.pool.priority,
+            "time_to_first_step_s": self.first_step_s,
             **cpu_spent,
         }
         idle = writer.series("generator/idle_fraction")[1]
