@@ -1000,7 +1000,14 @@ class GeneratorPuller:
                 stop.wait(backoff_s)
                 continue
             if update is not None:
-                engine.update_weights(update.params, update.version)
+                try:
+                    engine.update_weights(update.params, update.version)
+                except (ValueError, RuntimeError) as e:  # e.g. the engine's WeightsRefused
+                    # A version the engine refuses (non-finite values, an older version) is
+                    # skipped: the engine keeps serving what it has and the next one is pulled.
+                    log.warning("weight version %s refused (keeping version %s): %s",
+                                update.version, engine.version, e)
+                    stop.wait(backoff_s)
 
     def start(self, engine: Any, wait_s: float = 30.0) -> threading.Thread:
         """:meth:`run` in a daemon thread (stop it with :meth:`stop`)."""
