@@ -220,7 +220,6 @@ class ServerPool:
         self._secrets: Path | None = None  # private directory of SGLang's key file
         # How the servers' CPU priority applies (rl_jax.cpus.lower_priority), once started.
         self.priority = "default"
-        self.env = {**os.environ, **dict(self.config.env)}
         if self.config.kind == "rl_jax":  # `launch` must be importable from the subprocess
             root = str(Path(__file__).resolve().parents[2])
             self.env["PYTHONPATH"] = os.pathsep.join(
