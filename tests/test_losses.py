@@ -467,7 +467,7 @@ def test_missing_inputs_are_refused():
         get("decoupled_ppo")(*args)
     with pytest.raises(LossConfigError, match="advantages"):
         get("grpo")(d["lp"], d["blp"], d["adv"][:3], d["mask"])
-    with pytest.raises(LossConfigError, match="expected a GSPOConfig"):
+    with pytest.raises(LossConfigError, match="gspo got a GRPOConfig"):
         get("gspo")(*args, config=make_config("grpo"))
 
 

@@ -124,7 +124,8 @@ class ServerConfig:
     pull_on_start: bool = True
     # API key and admin API key (rl_jax.generator.auth; never shown in a repr or a log)
     keys: auth.Keys = auth.NO_KEYS
-    # /update_weights_from_transfer may name another publisher than publisher_url (admin only).
+    # /update_weights_from_transfer may name another publisher than publisher_url. A keyed
+    # server allows it too: the endpoint is an admin one, so its caller proved the key.
     allow_any_publisher: bool = False
     # Request bounds, checked before a request costs memory or time. Bodies larger than this
     # are refused (413) before they are read in full.
@@ -667,7 +668,7 @@ class GeneratorServer:
         body = await self._json_body(request, optional=True)
         try:
             url = pinned_publisher(body.get("publisher_url"), self.config.publisher_url,
-                                   self.config.allow_any_publisher)
+                                   self.config.allow_any_publisher or bool(self.config.keys))
         except PublisherNotAllowed as e:
             return _error(str(e), "forbidden", 403)
         except ValueError as e:
