@@ -13,6 +13,7 @@ recipe's periodic held-out evaluation (greedy, ``eval.examples`` problems). A ru
                  each run with a slowed trainer (``trainer.step_delay_s``) so that the generator
                  runs ahead and the bound is reached
   ``defaults``   the recipe exactly as the README runs it (the seeds' spread)
+  ``ceiling``    full-length runs of the changes that may lift the end of the curve
 
 and ``--variants=NAME,...`` keeps some of them. Per run, the per-step records give what changes
 as the curve flattens: the fraction of groups with no reward signal, entropy, learning rate,
