@@ -329,6 +329,8 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     keys = {"RL_JAX_API_KEY": "api-" + os.urandom(16).hex(),
             "RL_JAX_ADMIN_API_KEY": "admin-" + os.urandom(16).hex()}
+    # The publisher's token, shared by the trainers and the server they did not start.
+    env["RL_JAX_TRANSFER_TOKEN"] = "transfer-" + os.urandom(16).hex()
     (tmp_path / "api").write_text(keys["RL_JAX_API_KEY"])
     (tmp_path / "admin").write_text(keys["RL_JAX_ADMIN_API_KEY"])
     key_files = [f"--config.generator.auth.api_key_file={tmp_path / 'api'}",
