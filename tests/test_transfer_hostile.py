@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_transfer import random_params as params_of, target_of
 from rl_jax.models import ModelConfig
 from rl_jax.trainer.state import ModelSpec
 from rl_jax.transfer import (AuthenticationError, GeneratorPuller, IntegrityError,
@@ -42,18 +43,6 @@ ENDPOINTS = [("GET", "/v1/info"), ("POST", "/v1/register"), ("GET", "/v1/manifes
 @pytest.fixture(scope="module")
 def spec():
     return ModelSpec(CONFIG, mesh=None)
-
-
-def params_of(spec, seed):
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda a, s: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype),
-                                                     s),
-                        spec.abstract_params, spec.param_shardings)
-
-
-def target_of(spec, dtype=None):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=s),
-                        spec.abstract_params, spec.param_shardings)
 
 
 def host(params):
