@@ -188,7 +188,7 @@ def engine_generate(engine: Engine, prompts: np.ndarray, new_tokens: int) -> flo
 
 
 def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
-                   deadline: float) -> list[dict]:
+                   deadline: float, rows: list[dict], save) -> list[dict]:
     shape = ModelShape.from_model_config(cfg, name=args.shape)
     p, n = args.prompt_len, args.new_tokens
     context = p + n / 2
@@ -196,7 +196,6 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
     roof = RooflineLatency(shape, acc, dtype=dtype_name, max_context=max_seq_len)
     planned = RooflineLatency(shape, acc, dtype=dtype_name, efficiency=PLANNER_DECODE_EFFICIENCY,
                               max_context=max_seq_len)
-    rows = []
     for b in args.batches:
         if time.perf_counter() > deadline:
             log(f"decode: budget spent, batches from {b} on skipped")
@@ -223,7 +222,15 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
                            raw_over_roofline=roof_s / raw,
                            raw_over_memory_roofline=roof.memory_seconds(b, context) / raw,
                            raw_over_predicted=planned_s / raw)
+                log(f"decode B={b:<4} {attention:<6} raw {raw * 1e3:8.3f} ms/step "
+                    f"{b / raw:>10,.0f} tok/s ({roof_s / raw:.2f} of roofline, predicted "
+                    f"{planned_s * 1e3:.3f} ms; compiled in {row['compile_s']:.1f} s)")
                 del runner, weights
+                if not args.engine:
+                    rows.append(row)
+                    save()
+                    continue
+                start = time.perf_counter()
                 engine = Engine(cfg, params, dtype=dtype, engine_config=EngineConfig(
                     max_slots=b, max_seq_len=max_seq_len, max_prefill_tokens=max(2048, b * p),
                     decode_steps=args.decode_steps, attention=attention))
@@ -231,6 +238,7 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
                     for _ in range(2):  # compiles every shape a timed run meets
                         engine_generate(engine, prompts, n)
                         engine_generate(engine, prompts, 1)
+                    row["engine_warmup_s"] = time.perf_counter() - start
                     full = min(engine_generate(engine, prompts, n) for _ in range(args.repeats))
                     first = min(engine_generate(engine, prompts, 1)
                                 for _ in range(args.repeats))
@@ -240,15 +248,14 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
                 row.update(engine_s=full, engine_prefill_s=first, engine_step_s=step,
                            engine_tok_s=b * n / full, engine_decode_tok_s=b / step,
                            engine_over_roofline=roof_s / step)
-                log(f"decode B={b:<4} {attention:<6} raw {raw * 1e3:8.3f} ms/step "
-                    f"{b / raw:>10,.0f} tok/s ({roof_s / raw:.2f} of roofline, predicted "
-                    f"{planned_s * 1e3:.3f} ms); engine {b * n / full:>10,.0f} tok/s end to end, "
-                    f"{step * 1e3:.3f} ms/step")
+                log(f"decode B={b:<4} {attention:<6} engine {b * n / full:>10,.0f} tok/s end to "
+                    f"end, {step * 1e3:.3f} ms/step (warm-up {row['engine_warmup_s']:.1f} s)")
             except Exception as e:  # one failing backend or batch must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 log(f"decode B={b} {attention}: FAILED {row['error'][:300]}")
                 traceback.print_exc()
             rows.append(row)
+            save()
             gc.collect()
     return rows
 
@@ -256,14 +263,13 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
 # ---- trainer ------------------------------------------------------------------------------------------
 
 def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
-                    deadline: float) -> list[dict]:
+                    deadline: float, rows: list[dict], save) -> list[dict]:
     shape = ModelShape.from_model_config(cfg, name=args.shape)
     spec = ModelSpec(cfg, mesh=None, dtype=dtype, param_dtype=jnp.float32, remat=args.remat)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-5, warmup_steps=1, total_steps=1000))
     state = init_state(tx, spec, spec.init_params(seed=0))
     step = make_train_step(spec, tx, causal_lm_loss, donate=True)
     peak = acc.flops(dtype_name)
-    rows = []
     for batch, seq in args.train_shapes:
         if time.perf_counter() > deadline:
             log(f"trainer: budget spent, {batch}x{seq} on skipped")
@@ -315,6 +321,7 @@ def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
             log(f"train {batch}x{seq}: FAILED {row['error'][:300]}")
         rows.append(row)
+        save()
         gc.collect()
     del state
     return rows
@@ -516,7 +523,10 @@ def main():
                         help="decode steps per dispatch (default 8 on accelerators, 1 on CPU)")
     parser.add_argument("--train", default=None, help="trainer micro-batches BxT, e.g. 8x2048")
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
-    parser.add_argument("--parts", default="decode,trainer,publication")
+    parser.add_argument("--parts", default="decode,trainer,publication",
+                        help="what to measure, in this order")
+    parser.add_argument("--no_engine", dest="engine", action="store_false",
+                        help="decode: the raw step only, not the engine end to end")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget_s", type=float, default=420.0,
                         help="no new measurement starts after this many seconds")
@@ -534,8 +544,8 @@ def main():
     args.new_tokens = args.new_tokens or (16 if on_cpu else 128)
     args.decode_steps = args.decode_steps or (1 if on_cpu else 8)
     args.train_shapes = parse_shapes(args.train or ("4x64" if on_cpu else "8x1024,16x1024"))
-    parts = set(args.parts.split(","))
-    unknown = parts - {"decode", "trainer", "publication"}
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"decode", "trainer", "publication"}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}")
     deadline = _T0 + args.budget_s
@@ -582,19 +592,18 @@ def main():
         write_comparison(out_dir)
 
     save()
-    if "decode" in parts:
-        spec = ModelSpec(cfg, mesh=None)
-        params = spec.init_params(seed=0)
-        entry["decode"] = measure_decode(cfg, params, args, acc, dtype, dtype_name, deadline)
-        del params
-        gc.collect()
-        save()
-    if "trainer" in parts:
-        entry["trainer"] = measure_trainer(cfg, args, acc, dtype, dtype_name, deadline)
-        gc.collect()
-        save()
-    if "publication" in parts:
-        if time.perf_counter() > deadline:
+    for part in parts:
+        if part == "decode":
+            spec = ModelSpec(cfg, mesh=None)
+            params = spec.init_params(seed=0)
+            entry["decode"] = []
+            measure_decode(cfg, params, args, acc, dtype, dtype_name, deadline, entry["decode"],
+                           save)
+            del params
+        elif part == "trainer":
+            entry["trainer"] = []
+            measure_trainer(cfg, args, acc, dtype, dtype_name, deadline, entry["trainer"], save)
+        elif time.perf_counter() > deadline:
             entry["publication"] = {"error": "skipped: time budget spent"}
         else:
             try:
@@ -603,6 +612,7 @@ def main():
                 entry["publication"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                 log(f"publication: FAILED {entry['publication']['error'][:300]}")
                 traceback.print_exc()
+        gc.collect()
         save()
     entry["summary"] = summary(entry)
     entry["wall_s"] = time.perf_counter() - _T0
