@@ -58,10 +58,12 @@ class WeightSync:
         side, verification on the receiving one), bytes/s. 10 GB/s: this project's shared-memory
         publisher stages 1 GB (copy + XXH3 digests) in 0.09-0.10 s with two threads on a 2-vCPU
         host (``benchmarks/results/transfer_throughput.json``).
-      fixed_s: per-update seconds that do not scale with bytes. 0.1 s: whole refits of small
-        models take that long in published runs (NeMo-RL: a 4B model in 0.07-0.08 s,
-        https://github.com/NVIDIA-NeMo/RL/pull/2808; TRL: Qwen3-0.6B in ~0.18 s,
-        https://github.com/huggingface/trl/pull/5892).
+      fixed_s: per-update seconds that do not scale with bytes. 0.05 s: whole updates of models
+        whose bytes take milliseconds take 0.02-0.18 s in published runs (verl's checkpoint
+        engine, Qwen2.5-Math-7B within one H20 host: 0.02 s,
+        https://github.com/volcengine/verl/blob/main/recipe/fully_async_policy/README.md;
+        NeMo-RL, a 4B model: 0.07-0.08 s, https://github.com/NVIDIA-NeMo/RL/pull/2808; TRL,
+        Qwen3-0.6B: ~0.18 s, https://github.com/huggingface/trl/pull/5892).
       host_link_bandwidth: overrides the accelerator's chip↔host bandwidth (one direction,
         bytes/s), e.g. where the datasheet does not give it.
     """
@@ -71,7 +73,7 @@ class WeightSync:
     link_efficiency: float = 0.8
     host_link_efficiency: float = 0.8
     serialise_bytes_per_s: float = 10e9
-    fixed_s: float = 0.1
+    fixed_s: float = 0.05
     host_link_bandwidth: float | None = None
 
     def __post_init__(self):
