@@ -263,6 +263,28 @@ def test_left_out_7b_figure_is_below_the_wire_floor():
     assert len(LEFT_OUT) == 4
 
 
+def test_host_path_against_this_projects_socket_transport():
+    """The host path priced with this host's measured copy rate against the socket transport's
+    publish-to-verified-arrays times in ``benchmarks/results/transfer_throughput.json`` (one
+    trainer process, one generator process, one host: no wire, no server pause, so no fixed
+    cost). The serialisation rate of 10 GB/s comes from the shared-memory rows of the same
+    file; the socket rows add a copy through the kernel on top of what shared memory does."""
+    rows = json.loads((REPO / "benchmarks/results/transfer_throughput.json").read_text())["rows"]
+    socket = [r for r in rows if r["transport"] == "socket" and r["model_bytes"] >= 100e6]
+    assert len(socket) >= 3
+    for r in socket:
+        w = r["model_bytes"]
+        copy = w / min(r["memcpy_s"])  # bytes/s of one copy on this host
+        here = dataclasses.replace(TOY, chips_per_host=None, network_bandwidth=None)
+        estimate = weight_transfer_seconds(
+            w, num_train=1, num_servers=1, tensor_parallel=1, accelerator=here,
+            sync=WeightSync(path="host", fixed_s=0.0, host_link_efficiency=1.0,
+                            host_link_bandwidth=copy))
+        assert estimate == pytest.approx(2 * w * (1 / copy + 1 / 10e9))
+        measured = sorted(r["end_to_end_s"])[len(r["end_to_end_s"]) // 2]
+        assert 0.5 <= measured / estimate <= 2.0, (r["size"], measured, estimate)
+
+
 # ---- planner flags -------------------------------------------------------------------------------
 
 def plan_cli(*args):

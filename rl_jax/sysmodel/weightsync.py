@@ -49,9 +49,11 @@ class WeightSync:
         transports).
       broadcast: every generator chip receives all weights through a relay (NCCL broadcast from
         one trainer rank, as most engines do) instead of its own shard point to point.
-      link_efficiency: share of the link's line rate a bulk transfer reaches. 0.8: RDMA pulls of
-        82.5 GB per H200 reached 44.26 GB/s of ConnectX-7's 50 GB/s (0.89) in prime-rl
-        (https://github.com/PrimeIntellect-ai/prime-rl/pull/3341), bucketed collectives reach less.
+      link_efficiency: share of the link's line rate a bulk transfer reaches. 0.8: NCCL's
+        maintainers expect 46-48 GB/s per 400 Gb/s NDR NIC (0.92-0.96,
+        https://github.com/NVIDIA/nccl-tests/issues/290), RDMA pulls of 82.5 GB per H200 reached
+        44.26 GB/s (0.89) in prime-rl (https://github.com/PrimeIntellect-ai/prime-rl/pull/3341),
+        and bucketed updates with a barrier per bucket reach less.
       host_link_efficiency: share of the PCIe rate a pinned device↔host copy reaches (0.8; PCIe
         Gen5 x16 moves 50-55 GB/s of its 64 GB/s each way in practice).
       serialise_bytes_per_s: host-side staging rate per chip (copy + checksum on the sending
