@@ -214,8 +214,9 @@ CATALOGUE: dict[str, Accelerator] = {
         source="NVIDIA DGX B200 datasheet, https://www.nvidia.com/en-us/data-center/dgx-b200/ "
                "and HGX B200 specifications, https://www.nvidia.com/en-us/data-center/hgx/",
         **_hgx_links("NVIDIA DGX B200", "https://www.nvidia.com/en-us/data-center/dgx-b200/",
-                     "NVIDIA HGX B200 specifications, "
-                     "https://www.nvidia.com/en-us/data-center/hgx/")),
+                     "NVIDIA HGX B200 specifications, https://www.nvidia.com/en-us/data-center/"
+                     "hgx/, and MLCommons inference v6.0 system nebius_b200_n1 (B200-SXM-180GB "
+                     "on PCIe Gen5 x16), https://github.com/mlcommons/inference_results_v6.0")),
     "tpu_v5e": Accelerator(
         name="tpu_v5e", description="Google Cloud TPU v5e chip",
         peak_flops={"bfloat16": 197e12, "int8": 394e12},

@@ -5,7 +5,9 @@ server). For every layout in the budget the sweep
 
 1. rejects what cannot run (weights or KV cache not fitting, trainer state not fitting under
    FSDP, heads not divisible by TP, one-step-off with ``max_lag < 1``), counting the reasons;
-2. estimates steady-state throughput in closed form (:func:`invariants.steady_state`);
+2. estimates steady-state throughput in closed form (:func:`invariants.steady_state`), with
+   each layout's weight update priced over the link its placement picks (within one host, or
+   across hosts when the layout needs more chips than a host holds; :mod:`weightsync`);
 3. simulates the best estimates of each mode, plus the best layout of each of a few train/generate
    splits (for the split plot), with the discrete-event simulator;
 4. returns the best simulated layout whose staleness stays within the limit, and the Pareto
