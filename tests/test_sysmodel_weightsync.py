@@ -204,7 +204,8 @@ def test_sweep_prices_each_layout_by_its_placement():
 #
 # Within FACTOR: every figure lies between 1x and FACTOR x the estimate. The model prices bytes
 # on links at 0.8 of line rate plus 0.05 s; published implementations spend 1.5x-4.4x that (2x
-# holds for 2 of the 6), so it is a floor the better implementations approach, not a fit.
+# holds for one row entirely and for the fast end of another), so the estimate is a floor the
+# better implementations approach, not a fit.
 FACTOR = 5.0
 QWEN3_30B_A3B = 30.5e9 * 2  # bytes in bfloat16
 NEMO_RESHARD = "https://github.com/NVIDIA-NeMo/RL/pull/2971"
