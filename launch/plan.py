@@ -40,8 +40,11 @@ _LATENCY = flags.DEFINE_string("latency_file", "", "Measured decode latency "
 _LATENCY_MODEL = flags.DEFINE_string("latency_model", None, "Model name in --latency_file.")
 _TRAIN_TPS = flags.DEFINE_float("trainer_tokens_per_s", None, "Measured trainer tokens/s per "
                                 "accelerator (instead of FLOPs x MFU).")
-_TRANSFER = flags.DEFINE_float("transfer_gbps", None, "Weight-transfer GB/s per chip, one way "
-                               "(default: the interconnect's).")
+_TRANSFER = flags.DEFINE_float("transfer_gbps", None, "Measured weight-transfer GB/s per chip, "
+                               "one way (default: the within-host link when a layout fits on "
+                               "one host, else the across-host network, at 0.8 of line rate).")
+_TRANSFER_PATH = flags.DEFINE_string("transfer_path", "direct", "Weight updates device to device "
+                                     "('direct') or staged through host memory ('host').")
 _TP = flags.DEFINE_list("tp", ["1", "2", "4", "8"], "Tensor-parallel degrees per server.")
 _BATCHES = flags.DEFINE_list("batches", ["8", "16", "32", "64", "128", "256", "512"],
                              "Decode batch sizes (slots per server).")
@@ -82,6 +85,7 @@ def main(argv):
             length_sigma=_SIGMA.value, lengths_file=_LENGTHS.value,
             latency_file=_LATENCY.value, latency_model=_LATENCY_MODEL.value,
             trainer_tokens_per_s=_TRAIN_TPS.value, transfer_gbps=_TRANSFER.value,
+            transfer_path=_TRANSFER_PATH.value,
             tensor_parallel=tuple(int(t) for t in _TP.value),
             batches=tuple(int(b) for b in _BATCHES.value), steps=_STEPS.value,
             simulate_top=_SIM_TOP.value, split_points=_SPLITS.value, top=_TOP.value)

@@ -15,7 +15,7 @@ from rl_jax.sysmodel import (CATALOGUE, Accelerator, ConstantLengths, EmpiricalL
                              LogNormalLengths, MeasuredLatency, ModelShape, RooflineLatency,
                              SimConfig, SweepOptions, SysModelError, TrainerModel, Workload,
                              balance, get_accelerator, max_staleness_estimate, predict_run,
-                             SequenceLengths, simulate, steady_state, sweep,
+                             SequenceLengths, WeightSync, simulate, steady_state, sweep,
                              weight_transfer_seconds)
 from rl_jax.sysmodel.recipe import model_shape, rollout_settings
 from rl_jax.sysmodel.shape import QWEN2_1_5B
@@ -118,11 +118,12 @@ def test_invariants_by_hand():
     assert max_staleness_estimate(10.0, 3.0) == 4
     assert max_staleness_estimate(9.0, 3.0) == 3
     # 4 servers of tp 2 receive 1e9 bytes at 1e8 B/s per chip: 5 s each; 2 trainer chips send
-    # 4e9 bytes at 2e8 B/s: 20 s.
+    # 4e9 bytes at 2e8 B/s: 20 s (the bare link: full line rate, no fixed cost).
+    wire = WeightSync.wire_only()
     assert weight_transfer_seconds(1e9, num_train=2, num_servers=4, tensor_parallel=2,
-                                   link_bandwidth=1e8) == pytest.approx(20.0)
+                                   link_bandwidth=1e8, sync=wire) == pytest.approx(20.0)
     assert weight_transfer_seconds(1e9, num_train=16, num_servers=4, tensor_parallel=2,
-                                   link_bandwidth=1e8) == pytest.approx(5.0)
+                                   link_bandwidth=1e8, sync=wire) == pytest.approx(5.0)
 
 
 def test_length_distributions(tmp_path):

@@ -14,7 +14,9 @@ Modules:
   latency       decode step latency vs batch (roofline capped by KV capacity, or measured) and
                 the trainer's step time (FLOPs and MFU, or measured tokens/s)
   lengths       response-length distributions (measured, log-normal with a long tail, constant)
-  invariants    closed-form balance, staleness bound, weight-transfer time, steady state
+  invariants    closed-form balance, staleness bound, steady state
+  weightsync    weight-transfer time: the link by placement (within a host or across hosts),
+                host staging, fixed cost per update
   simulator     discrete-event simulation of ``sync``, ``one_step_off`` and ``async``
   sweep         layouts over a budget under a staleness limit: best layout and frontier
   predict       ``predict_run``: a measured run's prediction, for validation
@@ -51,8 +53,7 @@ oldest token version), ``wall_s``, ``estimate`` (the closed form) and ``sim`` (t
 from rl_jax.sysmodel.accelerators import (CATALOGUE, Accelerator, accelerator_names,
                                           get_accelerator, measure_cpu)
 from rl_jax.sysmodel.errors import SysModelError
-from rl_jax.sysmodel.invariants import (Workload, balance, max_staleness_estimate, steady_state,
-                                        weight_transfer_seconds)
+from rl_jax.sysmodel.invariants import Workload, balance, max_staleness_estimate, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
 from rl_jax.sysmodel.lengths import (ConstantLengths, EmpiricalLengths, LengthDistribution,
                                      LogNormalLengths, SequenceLengths)
@@ -61,6 +62,8 @@ from rl_jax.sysmodel.shape import ModelShape
 from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
 from rl_jax.sysmodel.sweep import (Layout, LayoutResult, SweepOptions, SweepResult, format_table,
                                    sweep)
+from rl_jax.sysmodel.weightsync import (WeightSync, shares_host, transfer_breakdown,
+                                        weight_transfer_seconds)
 
 __all__ = [
     "CATALOGUE", "Accelerator", "accelerator_names", "get_accelerator", "measure_cpu",
@@ -70,4 +73,5 @@ __all__ = [
     "SequenceLengths",
     "RunPrediction", "predict_run", "ModelShape", "MODES", "SimConfig", "SimResult", "simulate",
     "Layout", "LayoutResult", "SweepOptions", "SweepResult", "format_table", "sweep",
+    "WeightSync", "shares_host", "transfer_breakdown",
 ]

@@ -9,7 +9,10 @@
   When generation outpaces training, finished groups queue and every sample ages up to the
   bound: staleness then sits at ``max_lag``.
 - *weight transfer*: every server must receive all weights; a server of ``tp`` chips receives
-  ``W / tp`` per chip, and the trainer's ``n_train`` chips together send ``servers · W``.
+  ``W / tp`` per chip, and the trainer's ``n_train`` chips together send ``servers · W``, over
+  the within-host link or the across-host network as the layout's placement decides, plus the
+  host-staging and fixed costs of a real update (:mod:`rl_jax.sysmodel.weightsync`, re-exported
+  here).
 
 Times in seconds, rates in samples/s or tokens/s as named.
 """
@@ -22,6 +25,7 @@ import math
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.latency import DecodeLatency, TrainerModel
 from rl_jax.sysmodel.lengths import LengthDistribution
+from rl_jax.sysmodel.weightsync import weight_transfer_seconds  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,19 +82,6 @@ def max_staleness_estimate(longest_generation_s: float, step_s: float) -> int:
     if step_s <= 0:
         raise SysModelError(f"optimizer step time must be > 0, got {step_s}")
     return int(math.ceil(longest_generation_s / step_s - 1e-9))
-
-
-def weight_transfer_seconds(weight_bytes: float, *, num_train: int, num_servers: int,
-                            tensor_parallel: int, link_bandwidth: float) -> float:
-    """Seconds until every server holds new weights: the slower of a server's chips receiving
-    ``W / tp`` each and the trainer's chips sending ``servers · W`` in total, each chip at
-    ``link_bandwidth`` bytes/s one way."""
-    if min(num_train, num_servers, tensor_parallel) < 1 or link_bandwidth <= 0:
-        raise SysModelError("weight transfer needs >= 1 trainer chip, server and TP chip and a "
-                            "positive bandwidth")
-    receive = weight_bytes / (tensor_parallel * link_bandwidth)
-    send = num_servers * weight_bytes / (num_train * link_bandwidth)
-    return max(receive, send)
 
 
 def generation_rate(latency: DecodeLatency, *, num_servers: int, batch: int, workload: Workload,

@@ -16,6 +16,7 @@ from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNor
 from rl_jax.sysmodel.recipe import model_shape, rollout_settings
 from rl_jax.sysmodel.simulator import MODES
 from rl_jax.sysmodel.sweep import SweepOptions, SweepResult, format_table, sweep
+from rl_jax.sysmodel.weightsync import PATHS, WeightSync, transfer_breakdown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class PlanRequest:
     latency_file: str = ""
     latency_model: str | None = None
     trainer_tokens_per_s: float | None = None  # measured, per accelerator
-    transfer_gbps: float | None = None  # GB/s one way per chip
+    transfer_gbps: float | None = None  # GB/s one way per chip (measured; replaces the link)
+    transfer_path: str = "direct"  # weight updates device to device, or staged through hosts
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
     batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
     steps: int = 12
@@ -58,6 +60,11 @@ class PlanRequest:
             raise SysModelError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
         if self.steps < 2:
             raise SysModelError(f"--steps must be >= 2, got {self.steps}")
+        if self.transfer_path not in PATHS:
+            raise SysModelError(f"--transfer_path must be one of {', '.join(PATHS)}, got "
+                                f"{self.transfer_path!r}")
+        if self.transfer_gbps is not None and self.transfer_gbps <= 0:
+            raise SysModelError(f"--transfer_gbps must be > 0, got {self.transfer_gbps}")
 
 
 @dataclasses.dataclass
@@ -73,6 +80,25 @@ def _lengths(req: PlanRequest, max_new_tokens: int) -> LengthDistribution:
         return EmpiricalLengths.from_file(req.lengths_file)
     median = req.median_length or max(1.0, max_new_tokens / 4)
     return LogNormalLengths(median=median, sigma=req.length_sigma, max_length=max_new_tokens)
+
+
+def _transfer_line(weight_bytes: float, accelerator, best, options: SweepOptions) -> str:
+    """How the best layout's weight update is priced: its link by placement and the terms."""
+    if best is None:
+        return "weight transfer: no layout within the staleness limit"
+    lay = best.layout
+    sync = options.weight_sync
+    if options.transfer_bandwidth:
+        sync = dataclasses.replace(sync, link_efficiency=1.0)
+    terms = transfer_breakdown(weight_bytes, num_train=lay.num_train,
+                               num_servers=lay.num_servers, tensor_parallel=lay.tensor_parallel,
+                               accelerator=accelerator,
+                               link_bandwidth=options.transfer_bandwidth, sync=sync)
+    where = "one host" if terms["same_host"] else "trainer and generators on different hosts"
+    return (f"weight transfer ({sync.path} path, {where}): {terms['total_s']:.3g} s per update = "
+            f"{terms['wire_s']:.3g} s over {terms['link']} "
+            f"({terms['link_bandwidth'] / 1e9:,.1f} GB/s per chip x {sync.link_efficiency:g}) + "
+            f"{terms['host_s']:.3g} s host staging + {terms['fixed_s']:.3g} s fixed")
 
 
 def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
@@ -104,6 +130,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         batches=tuple(req.batches), dtype=dtype, param_dtype=param_dtype, mfu=req.mfu,
         decode_efficiency=req.decode_efficiency,
         transfer_bandwidth=req.transfer_gbps * 1e9 if req.transfer_gbps else None,
+        weight_sync=WeightSync(path=req.transfer_path),
         trainer_tokens_per_s_per_chip=req.trainer_tokens_per_s, measured_latency=measured,
         num_steps=req.steps, simulate_top=req.simulate_top, split_points=req.split_points,
         seed=req.seed)
@@ -140,6 +167,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         + (f" (defaults used for: {', '.join(settings['defaulted'])})"
            if settings["defaulted"] else ""),
         f"responses: {workload.lengths.describe()}",
+        _transfer_line(shape.weight_bytes(dtype), accelerator, best, options),
         f"decode roofline at tp={tp}: "
         + (f"memory-bound below batch {ridge:,.0f}, compute-bound above" if ridge < 1e12
            else "memory-bound at every batch (KV reads outweigh FLOPs)")

@@ -5,7 +5,9 @@ server). For every layout in the budget the sweep
 
 1. rejects what cannot run (weights or KV cache not fitting, trainer state not fitting under
    FSDP, heads not divisible by TP, one-step-off with ``max_lag < 1``), counting the reasons;
-2. estimates steady-state throughput in closed form (:func:`invariants.steady_state`);
+2. estimates steady-state throughput in closed form (:func:`invariants.steady_state`), with
+   each layout's weight update priced over the link its placement picks (within one host, or
+   across hosts when the layout needs more chips than a host holds; :mod:`weightsync`);
 3. simulates the best estimates of each mode, plus the best layout of each of a few train/generate
    splits (for the split plot), with the discrete-event simulator;
 4. returns the best simulated layout whose staleness stays within the limit, and the Pareto
@@ -23,10 +25,11 @@ import numpy as np
 
 from rl_jax.sysmodel.accelerators import Accelerator
 from rl_jax.sysmodel.errors import SysModelError
-from rl_jax.sysmodel.invariants import Workload, steady_state, weight_transfer_seconds
+from rl_jax.sysmodel.invariants import Workload, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
 from rl_jax.sysmodel.shape import ModelShape
 from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
+from rl_jax.sysmodel.weightsync import WeightSync, transfer_breakdown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,7 @@ class LayoutResult:
     estimate: dict[str, Any]
     transfer_s: float
     sim: SimResult | None = None
+    transfer_link: str = ""  # the link the weight update takes (placement)
     trainer: TrainerModel | None = dataclasses.field(default=None, repr=False)
     latency: Any = dataclasses.field(default=None, repr=False)
 
@@ -74,6 +78,7 @@ class LayoutResult:
                "staleness_mean": self.staleness_mean, "staleness_max": self.staleness_max,
                "staleness_ungated": self.estimate["staleness_ungated"],
                "bottleneck": self.estimate["bottleneck"], "transfer_s": self.transfer_s,
+               "transfer_link": self.transfer_link,
                "step_s": sim.step_s if sim else self.estimate["step_s"]}
         if sim:
             out.update(trainer_idle=sim.trainer_idle_fraction,
@@ -96,8 +101,10 @@ class SweepResult:
 @dataclasses.dataclass(frozen=True)
 class SweepOptions:
     """Knobs of the sweep. ``decode_efficiency`` scales the decode roofline, ``mfu`` the
-    trainer's peak; ``transfer_bandwidth`` (bytes/s one way per chip) defaults to the
-    accelerator's interconnect; measured inputs replace the first-principles models."""
+    trainer's peak; ``weight_sync`` prices weight updates (the link by each layout's placement:
+    the accelerator's within-host link when the layout fits on one host, its across-host network
+    otherwise); ``transfer_bandwidth`` (bytes/s one way per chip, measured) replaces that link
+    and its efficiency; measured inputs replace the first-principles models."""
 
     modes: tuple[str, ...] = MODES
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
@@ -108,6 +115,7 @@ class SweepOptions:
     decode_efficiency: float = 0.6
     memory_fraction: float = 0.9
     transfer_bandwidth: float | None = None
+    weight_sync: WeightSync = WeightSync()
     trainer_tokens_per_s_per_chip: float | None = None
     measured_latency: MeasuredLatency | None = None
     staleness_limit: int | None = None  # default: the workload's max_lag
@@ -137,7 +145,9 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
         raise SysModelError(f"unknown modes {unknown}; choose from {MODES}")
     limit = workload.max_lag if opt.staleness_limit is None else opt.staleness_limit
     rejected: collections.Counter = collections.Counter()
-    link = opt.transfer_bandwidth or accelerator.link_bandwidth
+    sync = opt.weight_sync
+    if opt.transfer_bandwidth:
+        sync = dataclasses.replace(sync, link_efficiency=1.0)
     tps = (1,) if opt.measured_latency is not None else opt.tensor_parallel
 
     servers_options = []  # (tp, batch, latency model, prefill s/token, swap s)
@@ -177,9 +187,11 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
             servers = num_generate // tp
             if servers < 1 or num_generate % tp:
                 continue
-            transfer = weight_transfer_seconds(
+            priced = transfer_breakdown(
                 shape.weight_bytes(opt.dtype), num_train=num_train, num_servers=servers,
-                tensor_parallel=tp, link_bandwidth=link)
+                tensor_parallel=tp, accelerator=accelerator,
+                link_bandwidth=opt.transfer_bandwidth, sync=sync)
+            transfer = priced["total_s"]
             for mode in opt.modes:
                 if mode == "one_step_off" and limit < 1:
                     rejected["one_step_off needs a staleness limit >= 1"] += 1
@@ -192,7 +204,7 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                 estimate.update(swap_s=swap, prefill_s_per_token=prefill)
                 layout = Layout(mode, num_train, num_generate, tp, servers, batch)
                 evaluated.append(LayoutResult(layout, estimate, transfer, trainer=trainer,
-                                              latency=latency))
+                                              latency=latency, transfer_link=priced["link"]))
     if not evaluated:
         raise SysModelError(f"no layout of {num_accelerators} x {accelerator.name} can run this "
                             f"model: {dict(rejected)}")
