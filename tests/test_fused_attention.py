@@ -81,7 +81,7 @@ def test_the_current_backend_here_is_the_cpu():
     assert fa.current_backend() == "cpu"
 
 
-# ---- splash kernel (interpreted) against the reference --------------------------------------------
+# ---- splash kernel (interpreted) against the reference -----------------------------------------
 
 def reference(q, k, v, segment_ids, prefix_ids=None):
     b, t = segment_ids.shape
@@ -129,7 +129,7 @@ def test_splash_is_not_the_unsegmented_attention():
     assert float(jnp.max(jnp.abs(out - reference(q, k, v, segment_ids)))) > 0.1
 
 
-# ---- the model --------------------------------------------------------------------------------------
+# ---- the model  ----------------------------------------------------------------------------------
 
 def tiny_config():
     return ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
