@@ -1,11 +1,11 @@
 """One-shot check of the trainer's attention on this machine's backend.
 
-Prints (and appends to ``$OUT/fused_attention.txt`` when ``OUT`` is set) the JAX version,
-the attention implementation ``"auto"`` picks,
-:func:`rl_jax.models.fused_attention.check_fused_attention` for several dtypes and head sizes (chosen kernel vs XLA on packed rows, outputs and gradients), the
-loss and a gradient norm of a small Transformer with ``attention="auto"`` and ``"xla"``, and the
-time of one attention forward and backward (B=4, T=4096, 16 query heads, 4 kv heads, head_dim 128)
-for XLA and for the chosen kernel.
+Prints, and appends to ``$OUT/fused_attention.txt`` when ``OUT`` is set: the JAX version and
+backend; ``rl_jax.models.fused_attention.check_fused_attention`` for several dtypes and head
+sizes (the kernel "auto" picks against XLA on packed rows, outputs and gradients); the loss and a
+gradient norm of a small Transformer with ``attention="auto"`` and ``"xla"``; and the time of one
+attention forward and backward (B=4, T=4096, 16 query heads, 4 kv heads, head_dim 128) for XLA and
+for the chosen kernel.
 
     PYTHONPATH=. python benchmarks/fused_attention_check.py
 """
