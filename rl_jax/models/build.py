@@ -28,11 +28,11 @@ def iter_params(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
 def abstract_model(config: ModelConfig, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
                    rules: ShardingRules | None = None, remat: str = "none",
-                   scan_layers: bool = True) -> Transformer:
+                   scan_layers: bool = True, attention: str = "auto") -> Transformer:
     """The model with ``ShapeDtypeStruct`` parameters: costs no memory."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
-        remat=remat, scan_layers=scan_layers))
+        remat=remat, scan_layers=scan_layers, attention=attention))
 
 
 def param_shardings(state: nnx.State, mesh: Mesh | None,

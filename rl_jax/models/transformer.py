@@ -23,6 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.fused_attention import check_fused_attention as check_fused_attention
+from rl_jax.models.fused_attention import check_implementation, fused_attention
 from rl_jax.models.logprobs import blockwise_token_logprobs, blockwise_token_stats
 from rl_jax.sharding import ShardingRules
 
@@ -93,12 +95,16 @@ class Transformer(nnx.Module):
         model's gradient of one 320-token row takes 36 ms rolled and 20 ms unrolled on one
         core (rolled, too, when ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967295``
         keeps those buffers in the heap).
+      attention: ``"auto"`` (cuDNN flash attention on an NVIDIA GPU, the splash kernel on a
+        single TPU, when the inputs fit; XLA otherwise and on a CPU), ``"xla"``, ``"cudnn"`` or
+        ``"splash"`` (these two raise when they cannot take the inputs); see
+        :mod:`rl_jax.models.fused_attention`.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
                  rules: ShardingRules | None = None, remat: str = "none",
-                 scan_layers: bool = True):
+                 scan_layers: bool = True, attention: str = "auto"):
         if remat not in ("none", "full", "dots"):
             raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
         self.config = config
@@ -107,6 +113,7 @@ class Transformer(nnx.Module):
         self.rules = rules or ShardingRules.default()
         self.remat = remat
         self.scan_layers = bool(scan_layers)
+        self.attention = check_implementation(attention)
         d, v = config.hidden_size, config.vocab_size
         normal = nnx.initializers.normal(0.02)
         self.embed = nnx.Param(normal(rngs.params(), (v, d), param_dtype),
@@ -150,11 +157,15 @@ class Transformer(nnx.Module):
         x = self._constrain(x, ("act_batch", "act_seq", "act_embed"))
         token_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = attention_mask(token_index, segment_ids, token_index, segment_ids, prefix_ids)
+        # Prefix segments widen the mask beyond "causal within a segment": only the mask says it.
+        plain_segments = segment_ids if prefix_ids is None else None
+        num_devices = 1 if self.mesh is None else self.mesh.size
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
         def layer(h, w):
             h, _ = decoder_layer(h, w, cfg, cos=cos, sin=sin, mask=mask, dtype=self.dtype,
-                                 constrain=self._constrain)
+                                 constrain=self._constrain, attention_impl=self.attention,
+                                 segment_ids=plain_segments, num_devices=num_devices)
             return h, None
 
         if self.remat == "full":
@@ -264,15 +275,21 @@ def attention_mask(q_index: jax.Array, q_segment: jax.Array, kv_index: jax.Array
     return causal & same
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+              implementation: str = "xla", segment_ids: jax.Array | None = None,
+              causal_self: bool = False, num_devices: int = 1) -> jax.Array:
     """Grouped-query attention. ``q [B,T,H,Dh]``, ``k, v [B,S,K,Dh]``, ``mask [B,T,S]`` →
     ``[B,T,H,Dh]``. Scores and softmax in float32.
 
-    ``jax.nn.dot_product_attention``: on a CPU its XLA lowering keeps the ``[T, S]`` score
-    matrices in the layouts its products want (about a third less time for a 320-token row's
-    forward and backward than grouped einsums whose scores need transposing); on GPUs it can pick
-    cuDNN's fused kernels."""
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    ``"xla"`` is ``jax.nn.dot_product_attention`` with the mask: on a CPU its XLA lowering keeps
+    the ``[T, S]`` score matrices in the layouts its products want (about a third less time for a
+    320-token row's forward and backward than grouped einsums whose scores need transposing).
+    Fused kernels (``implementation`` ``"auto"``, ``"cudnn"``, ``"splash"``) are considered only
+    for ``causal_self`` attention; ``segment_ids [B,T]`` are given when the mask is exactly
+    causal-within-segments. See :func:`rl_jax.models.fused_attention.select_implementation`."""
+    return fused_attention(q, k, v, mask, implementation=implementation,
+                           segment_ids=segment_ids, causal_self=causal_self,
+                           num_devices=num_devices)
 
 
 def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array,
@@ -315,7 +332,8 @@ def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 
 def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, cos, sin, mask,
-                  dtype, constrain=None, cache=None):
+                  dtype, constrain=None, cache=None, attention_impl: str = "xla",
+                  segment_ids: jax.Array | None = None, num_devices: int = 1):
     """One pre-norm decoder layer on ``h [B,T,D]`` with per-layer weights ``w``.
 
     Without ``cache`` queries attend to this call's own keys (``mask [B,T,T]``) and the result is
@@ -323,6 +341,11 @@ def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, co
     start)`` (caches ``[B,S,K,Dh]``, ``start [B]``), the new keys/values are first written at rows
     ``start..start+T-1`` and queries attend over the whole cache (``mask [B,T,S]``); the result is
     ``(h, (k_cache, v_cache))`` updated.
+
+    ``attention_impl`` picks the attention kernel (see :func:`attention`); without a cache the
+    mask must be causal self-attention (``mask [B,T,T]`` from equal query and key indices), with
+    ``segment_ids [B,T]`` when it is exactly causal-within-segments. Attention over a cache
+    always runs on XLA.
     """
     constrain = constrain or (lambda x, axes: x)
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
@@ -334,7 +357,10 @@ def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, co
         k_cache, v_cache, start = cache
         k = write_cache(k_cache, k, start)
         v = write_cache(v_cache, v, start)
-    h = h + attention_output(attention(q, k.astype(dtype), v.astype(dtype), mask), w, cfg, dtype)
+    attn = attention(q, k.astype(dtype), v.astype(dtype), mask, implementation=attention_impl,
+                     segment_ids=segment_ids if cache is None else None,
+                     causal_self=cache is None, num_devices=num_devices)
+    h = h + attention_output(attn, w, cfg, dtype)
     h = constrain(h, ("act_batch", "act_seq", "act_embed"))
     h = h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w, dtype, constrain)
     return constrain(h, ("act_batch", "act_seq", "act_embed")), (k, v)

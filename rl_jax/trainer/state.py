@@ -136,18 +136,23 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 class ModelSpec:
-    """Everything static about a model: its graph, abstract parameters and their shardings."""
+    """Everything static about a model: its graph, abstract parameters and their shardings.
+
+    ``attention`` picks the attention kernel of the training graph (``"auto"``: by backend; see
+    :mod:`rl_jax.models.fused_attention`).
+    """
 
     def __init__(self, config: ModelConfig, *, mesh: Mesh | None, rules: ShardingRules | None =
                  None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat: str = "none", scan_layers: bool = True):
+                 remat: str = "none", scan_layers: bool = True, attention: str = "auto"):
         self.config = config
         self.mesh = mesh
         self.rules = rules or ShardingRules.default()
         self.dtype = dtype
         self.param_dtype = param_dtype
         abstract = abstract_model(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
-                                  rules=self.rules, remat=remat, scan_layers=scan_layers)
+                                  rules=self.rules, remat=remat, scan_layers=scan_layers,
+                                  attention=attention)
         self.graphdef, self._template = nnx.split(abstract)
         self.abstract_params: Params = nnx.to_pure_dict(self._template)
         self.param_shardings: Params = nnx.to_pure_dict(
