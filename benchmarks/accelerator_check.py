@@ -145,6 +145,14 @@ def accelerator_for(env: dict, ceilings: dict, dtype_name: str) -> tuple[Acceler
     return acc, "measured"
 
 
+def device_memory_limit() -> int | None:
+    """Bytes the device's allocator may hand out (None where the backend does not say)."""
+    try:
+        return int(jax.devices()[0].memory_stats()["bytes_limit"])
+    except Exception:  # CPU devices report no memory statistics
+        return None
+
+
 # ---- generator --------------------------------------------------------------------------------------
 
 def admit_prompts(runner: ModelRunner, params, prompts: np.ndarray):
@@ -265,6 +273,15 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
 def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
                     deadline: float, rows: list[dict], save) -> list[dict]:
     shape = ModelShape.from_model_config(cfg, name=args.shape)
+    from rl_jax.models.fused_attention import check_fused_attention
+    try:  # which attention kernel the training graph uses here, and whether it matched XLA's
+        args.attention_check = check_fused_attention(dtype, head_dim=cfg.head_dim)
+        log(f"trainer attention: {args.attention_check['implementation']} (matched XLA: "
+            f"{args.attention_check['matched']}, max abs error "
+            f"{args.attention_check['max_abs_error']:.2e})")
+    except Exception as e:
+        args.attention_check = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        log(f"trainer attention check FAILED: {args.attention_check['error'][:300]}")
     spec = ModelSpec(cfg, mesh=None, dtype=dtype, param_dtype=jnp.float32, remat=args.remat)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-5, warmup_steps=1, total_steps=1000))
     state = init_state(tx, spec, spec.init_params(seed=0))
@@ -297,6 +314,11 @@ def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
                     memory.argument_size_in_bytes + memory.output_size_in_bytes
                     + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
             row["predicted_state_bytes"] = shape.train_state_bytes("float32")
+            limit = device_memory_limit()
+            if limit and row.get("compiled_peak_bytes", 0) > limit:
+                raise MemoryError(
+                    f"the compiled step needs {row['compiled_peak_bytes'] / 2**30:.2f} GiB, the "
+                    f"device has {limit / 2**30:.2f} GiB: use remat or a smaller micro-batch")
 
             def one():
                 nonlocal state
@@ -523,7 +545,7 @@ def main():
                         help="decode steps per dispatch (default 8 on accelerators, 1 on CPU)")
     parser.add_argument("--train", default=None, help="trainer micro-batches BxT, e.g. 8x2048")
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
-    parser.add_argument("--parts", default="decode,trainer,publication",
+    parser.add_argument("--parts", default="trainer,publication,decode",
                         help="what to measure, in this order")
     parser.add_argument("--no_engine", dest="engine", action="store_false",
                         help="decode: the raw step only, not the engine end to end")
@@ -538,10 +560,11 @@ def main():
     dtype_name = args.dtype or ("float32" if on_cpu else "bfloat16")
     dtype = DTYPES[dtype_name]
     args.batches = [int(b) for b in (args.batches or ("1,8,32" if on_cpu else
-                                                       "1,16,64,128,256")).split(",")]
+                                                       "1,16,64,256")).split(",")]
     args.attention = (args.attention or "auto,xla").split(",")
     args.prompt_len = args.prompt_len or (16 if on_cpu else 128)
-    args.new_tokens = args.new_tokens or (16 if on_cpu else 128)
+    # 64 new tokens after 128: every decode step fits one cache length (one program per batch)
+    args.new_tokens = args.new_tokens or (16 if on_cpu else 64)
     args.decode_steps = args.decode_steps or (1 if on_cpu else 8)
     args.train_shapes = parse_shapes(args.train or ("4x64" if on_cpu else "8x1024,16x1024"))
     parts = args.parts.split(",")
@@ -603,6 +626,7 @@ def main():
         elif part == "trainer":
             entry["trainer"] = []
             measure_trainer(cfg, args, acc, dtype, dtype_name, deadline, entry["trainer"], save)
+            entry["trainer_attention"] = args.attention_check
         elif time.perf_counter() > deadline:
             entry["publication"] = {"error": "skipped: time budget spent"}
         else:

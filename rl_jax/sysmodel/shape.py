@@ -40,6 +40,8 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    output_bias: bool = False  # a bias on the attention output projection (Llama/Qwen3 option)
+    qk_norm: bool = False  # RMSNorm weights over head_dim for q and k (Qwen3)
     name: str = ""
 
     def __post_init__(self):
@@ -61,7 +63,9 @@ class ModelShape:
                           self.num_kv_heads, self.head_dim)
         attention = d * hd * (h + 2 * k) + h * hd * d
         bias = hd * (h + 2 * k) if self.attention_bias else 0
-        return attention + bias + 3 * d * f + 2 * d
+        bias += d if self.output_bias else 0
+        qk_norm = 2 * hd if self.qk_norm else 0
+        return attention + bias + qk_norm + 3 * d * f + 2 * d
 
     @property
     def dense_params(self) -> int:
@@ -142,6 +146,8 @@ class ModelShape:
             vocab_size=int(data["vocab_size"]),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=bool(data.get("attention_bias", False)),
+            output_bias=bool(data.get("output_bias", False)),
+            qk_norm=bool(data.get("qk_norm", False)),
             name=name or str(data.get("name", "")))
 
     @classmethod
@@ -151,7 +157,9 @@ class ModelShape:
                    num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                   attention_bias=bool(getattr(cfg, "attention_bias", False)), name=name)
+                   attention_bias=bool(getattr(cfg, "attention_bias", False)),
+                   output_bias=bool(getattr(cfg, "output_bias", False)),
+                   qk_norm=bool(getattr(cfg, "qk_norm", False)), name=name)
 
     def describe(self) -> str:
         return (f"{self.name + ': ' if self.name else ''}{self.params / 1e6:,.1f}M params "
