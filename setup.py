@@ -34,6 +34,10 @@ EXTRAS = {
     "test": ["pytest>=8", "torch==2.13.0", "transformers==5.23.0", "sglang-router==0.3.2"],
     # Real SGLang servers for GPU machines (needs CUDA).
     "sglang": ["sglang[srt]"],
+    # The same JAX release with its accelerator plugins (CUDA 12 or 13 wheels, or libtpu).
+    "gpu": ["jax[cuda12]==0.10.2"],
+    "gpu-cuda13": ["jax[cuda13]==0.10.2"],
+    "tpu": ["jax[tpu]==0.10.2"],
 }
 
 setup(

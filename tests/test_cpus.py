@@ -138,3 +138,20 @@ def test_lower_priority_refuses_values_outside_0_to_19():
         with pytest.raises(ValueError, match="nice"):
             cpus.lower_priority(os.getpid(), bad)
     assert cpus.lower_priority(os.getpid(), 0) == "default"
+
+
+def test_cpu_placement_is_switched_off_on_accelerator_backends(caplog):
+    from configs.tiny_rl import get_config
+    from rl_jax.orchestrator.rl import cpu_placement_off_cpu
+
+    c = get_config()
+    placed = dict(c.cpus)
+    assert placed["trainer"] and placed["generators"] and placed["generators_nice"]
+    assert not cpu_placement_off_cpu(c, backend="cpu")
+    assert dict(c.cpus) == placed  # CPU pools keep their cores and priority
+    with caplog.at_level("WARNING"):
+        assert cpu_placement_off_cpu(c, backend="gpu")
+    assert (c.cpus.trainer, c.cpus.generators, c.cpus.rollout, c.cpus.generators_nice) == (
+        "", "", "", 0)
+    assert "cpus.trainer='0'" in caplog.text and "runs on gpu" in caplog.text
+    assert not cpu_placement_off_cpu(c, backend="tpu")  # nothing left to switch off

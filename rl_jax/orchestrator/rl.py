@@ -66,6 +66,26 @@ def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
     return hf
 
 
+def cpu_placement_off_cpu(c: ml_collections.ConfigDict, backend: str | None = None) -> bool:
+    """Core pinning and the servers' nice level (``c.cpus``) place CPU pools: on an
+    accelerator backend they would only confine the host threads that feed the chips, so they
+    are switched off there (one warning names them). Returns whether anything was switched off.
+    """
+    import jax
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return False
+    placed = {k: c.cpus[k] for k in ("trainer", "generators", "rollout", "generators_nice")
+              if c.cpus.get(k)}
+    if not placed:
+        return False
+    log.warning("cpus.%s apply to pools on CPUs; the trainer runs on %s, so they are ignored",
+                ", cpus.".join(f"{k}={v!r}" for k, v in placed.items()), backend)
+    for key in placed:
+        c.cpus[key] = 0 if key == "generators_nice" else ""
+    return True
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -74,6 +94,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     workdir_path = Path(workdir).absolute()
     workdir_path.mkdir(parents=True, exist_ok=True)
     base_dir = ensure_base_checkpoint(c, workdir_path)
+    cpu_placement_off_cpu(c)
     if c.cpus.trainer:
         from rl_jax import cpus
         try:
