@@ -143,6 +143,47 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     assert any(not np.array_equal(first[k], last[k]) for k in new)
 
 
+def test_ema_of_parameters_is_exported_and_evaluated(base_policy, tmp_path):
+    """With trainer.ema_decay, the export is the moving average of the policies of every step
+    (recomputed here from the per-version snapshots and the base policy), and the final
+    evaluation ran on it, published to the generators as the version after the last step."""
+    from safetensors.numpy import load_file
+
+    from rl_jax.orchestrator.snapshots import list_snapshots
+    from rl_jax.trainer.state import ema_decay_at
+
+    workdir = tmp_path / "ema"
+    result = launch(workdir, "--config.mode=sync", "--config.trainer.steps=4",
+                    "--config.trainer.ema_decay=0.5", "--config.export.every=1",
+                    base=base_policy)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_version"] == 5
+    assert summary["final_weights"] == "average (ema_decay=0.5, 4 updates)"
+    snapshots = list_snapshots(workdir)
+    assert [meta["version"] for meta, _ in snapshots] == [1, 2, 3, 4]
+    average = {k: v.astype(np.float64) for k, v in
+               load_file(base_policy / "model.safetensors").items()}
+    for n, (_, path) in enumerate(snapshots):
+        decay = ema_decay_at(0.5, n)
+        policy = load_file(path / "model.safetensors")
+        average = {k: decay * average[k] + (1 - decay) * policy[k] for k in average}
+    exported = load_file(workdir / "hf/model.safetensors")
+    last = load_file(snapshots[-1][1] / "model.safetensors")
+    assert any(not np.allclose(exported[k], last[k], atol=1e-6) for k in exported)
+    for k in exported:
+        np.testing.assert_allclose(exported[k], average[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_ema_decay_follows_the_first_updates():
+    from rl_jax.trainer.state import ema_decay_at
+    assert [round(ema_decay_at(0.95, n), 4) for n in (0, 1, 10, 100, 1000)] == [
+        0.1, 0.1818, 0.55, 0.9182, 0.95]
+    assert ema_decay_at(0.0, 5) == 0.0
+    with pytest.raises(ValueError, match="EMA decay must be in"):
+        ema_decay_at(1.0, 0)
+
+
 def test_sync_resume_after_kill_repeats_the_losses(base_policy, tmp_path):
     """Sync mode is deterministic (seeded sampling, batches in prompt order): a run killed with
     SIGKILL after its step-2 checkpoint and started again with the same command samples the
@@ -256,6 +297,8 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
     ({"cpus.generators_nice": -5}, "cpus.generators_nice must be an integer from 0"),
     ({"cpus.generators_nice": 20}, "cpus.generators_nice must be an integer from 0"),
     ({"export.every": -1}, "export.every must be an integer >= 0"),
+    ({"trainer.ema_decay": 1.0}, "trainer.ema_decay must be in [0, 1)"),
+    ({"trainer.ema_decay": -0.1}, "trainer.ema_decay must be in [0, 1)"),
     ({"generator.data_parallel": 3},
      "generator.max_slots=64 does not split evenly over generator.data_parallel=3"),
 ])

@@ -132,6 +132,9 @@ def validate(c: ml_collections.ConfigDict) -> ModeSettings:
                             f"{c.optimizer.final_lr_ratio}")
     if not c.trainer.get("ess_lr_power", 0.0) >= 0:
         raise RLConfigError(f"trainer.ess_lr_power must be >= 0, got {c.trainer.ess_lr_power}")
+    if not 0.0 <= c.trainer.get("ema_decay", 0.0) < 1.0:
+        raise RLConfigError(f"trainer.ema_decay must be in [0, 1) (0: off), got "
+                            f"{c.trainer.ema_decay}")
     if c.trainer.get("step_delay_s", 0.0) < 0:
         raise RLConfigError(f"trainer.step_delay_s must be >= 0, got {c.trainer.step_delay_s}")
     g = c.generator

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm import tqdm
@@ -42,9 +43,9 @@ from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutCon
                                      RolloutDataset)
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
-from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
-                                  learning_rate_at, learning_rate_schedule, make_optimizer,
-                                  set_learning_rate)
+from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, ema_decay_at,
+                                  ema_update, init_state, learning_rate_at,
+                                  learning_rate_schedule, make_optimizer, set_learning_rate)
 from rl_jax.trainer.step import (StreamingTrainStep, default_batch_sharding, ess_update_scale,
                                  global_batch, make_train_step)
 from rl_jax.transfer import Publisher, PublisherConfig
@@ -268,6 +269,15 @@ class Session:
                 rules=self.spec.rules))
             self.state = init_state(self.tx, self.spec, params)
         self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        # An exponential moving average of the parameters, exported and evaluated at the end in
+        # place of the last step's (the generators always sample from the trained policy).
+        # It lives beside the train state, not in its checkpoints: a resumed run restarts it.
+        self.ema_decay = float(c.trainer.get("ema_decay", 0.0))
+        self.ema, self.ema_updates = None, 0
+        if self.ema_decay:
+            self.ema = jax.tree.map(jnp.copy, self.state.params)
+            if self.meta:
+                log.info("parameter average restarts from the resumed parameters")
         if micro_rows:
             seconds = self.train_step.warm(self.state.params,
                                            PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
@@ -481,6 +491,10 @@ class Session:
                 if self.primary:
                     bar.write(f"first step {self.first_step_s:.1f} s after launch")
             version = int(self.state.step)
+            if self.ema is not None:
+                self.ema = ema_update(self.ema, self.state.params, jnp.float32(
+                    ema_decay_at(self.ema_decay, self.ema_updates)))
+                self.ema_updates += 1
             t2 = time.perf_counter()
             published = self._publish(version)
             if published is not None and self.snapshots is not None \
@@ -699,15 +713,17 @@ class Session:
         merged.update({k: np.asarray(v) for k, v in shared.items()})
         return merged, False
 
-    def _publish(self, version: int) -> Any:
+    def _publish(self, version: int, params: Any = None) -> Any:
         """The new version to the generators (process 0; in a multi-process run every process
         takes part in gathering the parameters); returns the parameters published (None if
-        nothing was)."""
+        nothing was). ``params``: other parameters than the train state's (the final average),
+        published after the rollout ended."""
         if self.primary:
-            self.rollout.set_trainer_version(version)
+            if params is None:
+                self.rollout.set_trainer_version(version)
             if version == self.weights.published:
                 return None
-        params = self.state.params
+        params = self.state.params if params is None else params
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             params = multihost_utils.process_allgather(params, tiled=True)
@@ -736,8 +752,13 @@ class Session:
                                     **({"rollout": self.rollout.get_state()} if self.primary
                                        else {})}, force=True)
             self.checkpointer.wait()
-        export = save_pretrained(self.spec.merge(self.state.params), self.workdir / "hf",
+        final_params = self.state.params if self.ema is None else self.ema
+        export = save_pretrained(self.spec.merge(final_params), self.workdir / "hf",
                                  tokenizer=self.tokenizer, dtype=DTYPES[c.export.dtype])
+        final_version = version
+        if self.ema is not None:  # the generators evaluate the average as the next version
+            final_version = version + 1
+            self._publish(final_version, params=self.ema)
         if not self.primary:
             return {}
         cpu_spent = self._cpu_spent(cpu_before, cpu_after)
@@ -748,7 +769,7 @@ class Session:
             pending_eval[1].result()
         self.weights.update_when_idle = False  # nothing is generating any more
         self.weights.poke()
-        self.weights.wait_applied(version)
+        self.weights.wait_applied(final_version)
         final = self.control_loop.run(self._evaluate("eval-final"))
         writer.write(version, wall_s=wall_offset + clock.elapsed, **final.metrics())
         if tb is not None:
@@ -757,6 +778,8 @@ class Session:
         summary = {
             "mode": self.settings.mode, "max_lag": self.settings.max_lag,
             "steps": version, "skipped_steps": int(self.state.skipped),
+            "final_weights": "policy" if self.ema is None else
+            f"average (ema_decay={self.ema_decay}, {self.ema_updates} updates)",
             "parameters": int(self.n_params), "wall_s": train_wall,
             "held_out_accuracy_before": before, "held_out_accuracy_after": final.accuracy,
             "held_out_examples": final.examples, "final_version": final.min_version,

@@ -8,6 +8,7 @@ such a dict back into an NNX module inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -226,3 +227,25 @@ def init_state(tx: optax.GradientTransformation, spec: ModelSpec, params: Params
                           skipped=jnp.zeros((), jnp.int32))
 
     return jax.jit(build, out_shardings=shardings)(params)
+
+
+# ---- an exponential moving average of the parameters -------------------------------------------
+
+def ema_decay_at(decay: float, updates: int) -> float:
+    """The averaging weight of the ``updates``-th update: ``min(decay, (1 + n) / (10 + n))``, so
+    that the average follows the first updates closely instead of staying near the
+    starting parameters (the form of TensorFlow's ``ExponentialMovingAverage(num_updates)``)."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+    return min(decay, (1.0 + updates) / (10.0 + updates))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def ema_update(average: Params, params: Params, decay: jax.Array) -> Params:
+    """``decay · average + (1 − decay) · params``, leaf by leaf, computed in float32 and kept in
+    each leaf's dtype and sharding; ``average`` is donated (the caller swaps the result in)."""
+    def one(a, p):
+        mixed = decay * a.astype(jnp.float32) + (1.0 - decay) * p.astype(jnp.float32)
+        return mixed.astype(a.dtype)
+
+    return jax.tree.map(one, average, params)
