@@ -10,8 +10,20 @@ Each layout has a few slot files used in turn: a slot is rewritten only when no 
 (``flock``: exclusive while the publisher writes, shared while a puller's arrays alias the slot's
 bytes), and never while it holds the newest version; so after a few versions the pages are warm
 and a publish costs about one ``memcpy`` plus one hash of the bytes.
-Each slot has a stamp file (``int64`` version; -1 while it is being written, -2 once superseded):
-pullers check it before and after reading, and the per-shard checksums catch anything else.
+Each slot has a 16-byte stamp file, ``int64 [stamp, writing_version]``: the stamp is the version
+the slot holds, -1 while it is being written, -2 once superseded; pullers check it before and
+after reading, and the per-shard checksums catch anything else. The publisher holds the slot's
+lock exclusively while it writes (shared once a streamed version's pullers may read it).
+
+Streamed versions (every transport of the layout ``shm``, ``PublisherConfig.stream``): the
+manifest is announced while the version is staged, its checksums ``"pending"``, with a progress
+table (``slotN.progress``, ``uint64 [blocks, 2]``: digest, version) whose row for each 1 MiB block
+is written once the block is copied and hashed; a waiting puller verifies blocks as their rows
+appear, so its hashing overlaps the copy, and hands out its arrays (views of the slot, laid out and
+checked against the manifest before the first block arrives) once the last block is verified and
+the stamp says the version is complete. What staging needs besides the bytes (chunk headers, each
+shard's place and copy runs) depends only on the layout and the shapes: ``_layout_plan`` makes it
+once, and later versions rewrite only the headers' version digits and the shards.
 
 Device staging (``jax_transfer``): each tensor is resharded in a jit over all the trainer's
 devices, laid out as ``(replicas, *generator mesh)``, then the shards of replica group 0 are
