@@ -1,11 +1,12 @@
 """Python's cyclic garbage collector in the long-running processes (trainer, generator servers).
 
 A process that has imported JAX and compiled its programs tracks a few hundred thousand
-container objects. A full (generation 2) collection traverses all of them: 0.3-0.7 s on one CPU
-core here, with the GIL held, so a server's scheduler stops decoding and the trainer's loop
-stops feeding steps. Such a collection comes every few seconds of allocation-heavy serving.
-:func:`freeze_long_lived` (once setup and warm-up are done) moves everything alive then into the
-collector's permanent generation, so later collections only look at what was made since.
+container objects. A full (generation 2) collection traverses all of them, a large fraction of
+a second on one CPU core (``docs/performance.md``), with the GIL held, so a server's scheduler
+stops decoding and the trainer's loop stops feeding steps. Such a collection comes every few
+seconds of allocation-heavy serving. :func:`freeze_long_lived` (once setup and warm-up are
+done) moves everything alive then into the collector's permanent generation, so later
+collections only look at what was made since.
 Reference counting still frees frozen objects that are dropped; only reference cycles among
 them are never collected.
 

@@ -772,7 +772,7 @@ class ModelRunner:
             self._resize(kv_bucket(needed, self.max_seq_len))
         # At least MIN_ADMIT rows (padding goes to a dropped slot): fewer programs to compile.
         # Host arrays go to the programs as they are (the jitted call moves them to the device
-        # far cheaper than eager jnp.asarray calls, ~2 against ~10 us each).
+        # far cheaper than eager jnp.asarray calls).
         n = max(MIN_ADMIT, len(rows))
         rows, fresh = _padded(rows, n, np.int32), _padded(fresh, n, bool)
         slots = _padded(slots, n, np.int32, fill=self.max_slots)

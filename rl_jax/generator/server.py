@@ -802,7 +802,7 @@ def run(config: ServerConfig):
     """Loads the model, starts the engine and serves HTTP until SIGINT/SIGTERM."""
     server = GeneratorServer.from_config(config)
     # The process is the server's: full collections would otherwise traverse everything
-    # loading and compiling left (0.3-0.7 s with the GIL held, decoding stopped; rl_jax.heap).
+    # loading and compiling left (a long pause with the GIL held, decoding stopped; rl_jax.heap).
     freeze_long_lived()
     asyncio.run(server.serve())
 

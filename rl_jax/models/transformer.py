@@ -91,10 +91,9 @@ class Transformer(nnx.Module):
       scan_layers: run the layers as a rolled ``lax.scan`` (compile time independent of depth)
         or unrolled (every layer its own code, and no ``[L, ...]`` stacks of the activations
         the backward pass keeps). On a CPU those stacks are large temporary buffers allocated
-        on every call, which glibc maps afresh each time (page faults): the 3-layer tiny
-        model's gradient of one 320-token row takes 36 ms rolled and 20 ms unrolled on one
-        core (rolled, too, when ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967295``
-        keeps those buffers in the heap).
+        on every call, which glibc maps afresh each time (page faults), so unrolled is faster
+        there unless ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967295`` keeps those
+        buffers in the heap (timings in ``docs/performance.md``).
       attention: ``"auto"`` (cuDNN flash attention on an NVIDIA GPU, the splash kernel on a
         single TPU, when the inputs fit; XLA otherwise and on a CPU), ``"xla"``, ``"cudnn"`` or
         ``"splash"`` (these two raise when they cannot take the inputs); see
@@ -282,8 +281,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
     ``[B,T,H,Dh]``. Scores and softmax in float32.
 
     ``"xla"`` is ``jax.nn.dot_product_attention`` with the mask: on a CPU its XLA lowering keeps
-    the ``[T, S]`` score matrices in the layouts its products want (about a third less time for a
-    320-token row's forward and backward than grouped einsums whose scores need transposing).
+    the ``[T, S]`` score matrices in the layouts its products want (grouped einsums, whose scores
+    need transposing, are slower; see ``docs/performance.md``).
     Fused kernels (``implementation`` ``"auto"``, ``"cudnn"``, ``"splash"``) are considered only
     for ``causal_self`` attention; ``segment_ids [B,T]`` are given when the mask is exactly
     causal-within-segments. See :func:`rl_jax.models.fused_attention.select_implementation`."""

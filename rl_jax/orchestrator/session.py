@@ -228,7 +228,7 @@ class Session:
         opt = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
         self.optimizer_config = opt
         # Compiled once and called here: evaluated eagerly, the schedule's first call dispatches
-        # (and compiles) a few dozen small operations, about 0.3 s of the trainer's thread.
+        # (and compiles) a few dozen small operations on the trainer's thread.
         self.schedule = jax.jit(learning_rate_schedule(opt))
         jax.block_until_ready(self.schedule(0))
         self.tx = make_optimizer(opt)
@@ -427,9 +427,9 @@ class Session:
                   f"server(s); held-out accuracy before RL: {before:.3f}", flush=True)
 
         # Setup's objects out of the garbage collector: a full collection over them pauses the
-        # loop for ~0.5 s (rl_jax.heap); the monitor counts the loop's own collections. Done
-        # before the clock starts and before the rollout sends its first request: the collection
-        # holds the GIL for ~0.2 s.
+        # loop (rl_jax.heap); the monitor counts the loop's own collections. Done before the
+        # clock starts and before the rollout sends its first request: the collection itself
+        # holds the GIL.
         heap.freeze_long_lived()
         self.gc = heap.GcMonitor().install()
         self._closers.append(self.gc.uninstall)

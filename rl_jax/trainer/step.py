@@ -305,7 +305,7 @@ class StreamingTrainStep:
         self.compile(abstract)
         zeros, accumulate, apply = self._programs[_shape_key(abstract)]
         acc = zeros()
-        # One transfer for every micro-batch: per call, device_put's fixed cost is ~1 ms here.
+        # One transfer for every micro-batch: device_put has a fixed cost per call.
         for micro in global_batch(slices, self.batch_sharding):
             acc = accumulate(state.params, acc, micro)
         return apply(state, acc)
