@@ -94,16 +94,41 @@ def test_bad_shapes_are_refused():
                                        block=48)
 
 
-def test_the_gpu_lowering_is_triton_ir():
+@pytest.mark.parametrize("g,d,t,dtype,cache_dtype", [
+    (7, 128, 192, jnp.bfloat16, jnp.bfloat16), (1, 64, 16, jnp.float32, jnp.float32),
+    (2, 64, 100, jnp.float32, jnp.bfloat16), (8, 128, 4096, jnp.bfloat16, jnp.bfloat16)])
+def test_the_gpu_lowering_is_triton_ir(g, d, t, dtype, cache_dtype):
     """Lowered for CUDA on this machine (no GPU needed): Triton, not Mosaic GPU (whose copies
-    this kernel's shapes do not suit), for a cache that is not a multiple of the block."""
-    args = (jax.ShapeDtypeStruct((8, 2, 7, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8, 2, 128, 192), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8, 2, 192, 128), jnp.bfloat16),
+    this kernel's shapes do not suit), including a cache that is not a multiple of the block
+    and float32 dots (at full precision)."""
+    args = (jax.ShapeDtypeStruct((8, 2, g, d), dtype),
+            jax.ShapeDtypeStruct((8, 2, d, t), cache_dtype),
+            jax.ShapeDtypeStruct((8, 2, t, d), cache_dtype),
             jax.ShapeDtypeStruct((8,), jnp.int32))
     lowered = jax.jit(lambda *a: pallas_decode.decode_attention(*a, platform="gpu")).trace(
         *args).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_the_decode_step_lowers_for_gpu_with_the_kernel():
+    """The runner's whole decode step with the Pallas kernel lowers for CUDA: one Triton call
+    per layer and cache chunk."""
+    from functools import partial
+    from rl_jax.generator import runner as runner_lib
+    from rl_jax.trainer.state import ModelSpec
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64)
+    runner = runner_lib.ModelRunner(cfg, max_slots=16, max_seq_len=100, dtype=jnp.bfloat16,
+                                    attention="xla")
+    runner._resize(100)
+    weights = runner.prepare(ModelSpec(cfg, mesh=None).init_params(0))
+    step = jax.jit(partial(runner_lib.decode, batch=16, filtered=True, cfg=cfg,
+                           dtype=jnp.bfloat16, max_seq_len=100,
+                           attention=partial(kernels.pallas_decode_attention, platform="gpu")))
+    lowered = step.trace(weights, runner.k_cache, runner.v_cache, runner.state).lower(
+        lowering_platforms=("cuda",))
+    assert [chunk.shape[0] for chunk in runner.k_cache[0]] == [8, 8]
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2 * 2
 
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
