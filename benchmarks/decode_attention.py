@@ -163,8 +163,9 @@ def attention_times(quick: bool) -> list[dict]:
                     row[f"{label}_ms"] = 1e3 * best_time(
                         lambda fn=fn: jax.block_until_ready(fn(q, keys, values, positions)))
                 live = float(np.sum(np.minimum(np.asarray(positions) + 1, t)))
-                row["live_cache_GBps_pallas"] = (2 * live * k * d * 2) / (row["pallas_ms"] / 1e3) / 1e9
-                row["whole_cache_GBps_xla"] = (2 * s * t * k * d * 2) / (row["xla_ms"] / 1e3) / 1e9
+                itemsize = jnp.dtype(dtype).itemsize  # keys and values of the positions read
+                row["pallas_live_GBps"] = 2 * live * k * d * itemsize / row["pallas_ms"] / 1e6
+                row["xla_whole_GBps"] = 2 * s * t * k * d * itemsize / row["xla_ms"] / 1e6
                 rows.append(row)
                 log(f"attention {row}")
     return rows

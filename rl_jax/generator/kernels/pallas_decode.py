@@ -16,8 +16,11 @@ Triton's constraints shape the wrapper: loads and dots take power-of-two shapes 
 dimensions are at least 16, so the query heads are padded to a power of two of at least 16 (the
 query is small; the cache is never copied), ``head_dim`` must be a power of two, and a cache
 whose length is not a multiple of the block has its last block start earlier (its positions
-already seen are masked out). TPU (Mosaic) lowering is not attempted by this form: it would read
-the whole cache block into VMEM; the runner keeps XLA's attention there when lowering fails.
+already seen are masked out); caches shorter than 16 positions do not compile there. On TPU the
+same kernel goes to Mosaic untried: each slot's whole cache would be copied into VMEM (the loop
+skips the compute past the position, not the copy), and Mosaic's layout rules may refuse it.
+The runner compiles the kernel for the model's heads at startup and keeps XLA's attention
+where that fails (:func:`rl_jax.generator.kernels.pallas_decode_attention_problem`).
 """
 
 from __future__ import annotations
