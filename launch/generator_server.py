@@ -43,9 +43,10 @@ _DECODE_STEPS = flags.DEFINE_integer(
     "between programs (SGLang's --num-continuous-decode-steps): fewer host round trips per "
     "token.")
 _ATTENTION = flags.DEFINE_enum(
-    "attention_backend", "auto", ["auto", "native", "xla"], "Decode attention (SGLang's "
-    "--attention-backend): the native CPU kernel, compiled on first use, which reads each "
-    "sequence's cache up to its length only; XLA's; or auto: native where it runs.")
+    "attention_backend", "auto", ["auto", "native", "pallas", "xla"], "Decode attention "
+    "(SGLang's --attention-backend): the native CPU kernel, compiled on first use, or the "
+    "Pallas kernel (GPU; interpreted, slow, on CPU), both of which read each sequence's cache "
+    "up to its length only; XLA's; or auto: native on CPU, pallas on GPU, where they run.")
 _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")

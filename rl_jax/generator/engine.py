@@ -123,8 +123,9 @@ class EngineConfig:
     # such a run has its later tokens dropped (computed in vain), and admissions and weight
     # swaps wait for the run's end.
     decode_steps: int = 1
-    # Decode attention: "auto" (the native CPU kernel where it runs, else XLA's), "native" or
-    # "xla" (see rl_jax.generator.kernels and ModelRunner).
+    # Decode attention: "auto" (on CPU the native kernel where it runs, on GPU the Pallas one
+    # where it compiles, else XLA's), "native", "pallas" or "xla" (see rl_jax.generator.kernels
+    # and ModelRunner).
     attention: str = "auto"
 
     def __post_init__(self):
@@ -264,9 +265,9 @@ class Engine:
             self._replicas.append(_Replica(i, runner, params))
         self.version = version
         self._accepted_version = version  # the newest version handed to update_weights
-        # the decode attention the replicas run: "native" (the CPU kernel) or "xla"
-        self.attention_backend = ("native" if all(r.runner.native_attention
-                                                  for r in self._replicas) else "xla")
+        # the decode attention the replicas run: "native" (the CPU kernel), "pallas" or "xla"
+        backends = {r.runner.attention_backend for r in self._replicas}
+        self.attention_backend = backends.pop() if len(backends) == 1 else "xla"
         self.eos_token_ids = tuple(eos_token_ids)
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the scheduler and callers wait on this

@@ -237,13 +237,14 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arra
 
 
 def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain,
-                  native_attention=False):
+                  attention=None):
     """One decoder layer for one token per slot: ``h [S, D]``; the layer's key cache chunks
     ``[n, K, Dh, T]`` and value cache chunks ``[n, K, T, Dh]``, of which those of slots
     ``0..S-1`` are this step's (``S`` ends a chunk). Mirrors
-    ``models.transformer.decoder_layer``. With ``native_attention`` the attention is the
-    native kernel's (:mod:`rl_jax.generator.kernels`), which reads each slot's cache up to its
-    position only."""
+    ``models.transformer.decoder_layer``. ``attention``: a decode attention kernel
+    (``attention(q, keys, values, positions)`` over the cache as it lies, see
+    :mod:`rl_jax.generator.kernels`), which reads each slot's cache up to its position only;
+    ``None`` for :func:`attend`."""
     s = h.shape[0]
     kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // kv_heads
@@ -267,8 +268,8 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
         rows = jnp.arange(stop - start)
         kc = kc.at[rows, :, :, pos].set(k[start:stop].astype(kc.dtype), mode="drop")
         vc = vc.at[rows, :, pos].set(v[start:stop].astype(vc.dtype), mode="drop")
-        if native_attention:
-            parts.append(kernels.decode_attention(q[start:stop], kc, vc, pos).astype(dtype))
+        if attention is not None:
+            parts.append(attention(q[start:stop], kc, vc, pos).astype(dtype))
         else:
             parts.append(attend(q[start:stop], kc.astype(dtype), vc.astype(dtype), pos,
                                 dtype=dtype))
@@ -288,7 +289,7 @@ def _decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, co
 def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
            v_cache: tuple[jax.Array, ...], state: SlotState, *, batch: int, filtered: bool,
            cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
-           native_attention: bool = False):
+           attention=None):
     """One decode step of slots ``0..batch-1``: feeds each slot's last token, writes its keys and
     values, samples the next token.
 
@@ -299,8 +300,9 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
       state: :data:`SlotState`, ``[slots]`` arrays.
       batch: slots decoded (a prefix that ends a chunk; the others are untouched).
       filtered: whether any slot uses top-k/top-p/min-p (see :func:`sample`).
-      native_attention: attention by the native CPU kernel (float32 caches; see
-        :mod:`rl_jax.generator.kernels`) instead of :func:`attend`.
+      attention: a decode attention kernel (:mod:`rl_jax.generator.kernels`: the native CPU
+        kernel or the Pallas one; see :meth:`ModelRunner._choose_attention`), ``None`` for
+        :func:`attend`.
 
     Returns ``(k_cache, v_cache, state, out)`` with the caches and state advanced (tokens, positions
     and token indices of slots ``< batch``) and ``out [3, batch]`` int32: the sampled tokens and
@@ -318,7 +320,7 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     new_k, new_v = [], []
     for w, kc, vc in zip(weights["layers"], k_cache, v_cache):
         h, kc, vc = _decode_layer(h, w, kc, vc, positions, cos, sin, cfg=cfg, dtype=dtype,
-                                  constrain=constrain, native_attention=native_attention)
+                                  constrain=constrain, attention=attention)
         new_k.append(kc)
         new_v.append(vc)
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
@@ -336,7 +338,7 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
 def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
                 v_cache: tuple[jax.Array, ...], state: SlotState, *, steps: int, batch: int,
                 filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
-                native_attention: bool = False):
+                attention=None):
     """``steps`` :func:`decode` steps in one program, each step's tokens feeding the next (the
     host reads them together): ``out [steps, 3, batch]``. Each token is sampled exactly as by
     one step at a time (its key depends on the slot's seed, sample and token index only)."""
@@ -345,7 +347,7 @@ def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
         k_cache, v_cache, state, out = decode(weights, k_cache, v_cache, state, batch=batch,
                                               filtered=filtered, cfg=cfg, dtype=dtype,
                                               max_seq_len=max_seq_len, constrain=constrain,
-                                              native_attention=native_attention)
+                                              attention=attention)
         outs.append(out)
     return k_cache, v_cache, state, jnp.stack(outs)
 
@@ -704,9 +706,11 @@ class ModelRunner:
         self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
         self.state = self._initial_state()
         kw = dict(cfg=config, dtype=dtype, constrain=constrain)
-        self.native_attention = self._use_native_attention(attention)
+        # the decode attention: "native" (the CPU kernel), "pallas" or "xla" (attend)
+        self.attention_backend = self._choose_attention(attention)
+        self.native_attention = self.attention_backend == "native"
         self._prefill = jax.jit(partial(prefill, **kw))
-        kw["native_attention"] = self.native_attention
+        kw["attention"] = self._attention_kernel()
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
                                static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
         self._decode_many = jax.jit(partial(decode_many, max_seq_len=max_seq_len, **kw),
@@ -720,17 +724,67 @@ class ModelRunner:
         self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
                                 **prepare_kw)
 
-    def _use_native_attention(self, attention: str) -> bool:
-        """``attention``: ``"xla"`` (:func:`attend`), ``"native"`` (the CPU kernel, an error
-        where it cannot run) or ``"auto"`` (the kernel where it can run -- a single CPU device,
-        float32 computation and cache, the kernel built -- and has a specialisation for the
-        model's heads, :data:`kernels.SPECIALISED`)."""
+    def _devices(self) -> list:
+        return jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
+
+    def _choose_attention(self, attention: str) -> str:
+        """The decode attention for ``attention`` (:data:`kernels.BACKENDS`): ``"xla"``
+        (:func:`attend`); ``"native"`` (the CPU kernel, an error where it cannot run);
+        ``"pallas"`` (the Pallas kernel on one device of any backend -- on CPU in Pallas'
+        interpreter, slow -- an error where it does not compile); ``"auto"``: on CPU the native
+        kernel where it runs and has a specialisation for the model's heads, else XLA's; on
+        GPU/TPU the Pallas kernel where it compiles for the model's heads, else XLA's (one log
+        line says why)."""
         if attention not in kernels.BACKENDS:
             raise GeneratorError(f"attention must be one of {kernels.BACKENDS}, got "
                                  f"{attention!r}")
         if attention == "xla":
-            return False
-        devices = (jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat))
+            return "xla"
+        platform = self._devices()[0].platform
+        if attention == "native" or (attention == "auto" and platform == "cpu"):
+            return "native" if self._use_native_attention(attention) else "xla"
+        problem = self._pallas_problem(platform)
+        if attention == "pallas":
+            if problem:
+                raise GeneratorError(f"pallas decode attention requested, but {problem}")
+            if platform == "cpu":
+                log.warning("pallas decode attention on CPU runs in Pallas' interpreter "
+                            "(slow; for tests): prefer attention='auto' or 'native' there")
+            return "pallas"
+        if problem:
+            log.warning("pallas decode attention unavailable on %s, using XLA's: %s",
+                        platform, problem)
+            return "xla"
+        return "pallas"
+
+    def _pallas_problem(self, platform: str) -> str | None:
+        """Why the Pallas kernel cannot run for this runner (``None`` where it can)."""
+        if len(self._devices()) != 1:
+            return "it runs on one device only (no sharded form)"
+        if platform == "cpu":
+            return None  # the interpreter runs any shape
+        group = self.config.num_heads // self.config.num_kv_heads
+        return kernels.pallas_decode_attention_problem(
+            kv_heads=self.config.num_kv_heads, group=group, head_dim=self.config.head_dim,
+            max_seq_len=self.max_seq_len, dtype=self.dtype, cache_dtype=self.cache_dtype,
+            platform=platform)
+
+    def _attention_kernel(self):
+        """The decode attention kernel of :attr:`attention_backend` (``None``: :func:`attend`)."""
+        if self.attention_backend == "native":
+            return kernels.decode_attention
+        if self.attention_backend == "pallas":
+            platform = self._devices()[0].platform
+            return partial(kernels.pallas_decode_attention, interpret=platform == "cpu",
+                           platform=platform)
+        return None
+
+    def _use_native_attention(self, attention: str) -> bool:
+        """Whether the native CPU kernel runs (``attention`` ``"native"`` or ``"auto"``): where
+        it can -- a single CPU device, float32 computation and cache, the kernel built -- and,
+        for ``"auto"``, has a specialisation for the model's heads, :data:`kernels.SPECIALISED`.
+        An error where ``"native"`` cannot run."""
+        devices = self._devices()
         problems = []
         if len(devices) != 1 or devices[0].platform != "cpu":
             problems.append("it runs on one CPU device only")

@@ -1,4 +1,5 @@
-"""Native CPU kernels for the decode step, as XLA FFI custom calls.
+"""Kernels for the decode step: native CPU decode attention as an XLA FFI custom call, and a
+Pallas decode attention for accelerators (:mod:`.pallas_decode`).
 
 ``decode_attention.cc`` is decode attention over the slot KV cache that reads each slot's keys
 and values only up to its own position (XLA's form reads the cache's whole length and runs on
@@ -11,6 +12,10 @@ library (one builds under a file lock, the others wait for it).
 Without a compiler, or when the build fails, :func:`decode_attention_available` says False
 (once, with the reason, in the log) and the decode step keeps XLA's attention.
 ``RL_JAX_NATIVE_ATTENTION=0`` turns the kernel off.
+
+The Pallas kernel reads the same cache layout, also up to each slot's position only; it runs
+on GPU (Triton) and, in Pallas' interpreter, anywhere (slow: for tests). Before a runner uses
+it, :func:`pallas_decode_attention_problem` compiles it for the model's shapes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import threading
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -38,7 +44,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "
          "-fPIC", "-w")
 
 # ModelRunner(attention=...), EngineConfig.attention, the server's --attention_backend
-BACKENDS = ("auto", "native", "xla")
+BACKENDS = ("auto", "native", "pallas", "xla")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -138,3 +144,46 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32),
                 positions.astype(jnp.int32))
+
+
+def pallas_decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
+                            positions: jax.Array, **kwargs) -> jax.Array:
+    """:func:`.pallas_decode.decode_attention` (imported on first use)."""
+    from rl_jax.generator.kernels import pallas_decode
+    return pallas_decode.decode_attention(q, keys, values, positions, **kwargs)
+
+
+_pallas_problems: dict[tuple, str | None] = {}
+
+
+def pallas_decode_attention_problem(*, kv_heads: int, group: int, head_dim: int,
+                                    max_seq_len: int, dtype, cache_dtype,
+                                    platform: str) -> str | None:
+    """Why the Pallas decode attention does not compile for these heads and dtypes on
+    ``platform`` (the default backend's devices), or ``None`` where it does. Compiles it once
+    per process and shape, for 8 slots over a cache of a few of its blocks (a short cache, a
+    whole number of blocks, and the last block overlapping the one before), so that a failure
+    shows at startup rather than in the first decode step."""
+    from rl_jax.generator.kernels import pallas_decode
+    block = pallas_decode.BLOCK
+    lengths = sorted({min(max_seq_len, n) for n in (16, 2 * block, 3 * block + 16)})
+    key = (kv_heads, group, head_dim, tuple(lengths), jnp.dtype(dtype).name,
+           jnp.dtype(cache_dtype).name, platform)
+    with _lock:
+        if key in _pallas_problems:
+            return _pallas_problems[key]
+    problem = None
+    try:
+        for length in lengths:
+            q = jax.ShapeDtypeStruct((8, kv_heads, group, head_dim), dtype)
+            keys = jax.ShapeDtypeStruct((8, kv_heads, head_dim, length), cache_dtype)
+            values = jax.ShapeDtypeStruct((8, kv_heads, length, head_dim), cache_dtype)
+            positions = jax.ShapeDtypeStruct((8,), jnp.int32)
+            jax.jit(partial(pallas_decode.decode_attention, platform=platform)).lower(
+                q, keys, values, positions).compile()
+    except Exception as e:  # noqa: BLE001 - any failure means "use XLA's attention"
+        problem = f"it does not compile for {group} query heads per key/value head of " \
+                  f"head_dim {head_dim}: {type(e).__name__}: {str(e)[:500]}"
+    with _lock:
+        _pallas_problems[key] = problem
+    return problem

@@ -1,0 +1,152 @@
+"""Decode attention over the slot KV cache as a Pallas kernel (GPU via Triton; CPU in
+interpret mode, for tests).
+
+One program per (slot, key/value head) computes all ``G`` query heads of that key/value head
+together. It walks the slot's cache in blocks of ``block`` positions up to the slot's own
+position only (a loop whose trip count is read from ``positions``), keeping a running maximum,
+sum and weighted value sum (online softmax), so a slot at position ``p`` reads
+``ceil((p + 1) / block)`` blocks of its keys and values however long the cache is. XLA's form,
+:func:`rl_jax.generator.runner.attend`, reads the cache's whole length for every slot.
+
+Numerics follow ``attend``: the query is scaled by ``Dh ** -0.5`` in the computation dtype, the
+score product accumulates in float32, the softmax weights are cast to the computation dtype for
+the value product (float32 accumulation) and the normalisation comes after it.
+
+Triton's constraints shape the wrapper: loads and dots take power-of-two shapes and a dot's
+dimensions are at least 16, so the query heads are padded to a power of two of at least 16 (the
+query is small; the cache is never copied), ``head_dim`` must be a power of two, and a cache
+whose length is not a multiple of the block has its last block start earlier (its positions
+already seen are masked out); caches shorter than 16 positions do not compile there. On TPU the
+same kernel goes to Mosaic untried: each slot's whole cache would be copied into VMEM (the loop
+skips the compute past the position, not the copy), and Mosaic's layout rules may refuse it.
+The runner compiles the kernel for the model's heads at startup and keeps XLA's attention
+where that fails (:func:`rl_jax.generator.kernels.pallas_decode_attention_problem`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK = 64  # cache positions per loop step (GPU); smaller caches use their own length
+MIN_DOT = 16  # Triton's smallest dot dimension
+_MASKED = -1e30  # the score of a masked position (attend's additive bias)
+
+
+def _power_of_two_at_least(n: int, minimum: int = 1) -> int:
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def _block_for(cache_len: int, block: int) -> int:
+    """The positions per loop step: ``block``, or the largest power of two within a shorter
+    cache."""
+    size = 1
+    while size * 2 <= min(cache_len, block):
+        size *= 2
+    return size
+
+
+def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, cache_len: int,
+            precision: Any):
+    """One (slot, kv head): ``q_ref [Gp, Dh]`` (already scaled), ``k_ref [Dh, T]``,
+    ``v_ref [T, Dh]``, ``pos_ref []``; writes ``o_ref [Gp, Dh]``."""
+    dtype = q_ref.dtype
+    position = pos_ref[()]
+    q = q_ref[...]
+    seen = jnp.minimum(position + 1, cache_len)  # positions attended: 0 .. seen-1
+    row = lax.broadcasted_iota(jnp.int32, (1, block), 1)  # positions along a score row
+    column = lax.broadcasted_iota(jnp.int32, (block, 1), 0)  # along a value column
+
+    def step(i, carry):
+        acc, top, total = carry
+        first = i * block
+        start = jnp.minimum(first, cache_len - block)  # the last block may start earlier
+        valid = (start + row >= first) & (start + row < seen)  # [1, block]
+        valid_rows = (start + column >= first) & (start + column < seen)  # [block, 1]
+        keys = k_ref[:, pl.ds(start, block)].astype(dtype)  # [Dh, block]
+        values = v_ref[pl.ds(start, block), :].astype(dtype)  # [block, Dh]
+        scores = jnp.dot(q, keys, preferred_element_type=jnp.float32, precision=precision)
+        scores = jnp.where(valid, scores, _MASKED)  # [Gp, block]
+        new_top = jnp.maximum(top, jnp.max(scores, axis=1, keepdims=True))
+        weights = jnp.exp(scores - new_top)
+        # cache past the position may hold anything (even NaN): it must not reach the sum
+        values = jnp.where(valid_rows, values, jnp.zeros_like(values))
+        rescale = jnp.exp(top - new_top)
+        acc = acc * rescale + jnp.dot(weights.astype(dtype), values,
+                                      preferred_element_type=jnp.float32, precision=precision)
+        total = total * rescale + jnp.sum(weights, axis=1, keepdims=True)
+        return acc, new_top, total
+
+    groups, head_dim = q_ref.shape
+    init = (jnp.zeros((groups, head_dim), jnp.float32),
+            jnp.full((groups, 1), _MASKED, jnp.float32),
+            jnp.zeros((groups, 1), jnp.float32))
+    acc, _, total = lax.fori_loop(0, pl.cdiv(seen, block), step, init)
+    o_ref[...] = (acc / total).astype(o_ref.dtype)
+
+
+def _compiler_params(platform: str) -> Any:
+    """Triton's parameters on GPU (Pallas' default GPU lowering is otherwise Mosaic GPU,
+    which this kernel's shapes do not suit), the default elsewhere."""
+    if platform in ("gpu", "cuda", "rocm"):
+        from jax.experimental.pallas import triton as pltriton
+        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+
+def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
+                     *, interpret: bool = False, block: int = BLOCK,
+                     platform: str | None = None) -> jax.Array:
+    """Attention of one query per slot over its cache: ``q [S, K, G, Dh]`` in the computation
+    dtype, ``keys [S, K, Dh, T]`` and ``values [S, K, T, Dh]`` in the cache dtype; cache
+    positions ``<= positions [S]`` are attended (all of them where a position is ``>= T``).
+    Returns ``[S, K, G, Dh]`` in ``q``'s dtype, as :func:`rl_jax.generator.runner.attend`.
+
+    ``interpret``: run the kernel in Pallas' interpreter (any backend, slow; for tests on
+    CPU). ``block``: cache positions per loop step, a power of two. ``platform``: the backend
+    it is compiled for (default ``jax.default_backend()``).
+    """
+    slots, kv_heads, groups, head_dim = q.shape
+    cache_len = values.shape[2]
+    if keys.shape != (slots, kv_heads, head_dim, cache_len) or values.shape != (
+            slots, kv_heads, cache_len, head_dim):
+        raise ValueError(f"keys {keys.shape} and values {values.shape} do not match q "
+                         f"{q.shape}: expected keys [S, K, Dh, T] and values [S, K, T, Dh]")
+    if positions.shape != (slots,):
+        raise ValueError(f"positions {positions.shape} must be [{slots}]")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    dtype = q.dtype
+    step_block = _block_for(cache_len, block)
+    padded = groups if interpret else _power_of_two_at_least(groups, MIN_DOT)
+    q = q * jnp.asarray(head_dim ** -0.5, dtype)  # as attend: scaled in the computation dtype
+    if padded != groups:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - groups), (0, 0)))
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, block=step_block, cache_len=cache_len,
+                               precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(slots, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None,), lambda s, k: (s,)),
+            pl.BlockSpec((None, None, padded, head_dim), lambda s, k: (s, k, 0, 0)),
+            pl.BlockSpec((None, None, head_dim, cache_len), lambda s, k: (s, k, 0, 0)),
+            pl.BlockSpec((None, None, cache_len, head_dim), lambda s, k: (s, k, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, padded, head_dim), lambda s, k: (s, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((slots, kv_heads, padded, head_dim), dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(
+            platform or jax.default_backend()),
+        name="rl_jax_decode_attention",
+    )(positions.astype(jnp.int32), q, keys, values)
+    return out[:, :, :groups] if padded != groups else out
