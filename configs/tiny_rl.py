@@ -84,7 +84,7 @@ def get_config() -> ConfigDict:
         ess_lr_power=0.0,
         # > 0: export (and evaluate at the end) an exponential moving average of the parameters
         # with this decay per step instead of the last step's (rl_jax.trainer.state.ema_update).
-        ema_decay=0.0,
+        ema_decay=0.99,
         # Benchmarks: seconds of sleep after every step (a slower trainer, so that generation
         # runs ahead and samples reach the staleness bound).
         step_delay_s=0.0,

@@ -30,6 +30,8 @@ SMALL = [
     "--config.checkpoint.every=2", "--config.cpus.trainer=", "--config.cpus.generators=",
     "--config.cpus.rollout=",
     "--config.generator.warmup_shapes=False",
+    # The export is the last step's policy (the parameter average has a test of its own).
+    "--config.trainer.ema_decay=0",
     # No time limit (the learning-rate schedule then follows steps alone, so sync runs repeat
     # exactly) and no dynamic filtering (a weak base policy would filter most groups).
     "--config.trainer.time_limit_s=0", "--config.rollout.filter_zero_signal=False",
