@@ -1,0 +1,315 @@
+"""Memory per device of the trainer's step and of a generator server, from the model's shape.
+
+Planned, not discovered: the planner rejects a layout whose trainer or generator does not fit
+before anything is compiled. Every term below is an array the code builds, sized per device by
+the sharding rules of :mod:`rl_jax.sharding` (``ShardingRules.default()`` for the trainer,
+``generator_rules()`` for the generator); the docstrings name the code each term comes from.
+
+Symbols: ``L`` layers, ``D`` hidden, ``F`` MLP hidden, ``H`` query heads, ``K`` key/value heads,
+``Dh`` head dim, ``V`` vocabulary, ``B×T`` the batch (rows × tokens), mesh ``(data, fsdp,
+tensor)``, ``c`` bytes of the computation dtype, ``p`` of the parameter dtype.
+
+Trainer (``rl_jax.trainer.step.make_train_step``, state donated so outputs reuse the inputs):
+
+- *state*: parameters (``p`` bytes) and AdamW's two moments (optax keeps them in the parameter
+  dtype), split over ``fsdp`` (the ``embed`` axis) and ``tensor`` (heads, MLP, vocabulary);
+  norms are replicated. Replicated over ``data``.
+- *grads*: one gradient per parameter (``p`` bytes), live from the backward pass through the
+  update (the global-norm clip reads all of them before any update).
+- *saved activations*: what the ``lax.scan`` over layers keeps for the backward pass, stacked
+  ``[L, ...]``, per remat policy (:func:`saved_bytes_per_token`); tokens are split over
+  ``data × fsdp`` (``act_batch``), heads and MLP over ``tensor``.
+- the largest of three transients (:class:`TrainerMemory` names it ``peak_phase``):
+  *logits*: the blockwise log-probability backward over the vocabulary
+  (``rl_jax.models.logprobs``): the unembedding cast and laid out in ``[nb, D, block]`` blocks,
+  its gradient in that layout, and ``[tokens, block]`` float32 blocks of logits and their
+  cotangents; *layer*: the backward of one decoder layer (what the remat policy recomputes,
+  the attention scores when materialised, and the cotangents), next to the gradient of the
+  unembedding; *embedding*: the end of the backward pass, where the embedding lookup's
+  gradient is scattered into a full ``[V, D]`` table (the lookup gathers the whole table:
+  ``Transformer.__call__`` constrains it to be replicated) and added to the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from rl_jax.sysmodel.accelerators import dtype_bytes
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.shape import ModelShape
+
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION = ("materialised", "fused")
+GiB = 2 ** 30
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device by term; ``total`` is what must fit on one device."""
+
+    terms: dict[str, float]
+    total: float
+    peak_phase: str = ""
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"terms": dict(self.terms), "total": self.total, "peak_phase": self.peak_phase,
+                **self.notes}
+
+    def describe(self) -> str:
+        """``12.3 GiB (state 5.5 + grads 1.8 + ...)``: the terms over 1% of the total."""
+        parts = [f"{name} {value / GiB:.2f}" for name, value in self.terms.items()
+                 if value >= 0.01 * self.total]
+        phase = f"; peak in {self.peak_phase}" if self.peak_phase else ""
+        return f"{self.total / GiB:.2f} GiB ({' + '.join(parts)} GiB{phase})"
+
+
+def _check_mesh(mesh: tuple[int, int, int]) -> tuple[int, int, int]:
+    if len(mesh) != 3 or any(not isinstance(m, int) or isinstance(m, bool) or m < 1
+                             for m in mesh):
+        raise SysModelError(f"mesh must be three positive integers (data, fsdp, tensor), got "
+                            f"{mesh!r}")
+    return tuple(mesh)
+
+
+def _positive(**values: int):
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SysModelError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ---- parameters per device -------------------------------------------------------------------
+
+def param_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
+    """Parameter elements one device holds under ``ShardingRules.default()``: matrices split
+    over ``fsdp`` (their ``embed`` axis) and ``tensor`` (``vocab``, heads or ``mlp``); q/k/v
+    biases over ``tensor``; the output bias over ``fsdp``; norms replicated. A dimension the
+    mesh does not divide is counted rounded up (the largest shard)."""
+    s = shape
+    d, f, h, k, hd, v = (s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads,
+                         s.head_dim, s.vocab_size)
+    dd = _cdiv(d, fsdp)
+    layer = (dd * _cdiv(h, tensor) * hd + 2 * dd * _cdiv(k, tensor) * hd  # wq, wk, wv
+             + _cdiv(h, tensor) * hd * dd  # wo
+             + 3 * dd * _cdiv(f, tensor)  # w_gate, w_up, w_down
+             + 2 * d)  # attn_norm, mlp_norm
+    if s.attention_bias:
+        layer += (_cdiv(h, tensor) + 2 * _cdiv(k, tensor)) * hd
+    if s.output_bias:
+        layer += dd
+    if s.qk_norm:
+        layer += 2 * hd
+    tables = (1 if s.tie_word_embeddings else 2) * _cdiv(v, tensor) * dd
+    return s.num_layers * layer + tables + d
+
+
+# ---- activations ------------------------------------------------------------------------------
+
+def saved_bytes_per_token(shape: ModelShape, *, remat: str, attention: str, dtype: str,
+                          tensor: int = 1, seq: int = 1) -> float:
+    """Bytes one decoder layer keeps per token for the backward pass (``Transformer.__call__``'s
+    ``lax.scan`` stacks them ``[L, ...]``).
+
+    - ``full`` (``jax.checkpoint`` of the layer): its input ``h [D]`` only.
+    - ``dots`` (``dots_with_no_batch_dims_saveable``): the input and the outputs of the
+      weight matmuls (einsums without batch dimensions): q, k, v projections ``(H+2K)·Dh``,
+      the attention output projection ``D``, gate and up ``2F``, down ``D``. The attention
+      products have batch dimensions: recomputed.
+    - ``none``: everything the backward reads: the input, the two normalised inputs ``2D``
+      and their float32 upcasts ``2D`` (``rms_norm``), rotated q and k, v and the attention
+      output ``(2H+2K)·Dh``, gate, up and their product ``3F``, and, when the attention is
+      materialised, its float32 ``[H, S]`` probabilities; fused kernels keep a float32
+      log-sum-exp per head instead.
+    """
+    if remat not in REMAT_POLICIES:
+        raise SysModelError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    if attention not in ATTENTION:
+        raise SysModelError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    s = shape
+    c = dtype_bytes(dtype)
+    d, hd = s.hidden_size, s.head_dim
+    h, k, f = _cdiv(s.num_heads, tensor), _cdiv(s.num_kv_heads, tensor), _cdiv(
+        s.intermediate_size, tensor)
+    if remat == "full":
+        return float(d * c)
+    if remat == "dots":
+        return float((3 * d + (h + 2 * k) * hd + 2 * f) * c)
+    scores = h * seq * 4 if attention == "materialised" else h * 4
+    return float((3 * d + (2 * h + 2 * k) * hd + 3 * f) * c + 2 * d * 4 + scores)
+
+
+def layer_backward_bytes_per_token(shape: ModelShape, *, remat: str, attention: str,
+                                   dtype: str, tensor: int = 1, seq: int = 1) -> float:
+    """Bytes per token of one layer's backward beyond what is saved: what the remat policy
+    recomputes (``full``: the whole layer, as :func:`saved_bytes_per_token` with ``none``;
+    ``dots``: the attention and the elementwise parts), the cotangents of the layer's
+    activations (float32 at the residual stream ``2D``, the compute dtype elsewhere), and for a
+    materialised attention the float32 cotangent of the ``[H, S]`` scores."""
+    s = shape
+    c = dtype_bytes(dtype)
+    d, hd = s.hidden_size, s.head_dim
+    h, k, f = _cdiv(s.num_heads, tensor), _cdiv(s.num_kv_heads, tensor), _cdiv(
+        s.intermediate_size, tensor)
+    scores = h * seq * 4 if attention == "materialised" else 0
+    cotangents = 2 * d * 4 + ((h + 2 * k) * hd + 2 * f) * c + scores
+    if remat == "full":
+        recompute = saved_bytes_per_token(s, remat="none", attention=attention, dtype=dtype,
+                                          tensor=tensor, seq=seq)
+    elif remat == "dots":
+        recompute = ((2 * h) * hd + f) * c + 2 * d * 4 + (
+            h * seq * 4 if attention == "materialised" else h * 4)
+    else:
+        recompute = 0.0
+    return float(recompute + cotangents)
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainerMemory(MemoryBreakdown):
+    pass
+
+
+def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
+                   mesh: tuple[int, int, int] = (1, 1, 1), dtype: str = "bfloat16",
+                   param_dtype: str = "float32", remat: str = "full", logits_block: int = 4096,
+                   attention: str = "materialised") -> TrainerMemory:
+    """Peak bytes per device of one train step on ``batch × seq`` tokens (one micro-batch; the
+    module docstring lists the terms).
+
+    Args:
+      shape: the model.
+      batch, seq: rows and tokens per row of the (micro-)batch the step compiles for.
+      mesh: ``(data, fsdp, tensor)`` device counts.
+      dtype, param_dtype: computation and parameter dtypes.
+      remat: the layer's rematerialisation (``ModelSpec(remat=...)``).
+      logits_block: vocabulary columns per block of the log-probabilities
+        (``trainer.logits_block_size``).
+      attention: ``"materialised"`` (XLA's ``dot_product_attention``: ``[B, H, T, S]`` float32
+        scores) or ``"fused"`` (cuDNN/splash kernels: no scores in memory).
+    """
+    data, fsdp, tensor = _check_mesh(mesh)
+    _positive(batch=batch, seq=seq, logits_block=logits_block)
+    if remat not in REMAT_POLICIES:
+        raise SysModelError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    if attention not in ATTENTION:
+        raise SysModelError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    s = shape
+    c, p = dtype_bytes(dtype), dtype_bytes(param_dtype)
+    d, v, L = s.hidden_size, s.vocab_size, s.num_layers
+    rows = _cdiv(batch, data * fsdp)
+    n = rows * seq  # tokens per device
+    elements = param_elements_per_device(s, fsdp, tensor)
+
+    params = elements * p
+    moments = 2 * elements * p
+    grads = elements * p
+    saved = L * n * saved_bytes_per_token(s, remat=remat, attention=attention, dtype=dtype,
+                                          tensor=tensor, seq=seq)
+
+    # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
+    # over fsdp, cast to the compute dtype and padded to whole blocks, then laid out
+    # [nb, D, block] (two copies of c bytes); the backward scan stacks the gradient of the
+    # blocks [nb, D, block] and, per block, keeps float32 logits and their cotangent [n, block]
+    # plus the running statistics and the hidden states' cotangent [n, D] in float32.
+    block = min(logits_block, v)
+    padded = _cdiv(v, block) * block
+    v_local = _cdiv(padded, tensor)
+    unembed_copies = 2 * d * v_local * c
+    unembed_grad = d * v_local * c
+    logits_blocks = 2 * n * _cdiv(block, tensor) * 4 + n * d * 4
+    logits_phase = unembed_copies + unembed_grad + logits_blocks
+
+    layer = n * layer_backward_bytes_per_token(s, remat=remat, attention=attention,
+                                               dtype=dtype, tensor=tensor, seq=seq)
+    layer_phase = layer + unembed_grad
+
+    # End of the backward pass: the lookup's gradient scattered into a replicated [V, D] table
+    # of the parameter dtype (the table was gathered whole), next to the unembedding's gradient
+    # re-laid out as [V, D] (parameter dtype) before the two are added or reduce-scattered.
+    embedding_phase = v * d * p + d * v_local * p
+
+    transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
+    phase = max(transients, key=transients.get)
+    # Saved activations are freed as the backward scan ends; the embedding phase comes after.
+    live_saved = 0.0 if phase == "embedding" else saved
+    terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
+             "saved_activations": float(live_saved), phase: float(transients[phase])}
+    total = sum(terms.values())
+    return TrainerMemory(terms, float(total), phase, notes={
+        "tokens_per_device": n, "transients": {k: float(x) for k, x in transients.items()},
+        "saved_activations_all": float(saved)})
+
+
+# ---- the generator ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorMemory(MemoryBreakdown):
+    pass
+
+
+def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: int,
+                     max_seq_len: int, dtype: str = "bfloat16", prefill_tokens: int = 2048,
+                     prefill_len: int | None = None, cache_dtype: str | None = None,
+                     swap: bool = True) -> GeneratorMemory:
+    """Bytes per device of one generator server (``rl_jax.generator.runner.ModelRunner`` under
+    the engine), tensor parallel over ``tensor_parallel`` chips (``generator_rules()``: heads,
+    MLP and vocabulary split; the hidden axis whole).
+
+    Terms:
+      params: the parameters as the trainer lays them out, in ``dtype`` (the engine keeps them
+        for prefill and as the reference of weight updates).
+      decode_weights: ``prepare_decode_weights``: every layer's matrices re-laid out (fused
+        q/k/v, fused gate/up) in ``dtype``, and the unembedding ``[D, V]`` (a transposed copy
+        when tied; an untied head of the same dtype is the parameter itself).
+      kv_cache: ``ModelRunner.cache_bytes``: ``2·L·slots·max_seq_len·K·Dh`` of ``cache_dtype``,
+        key/value heads split over the chips (a chip keeps at least one head).
+      weight_update: with ``swap``, a second set of parameters and decode weights, prepared
+        while the current ones still decode (``Engine._prepare_loop``).
+      prefill: the larger of the prefill program (``runner.prefill`` on ``prefill_tokens``
+        tokens in rows of ``prefill_len``: its keys and values ``[L, tokens, K, Dh]``, one
+        layer's activations with float32 ``[H, prefill_len]`` scores per token, float32 logits
+        of every row) and the decode step's float32 logits ``[slots, V]``.
+    """
+    _positive(tensor_parallel=tensor_parallel, max_slots=max_slots, max_seq_len=max_seq_len,
+              prefill_tokens=prefill_tokens)
+    s = shape
+    tp = tensor_parallel
+    c = dtype_bytes(dtype)
+    kv_c = dtype_bytes(cache_dtype or dtype)
+    d, hd, L, v = s.hidden_size, s.head_dim, s.num_layers, s.vocab_size
+    h, k, f = _cdiv(s.num_heads, tp), _cdiv(s.num_kv_heads, tp), _cdiv(s.intermediate_size, tp)
+    v_local = _cdiv(v, tp)
+    layer = d * (h + 2 * k) * hd + h * hd * d + 3 * d * f + 2 * d
+    if s.attention_bias:
+        layer += (h + 2 * k) * hd
+    if s.output_bias:
+        layer += d
+    if s.qk_norm:
+        layer += 2 * hd
+    tables = (1 if s.tie_word_embeddings else 2) * v_local * d
+    params = (L * layer + tables + d) * c
+    decode = (L * layer + (v_local * d if s.tie_word_embeddings else 0)) * c
+    kv_cache = 2 * L * max_slots * max_seq_len * k * hd * kv_c
+    length = min(prefill_len or prefill_tokens, max_seq_len, prefill_tokens)
+    rows = _cdiv(prefill_tokens, length)
+    tokens = rows * length
+    prefill_kv = 2 * L * tokens * k * hd * c
+    prefill_layer = tokens * ((4 * d + (2 * h + 2 * k) * hd + 3 * f) * c + 2 * d * 4
+                              + 2 * h * length * 4)
+    prefill = prefill_kv + prefill_layer + rows * v_local * 4
+    decode_logits = 2 * max_slots * v_local * 4
+    terms = {"params": float(params), "decode_weights": float(decode),
+             "kv_cache": float(kv_cache)}
+    if swap:
+        terms["weight_update"] = float(params + decode)
+    phase = "prefill" if prefill >= decode_logits else "decode"
+    terms[phase] = float(max(prefill, decode_logits))
+    return GeneratorMemory(terms, float(sum(terms.values())), phase, notes={
+        "prefill_rows": rows, "prefill_len": length})

@@ -1,0 +1,135 @@
+"""The systems model's memory per device against what XLA compiles.
+
+Each case compiles a program ahead of time from abstract shapes only (nothing runs) and compares
+``compiled.memory_analysis()``'s peak (arguments + outputs - aliased + temporaries) with
+:mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``) on one
+device and on 8 forced host devices, and the generator's prefill and decode programs
+(``ModelRunner``). The computation runs in float32 here: XLA's CPU backend carries bfloat16
+products in float32, which an accelerator does not, so float32 is where the CPU's buffers are
+those an accelerator would allocate.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rl_jax.models.shapes import shape as named_shape
+from rl_jax.sysmodel import SysModelError, get_accelerator
+from rl_jax.sysmodel.memory import generator_memory, trainer_memory
+from rl_jax.sysmodel.shape import ModelShape
+
+TOLERANCE = 0.15
+
+
+def compiled_peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+def model_config(name: str, layers: int | None = None):
+    cfg = named_shape(name)
+    return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
+
+
+def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block):
+    from rl_jax.sharding import make_mesh
+    from rl_jax.trainer.state import ModelSpec, OptimizerConfig, abstract_state, make_optimizer
+    from rl_jax.trainer.step import (LMBatch, causal_lm_loss, default_batch_sharding,
+                                     make_train_step)
+    devices = jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]]
+    mesh = make_mesh(*mesh_shape, devices=devices)
+    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.float32, param_dtype=jnp.float32, remat=remat,
+                     attention="xla")
+    tx = make_optimizer(OptimizerConfig())
+    step = make_train_step(spec, tx, functools.partial(causal_lm_loss, block_size=block))
+    abstract = LMBatch.abstract(batch, seq, sharding=default_batch_sharding(spec))
+    return step.lower(abstract_state(tx, spec), abstract).compile()
+
+
+# (shape, layers, batch, seq, mesh, remat, logits block)
+TRAIN_CASES = [
+    ("tiny", None, 8, 128, (1, 1, 1), "none", 4096),
+    ("small", None, 4, 256, (1, 1, 1), "full", 4096),
+    ("small", None, 4, 256, (1, 1, 1), "dots", 2048),
+    ("small", None, 8, 256, (1, 4, 2), "none", 4096),
+    ("small", None, 8, 256, (1, 8, 1), "full", 4096),
+    ("qwen2.5-0.5b", 2, 2, 256, (1, 1, 1), "full", 4096),
+]
+
+
+@pytest.mark.parametrize("name,layers,batch,seq,mesh,remat,block", TRAIN_CASES,
+                         ids=["-".join(map(str, c[:1] + c[4:6])) for c in TRAIN_CASES])
+def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block):
+    cfg = model_config(name, layers)
+    compiled = compiled_peak(compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh,
+                                                remat=remat, block=block))
+    predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
+                               mesh=mesh, dtype="float32", param_dtype="float32", remat=remat,
+                               logits_block=block, attention="materialised")
+    error = predicted.total / compiled - 1
+    assert abs(error) <= TOLERANCE, (
+        f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat}: predicted "
+        f"{predicted.describe()}, compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
+
+
+def test_generator_memory_matches_the_compiled_programs():
+    from rl_jax.generator.runner import ModelRunner
+    cfg = model_config("small")
+    slots, max_len, rows, prompt = 16, 512, 4, 128
+    runner = ModelRunner(cfg, max_slots=slots, max_seq_len=max_len, dtype=jnp.float32,
+                         attention="xla")
+    params = {"embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), jnp.float32),
+              "final_norm": jax.ShapeDtypeStruct((cfg.hidden_size,), jnp.float32),
+              "lm_head": jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), jnp.float32)}
+    from rl_jax.models.transformer import layer_param_specs
+    params["layers"] = {name: jax.ShapeDtypeStruct((cfg.num_layers,) + shp, jnp.float32)
+                        for name, (shp, _) in layer_param_specs(cfg).items()}
+    prefill = runner._prefill.lower(params, jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
+                                    jax.ShapeDtypeStruct((rows,), jnp.int32)).compile()
+    weights = jax.eval_shape(runner._prepare, params)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.state)
+    decode = runner._decode.lower(weights, *runner._cache_structs(max_len), state,
+                                  batch=slots, filtered=False).compile()
+    predicted = generator_memory(ModelShape.from_model_config(cfg), tensor_parallel=1,
+                                 max_slots=slots, max_seq_len=max_len, dtype="float32",
+                                 prefill_tokens=rows * prompt, prefill_len=prompt)
+    programs = predicted.notes["programs"]
+    for name, program in (("prefill", prefill), ("decode", decode)):
+        compiled = compiled_peak(program)
+        error = programs[name] / compiled - 1
+        assert abs(error) <= TOLERANCE, (f"{name}: predicted {programs[name] / 2**20:.1f} MiB, "
+                                         f"compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
+    assert predicted.terms["kv_cache"] == runner.cache_bytes
+
+
+def test_memory_model_refuses_bad_input():
+    shape = ModelShape.from_model_config(named_shape("tiny"))
+    with pytest.raises(SysModelError, match="remat"):
+        trainer_memory(shape, batch=1, seq=8, remat="some")
+    with pytest.raises(SysModelError, match="mesh"):
+        trainer_memory(shape, batch=1, seq=8, mesh=(1, 0, 1))
+    with pytest.raises(SysModelError, match="batch"):
+        trainer_memory(shape, batch=0, seq=8)
+    with pytest.raises(SysModelError, match="attention"):
+        trainer_memory(shape, batch=1, seq=8, attention="flash")
+    with pytest.raises(SysModelError, match="max_slots"):
+        generator_memory(shape, max_slots=0, max_seq_len=8)
+
+
+def test_memory_scales_with_the_mesh_and_the_batch():
+    shape = ModelShape.from_model_config(named_shape("qwen2.5-7b"))
+    one = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1))
+    more = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 16, 1))
+    assert more.terms["params"] == pytest.approx(one.terms["params"] / 2, rel=0.01)
+    assert trainer_memory(shape, batch=16, seq=1024, mesh=(1, 8, 1)).total > one.total
+    full = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1), remat="full")
+    none = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1), remat="none")
+    assert none.total > full.total
+    tp = [generator_memory(shape, tensor_parallel=t, max_slots=64, max_seq_len=4096).total
+          for t in (1, 2, 4)]
+    assert tp[0] > tp[1] > tp[2]
+    assert get_accelerator("h100").memory_capacity > 0
