@@ -125,7 +125,9 @@ def test_memory_scales_with_the_mesh_and_the_batch():
     one = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1))
     more = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 16, 1))
     assert more.terms["params"] == pytest.approx(one.terms["params"] / 2, rel=0.01)
-    assert trainer_memory(shape, batch=16, seq=1024, mesh=(1, 8, 1)).total > one.total
+    double = trainer_memory(shape, batch=16, seq=1024, mesh=(1, 8, 1))
+    assert double.notes["saved_activations_all"] == 2 * one.notes["saved_activations_all"]
+    assert trainer_memory(shape, batch=128, seq=1024, mesh=(1, 8, 1)).total > one.total
     full = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1), remat="full")
     none = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1), remat="none")
     assert none.total > full.total
@@ -133,3 +135,42 @@ def test_memory_scales_with_the_mesh_and_the_batch():
           for t in (1, 2, 4)]
     assert tp[0] > tp[1] > tp[2]
     assert get_accelerator("h100").memory_capacity > 0
+
+
+# ---- the planner -------------------------------------------------------------------------------
+
+def plan_workload():
+    from rl_jax.sysmodel import LogNormalLengths, Workload
+    return Workload(prompt_len=256, group_size=4, groups_per_batch=8,
+                    lengths=LogNormalLengths(256, 0.8, 1024), max_lag=2)
+
+
+def test_sweep_rejects_layouts_that_do_not_fit_and_says_why():
+    from rl_jax.sysmodel import SweepOptions, sweep
+    big = ModelShape.from_model_config(named_shape("qwen2.5-32b"))
+    opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
+                        tensor_parallel=(1,))
+    with pytest.raises(SysModelError, match="trainer memory does not fit on 1 chips") as e:
+        sweep(big, get_accelerator("tpu_v5e"), 2, plan_workload(), opts)
+    assert "generator memory does not fit at tp=1" in str(e.value)
+
+
+def test_sweep_keeps_layouts_that_fit_with_their_memory():
+    from rl_jax.sysmodel import SweepOptions, sweep
+    small = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    accelerator = get_accelerator("h100")
+    opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
+                        tensor_parallel=(1,), modes=("async",))
+    res = sweep(small, accelerator, 2, plan_workload(), opts)
+    assert res.best is not None
+    budget = accelerator.memory_capacity * opts.memory_fraction
+    row = res.best.row()
+    assert 0 < row["trainer_gib_per_chip"] * 2**30 <= budget
+    assert 0 < row["generator_gib_per_chip"] * 2**30 <= budget
+    # The same model on a chip too small for its trainer: every layout is refused.
+    seven = ModelShape.from_model_config(named_shape("qwen2.5-7b"))
+    res = sweep(seven, accelerator, 8, plan_workload(), dataclasses.replace(
+        opts, tensor_parallel=(1, 2)))
+    assert all(r.trainer_bytes <= budget and r.generator_bytes <= budget
+               for r in res.evaluated)
+    assert any(k.startswith("trainer memory does not fit on 1 chips") for k in res.rejected)

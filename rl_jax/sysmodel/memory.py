@@ -236,8 +236,11 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     embedding_phase = v * d * p + d * v_local * p
 
     transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
-    phase = max(transients, key=transients.get)
-    # Saved activations are freed as the backward scan ends; the embedding phase comes after.
+    # Saved activations are live through the logits and layer phases; they are freed as the
+    # backward scan ends, before the embedding phase.
+    live = {name: value + (0.0 if name == "embedding" else saved)
+            for name, value in transients.items()}
+    phase = max(live, key=live.get)
     live_saved = 0.0 if phase == "embedding" else saved
     terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
              "saved_activations": float(live_saved), phase: float(transients[phase])}
@@ -311,5 +314,10 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
         terms["weight_update"] = float(params + decode)
     phase = "prefill" if prefill >= decode_logits else "decode"
     terms[phase] = float(max(prefill, decode_logits))
+    # What each compiled program holds: prefill reads the parameters; a decode step reads the
+    # decode weights (layers, the input embedding and the unembedding) and the cache.
+    programs = {"prefill": float(params + prefill),
+                "decode": float((L * layer + 2 * v_local * d + d) * c + kv_cache
+                                + decode_logits)}
     return GeneratorMemory(terms, float(sum(terms.values())), phase, notes={
-        "prefill_rows": rows, "prefill_len": length})
+        "prefill_rows": rows, "prefill_len": length, "programs": programs})

@@ -13,6 +13,7 @@ from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
 from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNormalLengths
+from rl_jax.sysmodel.memory import GiB, generator_memory, trainer_memory
 from rl_jax.sysmodel.recipe import model_shape, rollout_settings
 from rl_jax.sysmodel.simulator import MODES
 from rl_jax.sysmodel.sweep import SweepOptions, SweepResult, format_table, sweep
@@ -101,6 +102,33 @@ def _transfer_line(weight_bytes: float, accelerator, best, options: SweepOptions
             f"{terms['host_s']:.3g} s host staging + {terms['fixed_s']:.3g} s fixed")
 
 
+def _memory_lines(shape, accelerator, best, workload: Workload,
+                  options: SweepOptions) -> list[str]:
+    """Memory per chip of the best layout's trainer and generator, term by term."""
+    if best is None:
+        return []
+    lay = best.layout
+    budget = accelerator.memory_capacity * options.memory_fraction
+    attention = options.attention or ("materialised" if accelerator.name == "cpu" else "fused")
+    rows = options.micro_batch_rows or lay.num_train
+    trainer = trainer_memory(shape, batch=rows, seq=workload.max_context,
+                             mesh=(1, lay.num_train, 1), dtype=options.dtype,
+                             param_dtype=options.param_dtype, remat=options.remat,
+                             logits_block=options.logits_block, attention=attention)
+    generator = generator_memory(
+        shape, tensor_parallel=lay.tensor_parallel, max_slots=lay.slots_per_server,
+        max_seq_len=workload.max_context, dtype=options.dtype,
+        prefill_tokens=min(options.prefill_tokens,
+                           lay.slots_per_server * workload.max_context),
+        prefill_len=workload.prompt_len)
+    return [f"trainer memory per chip (FSDP over {lay.num_train}, {rows} rows x "
+            f"{workload.max_context} tokens per micro-batch, remat {options.remat}, "
+            f"{attention} attention): {trainer.describe()} of {budget / GiB:.1f} GiB usable",
+            f"generator memory per chip (tp={lay.tensor_parallel}, {lay.slots_per_server} "
+            f"slots x {workload.max_context} tokens): {generator.describe()} of "
+            f"{budget / GiB:.1f} GiB usable"]
+
+
 def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
              base_dir: str | Path = ".") -> PlanReport:
     """Plans layouts for the recipe ``config``; writes ``plan.json``, ``latency.png``,
@@ -168,6 +196,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
            if settings["defaulted"] else ""),
         f"responses: {workload.lengths.describe()}",
         _transfer_line(shape.weight_bytes(dtype), accelerator, best, options),
+        *_memory_lines(shape, accelerator, best, workload, options),
         f"decode roofline at tp={tp}: "
         + (f"memory-bound below batch {ridge:,.0f}, compute-bound above" if ridge < 1e12
            else "memory-bound at every batch (KV reads outweigh FLOPs)")
@@ -197,6 +226,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         "frontier": [r.row() for r in result.frontier],
         "simulated": [r.row() for r in result.simulated],
         "rejected": result.rejected,
+        "memory_budget_bytes": accelerator.memory_capacity * options.memory_fraction,
     }
     Path(files["json"]).write_text(json.dumps(summary, indent=1, default=str))
     lines += ["", "wrote " + ", ".join(files.values())]

@@ -173,16 +173,11 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
             continue
         roof = RooflineLatency(shape, accelerator, tp, opt.dtype, opt.decode_efficiency,
                                opt.memory_fraction, workload.max_context)
-        cap = roof.max_batch
         latency = opt.measured_latency or roof
         prefill = 0.0 if opt.measured_latency else roof.prefill_seconds_per_token(
             workload.prompt_len)
         swap = 2 * roof.weight_bytes_per_chip() / accelerator.memory_bandwidth
         for batch in opt.batches:
-            if batch > cap:
-                rejected["KV cache does not fit at this batch" if cap else
-                         "weights do not fit on a server"] += 1
-                continue
             need = generator_memory(shape, tensor_parallel=tp, max_slots=batch,
                                     max_seq_len=workload.max_context, dtype=opt.dtype,
                                     prefill_tokens=min(opt.prefill_tokens,
