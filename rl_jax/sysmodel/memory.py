@@ -42,6 +42,7 @@ from rl_jax.sysmodel.shape import ModelShape
 
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION = ("materialised", "fused")
+BACKENDS = ("accelerator", "cpu")
 GiB = 2 ** 30
 
 
@@ -111,59 +112,73 @@ def param_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
 
 # ---- activations ------------------------------------------------------------------------------
 
-def saved_bytes_per_token(shape: ModelShape, *, remat: str, attention: str, dtype: str,
-                          tensor: int = 1, seq: int = 1) -> float:
-    """Bytes one decoder layer keeps per token for the backward pass (``Transformer.__call__``'s
-    ``lax.scan`` stacks them ``[L, ...]``).
+def _activation_bytes(dtype: str, backend: str) -> int:
+    """Bytes of an activation computed in ``dtype``: XLA's CPU backend carries bfloat16 and
+    float16 products in float32 (the same step compiled in bfloat16 and in float32 has nearly
+    the same peak there); accelerators keep the computation dtype."""
+    if backend not in BACKENDS:
+        raise SysModelError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return 4 if backend == "cpu" else dtype_bytes(dtype)
 
-    - ``full`` (``jax.checkpoint`` of the layer): its input ``h [D]`` only.
+
+def _widths(shape: ModelShape, tensor: int) -> tuple[int, int, int, int, int]:
+    """``D``, ``H·Dh``, ``K·Dh`` and ``F`` per device (heads and MLP over ``tensor``), ``H``."""
+    h = _cdiv(shape.num_heads, tensor)
+    return (shape.hidden_size, h * shape.head_dim, _cdiv(shape.num_kv_heads, tensor)
+            * shape.head_dim, _cdiv(shape.intermediate_size, tensor), h)
+
+
+def saved_bytes_per_token(shape: ModelShape, *, remat: str, attention: str, dtype: str,
+                          tensor: int = 1, seq: int = 1, backend: str = "accelerator") -> float:
+    """Bytes one decoder layer keeps per token for the backward pass (``Transformer.__call__``'s
+    ``lax.scan`` stacks them ``[L, ...]``); ``seq`` is the key length of the attention.
+
+    - ``full`` (``jax.checkpoint`` of the layer): its input ``h`` ``[D]`` only.
     - ``dots`` (``dots_with_no_batch_dims_saveable``): the input and the outputs of the
-      weight matmuls (einsums without batch dimensions): q, k, v projections ``(H+2K)·Dh``,
-      the attention output projection ``D``, gate and up ``2F``, down ``D``. The attention
-      products have batch dimensions: recomputed.
-    - ``none``: everything the backward reads: the input, the two normalised inputs ``2D``
-      and their float32 upcasts ``2D`` (``rms_norm``), rotated q and k, v and the attention
-      output ``(2H+2K)·Dh``, gate, up and their product ``3F``, and, when the attention is
-      materialised, its float32 ``[H, S]`` probabilities; fused kernels keep a float32
-      log-sum-exp per head instead.
+      weight matmuls (einsums without batch dimensions): q, k, v ``(H+2K)·Dh``, the attention
+      output projection ``D``, gate and up ``2F``, down ``D``. The attention products have
+      batch dimensions: recomputed.
+    - ``none``: the residuals of JAX's linearisation of ``decoder_layer``: the input and the
+      attention block's output (the norms' inputs) and the two normalised inputs of the
+      matmuls ``4D``, the norms' float32 normalised values ``2D``; rotated q and k, v and the
+      attention output ``2(H+K)·Dh``; for ``silu(gate)·up``: gate, up, the sigmoid, the silu,
+      their product and the silu's derivative ``6F``; for a materialised attention its float32
+      masked scores and probabilities ``2·H·S`` (fused kernels keep a float32 log-sum-exp per
+      head instead).
     """
     if remat not in REMAT_POLICIES:
         raise SysModelError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
     if attention not in ATTENTION:
         raise SysModelError(f"attention must be one of {ATTENTION}, got {attention!r}")
-    s = shape
-    c = dtype_bytes(dtype)
-    d, hd = s.hidden_size, s.head_dim
-    h, k, f = _cdiv(s.num_heads, tensor), _cdiv(s.num_kv_heads, tensor), _cdiv(
-        s.intermediate_size, tensor)
+    a = _activation_bytes(dtype, backend)
+    d, q, kv, f, h = _widths(shape, tensor)
     if remat == "full":
-        return float(d * c)
+        return float(d * a)
     if remat == "dots":
-        return float((3 * d + (h + 2 * k) * hd + 2 * f) * c)
-    scores = h * seq * 4 if attention == "materialised" else h * 4
-    return float((3 * d + (2 * h + 2 * k) * hd + 3 * f) * c + 2 * d * 4 + scores)
+        return float((3 * d + q + 2 * kv + 2 * f) * a)
+    scores = 2 * h * seq * 4 if attention == "materialised" else 2 * h * 4
+    return float((4 * d + 2 * q + 2 * kv + 6 * f) * a + 2 * d * 4 + scores)
 
 
 def layer_backward_bytes_per_token(shape: ModelShape, *, remat: str, attention: str,
-                                   dtype: str, tensor: int = 1, seq: int = 1) -> float:
+                                   dtype: str, tensor: int = 1, seq: int = 1,
+                                   backend: str = "accelerator") -> float:
     """Bytes per token of one layer's backward beyond what is saved: what the remat policy
-    recomputes (``full``: the whole layer, as :func:`saved_bytes_per_token` with ``none``;
-    ``dots``: the attention and the elementwise parts), the cotangents of the layer's
-    activations (float32 at the residual stream ``2D``, the compute dtype elsewhere), and for a
-    materialised attention the float32 cotangent of the ``[H, S]`` scores."""
-    s = shape
-    c = dtype_bytes(dtype)
-    d, hd = s.hidden_size, s.head_dim
-    h, k, f = _cdiv(s.num_heads, tensor), _cdiv(s.num_kv_heads, tensor), _cdiv(
-        s.intermediate_size, tensor)
+    recomputes (``full``: all of :func:`saved_bytes_per_token` with ``none``; ``dots``: what
+    ``none`` keeps beyond ``dots``) and the cotangents: float32 at the residual stream ``2D``,
+    q, k, v and the attention output ``2(H+K)·Dh``, the MLP's ``3F``, and for a materialised
+    attention the float32 cotangent of the scores ``H·S`` (the softmax's backward is one
+    fusion from the probabilities' cotangent to the scores')."""
+    a = _activation_bytes(dtype, backend)
+    d, q, kv, f, h = _widths(shape, tensor)
     scores = h * seq * 4 if attention == "materialised" else 0
-    cotangents = 2 * d * 4 + ((h + 2 * k) * hd + 2 * f) * c + scores
+    cotangents = 2 * d * 4 + (2 * q + 2 * kv + 3 * f) * a + scores
+    kw = dict(attention=attention, dtype=dtype, tensor=tensor, seq=seq, backend=backend)
+    everything = saved_bytes_per_token(shape, remat="none", **kw)
     if remat == "full":
-        recompute = saved_bytes_per_token(s, remat="none", attention=attention, dtype=dtype,
-                                          tensor=tensor, seq=seq)
+        recompute = everything
     elif remat == "dots":
-        recompute = ((2 * h) * hd + f) * c + 2 * d * 4 + (
-            h * seq * 4 if attention == "materialised" else h * 4)
+        recompute = everything - saved_bytes_per_token(shape, remat="dots", **kw)
     else:
         recompute = 0.0
     return float(recompute + cotangents)
@@ -179,7 +194,8 @@ class TrainerMemory(MemoryBreakdown):
 def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
                    mesh: tuple[int, int, int] = (1, 1, 1), dtype: str = "bfloat16",
                    param_dtype: str = "float32", remat: str = "full", logits_block: int = 4096,
-                   attention: str = "materialised") -> TrainerMemory:
+                   attention: str = "materialised", backend: str = "accelerator"
+                   ) -> TrainerMemory:
     """Peak bytes per device of one train step on ``batch × seq`` tokens (one micro-batch; the
     module docstring lists the terms).
 
@@ -193,47 +209,47 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
         (``trainer.logits_block_size``).
       attention: ``"materialised"`` (XLA's ``dot_product_attention``: ``[B, H, T, S]`` float32
         scores) or ``"fused"`` (cuDNN/splash kernels: no scores in memory).
+      backend: ``"accelerator"`` (GPU/TPU) or ``"cpu"``: XLA's CPU backend carries bfloat16
+        products in float32 and does not fuse the elementwise work of the blockwise
+        log-probabilities into their matmuls (five ``[tokens, block]`` float32 arrays live in
+        its backward instead of two), as its buffer assignment shows.
     """
     data, fsdp, tensor = _check_mesh(mesh)
     _positive(batch=batch, seq=seq, logits_block=logits_block)
-    if remat not in REMAT_POLICIES:
-        raise SysModelError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
-    if attention not in ATTENTION:
-        raise SysModelError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    kw = dict(remat=remat, attention=attention, dtype=dtype, tensor=tensor, seq=seq,
+              backend=backend)
+    saved_per_token = saved_bytes_per_token(shape, **kw)  # checks remat, attention, backend
     s = shape
     c, p = dtype_bytes(dtype), dtype_bytes(param_dtype)
     d, v, L = s.hidden_size, s.vocab_size, s.num_layers
-    rows = _cdiv(batch, data * fsdp)
-    n = rows * seq  # tokens per device
+    n = _cdiv(batch, data * fsdp) * seq  # tokens per device
     elements = param_elements_per_device(s, fsdp, tensor)
 
     params = elements * p
     moments = 2 * elements * p
     grads = elements * p
-    saved = L * n * saved_bytes_per_token(s, remat=remat, attention=attention, dtype=dtype,
-                                          tensor=tensor, seq=seq)
+    saved = L * n * saved_per_token
 
     # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
-    # over fsdp, cast to the compute dtype and padded to whole blocks, then laid out
-    # [nb, D, block] (two copies of c bytes); the backward scan stacks the gradient of the
-    # blocks [nb, D, block] and, per block, keeps float32 logits and their cotangent [n, block]
-    # plus the running statistics and the hidden states' cotangent [n, D] in float32.
+    # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
+    # cast or transposed first: another dtype, or tied to the embedding). Its gradient is
+    # accumulated in that layout (the unembedding's share of ``grads``; a separate array when
+    # the dtypes differ). Per block the backward keeps float32 [n, block] logits and
+    # cotangents, and the hidden states' float32 cotangent [n, D].
     block = min(logits_block, v)
-    padded = _cdiv(v, block) * block
-    v_local = _cdiv(padded, tensor)
-    unembed_copies = 2 * d * v_local * c
-    unembed_grad = d * v_local * c
-    logits_blocks = 2 * n * _cdiv(block, tensor) * 4 + n * d * 4
-    logits_phase = unembed_copies + unembed_grad + logits_blocks
+    v_local = _cdiv(_cdiv(v, block) * block, tensor)
+    retyped = s.tie_word_embeddings or c != p
+    unembed = d * v_local * c * (2 if retyped else 1) + (d * v_local * c if c != p else 0)
+    buffers = 5 if backend == "cpu" else 2
+    logits_phase = unembed + buffers * n * _cdiv(block, tensor) * 4 + n * d * 4
 
-    layer = n * layer_backward_bytes_per_token(s, remat=remat, attention=attention,
-                                               dtype=dtype, tensor=tensor, seq=seq)
-    layer_phase = layer + unembed_grad
+    layer_phase = n * layer_backward_bytes_per_token(s, **kw)
 
     # End of the backward pass: the lookup's gradient scattered into a replicated [V, D] table
-    # of the parameter dtype (the table was gathered whole), next to the unembedding's gradient
-    # re-laid out as [V, D] (parameter dtype) before the two are added or reduce-scattered.
-    embedding_phase = v * d * p + d * v_local * p
+    # of the parameter dtype (the lookup gathered the whole table), next to the unembedding's
+    # gradient still in blocks and re-laid out as [V, D] before the two are reduce-scattered
+    # (and added, when tied).
+    embedding_phase = v * d * p + d * v_local * (p + c)
 
     transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
     # Saved activations are live through the logits and layer phases; they are freed as the
@@ -241,11 +257,10 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     live = {name: value + (0.0 if name == "embedding" else saved)
             for name, value in transients.items()}
     phase = max(live, key=live.get)
-    live_saved = 0.0 if phase == "embedding" else saved
     terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
-             "saved_activations": float(live_saved), phase: float(transients[phase])}
-    total = sum(terms.values())
-    return TrainerMemory(terms, float(total), phase, notes={
+             "saved_activations": float(0.0 if phase == "embedding" else saved),
+             phase: float(transients[phase])}
+    return TrainerMemory(terms, float(sum(terms.values())), phase, notes={
         "tokens_per_device": n, "transients": {k: float(x) for k, x in transients.items()},
         "saved_activations_all": float(saved)})
 
