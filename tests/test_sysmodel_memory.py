@@ -69,7 +69,7 @@ def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh
                                                 remat=remat, block=block))
     predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
                                mesh=mesh, dtype="float32", param_dtype="float32", remat=remat,
-                               logits_block=block, attention="materialised")
+                               logits_block=block, attention="materialised", backend="cpu")
     error = predicted.total / compiled - 1
     assert abs(error) <= TOLERANCE, (
         f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat}: predicted "

@@ -234,14 +234,17 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
     # cast or transposed first: another dtype, or tied to the embedding). Its gradient is
     # accumulated in that layout (the unembedding's share of ``grads``; a separate array when
-    # the dtypes differ). Per block the backward keeps float32 [n, block] logits and
-    # cotangents, and the hidden states' float32 cotangent [n, D].
+    # the dtypes differ, or under fsdp, where it is whole until reduce-scattered). Per block the backward keeps float32 [n, block] logits and
+    # cotangents (whole on every tensor-parallel device: the scan's blocks are split, not their
+    # columns), and the hidden states' float32 cotangent [n, D].
     block = min(logits_block, v)
     v_local = _cdiv(_cdiv(v, block) * block, tensor)
     retyped = s.tie_word_embeddings or c != p
-    unembed = d * v_local * c * (2 if retyped else 1) + (d * v_local * c if c != p else 0)
+    unembed = d * v_local * c * (2 if retyped else 1)
+    if c != p or fsdp > 1:  # the blocks' gradient is not the (fsdp-sharded) parameter's
+        unembed += d * v_local * c
     buffers = 5 if backend == "cpu" else 2
-    logits_phase = unembed + buffers * n * _cdiv(block, tensor) * 4 + n * d * 4
+    logits_phase = unembed + buffers * n * block * 4 + n * d * 4
 
     layer_phase = n * layer_backward_bytes_per_token(s, **kw)
 
@@ -252,13 +255,18 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     embedding_phase = v * d * p + d * v_local * (p + c)
 
     transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
+    if backend == "cpu":
+        # XLA's CPU backend does not update the donated state in place: the gradient divided by
+        # the denominator, two of the updated parameter/moment arrays and a copy of a moment
+        # are live together (per leaf), next to the embedding lookup's scattered gradient.
+        transients["update"] = 3 * grads + v * d * p
     # Saved activations are live through the logits and layer phases; they are freed as the
-    # backward scan ends, before the embedding phase.
-    live = {name: value + (0.0 if name == "embedding" else saved)
+    # backward scan ends, before the embedding and update phases.
+    live = {name: value + (saved if name in ("logits", "layer") else 0.0)
             for name, value in transients.items()}
     phase = max(live, key=live.get)
     terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
-             "saved_activations": float(0.0 if phase == "embedding" else saved),
+             "saved_activations": float(saved if phase in ("logits", "layer") else 0.0),
              phase: float(transients[phase])}
     return TrainerMemory(terms, float(sum(terms.values())), phase, notes={
         "tokens_per_device": n, "transients": {k: float(x) for k, x in transients.items()},
