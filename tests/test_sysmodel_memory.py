@@ -150,7 +150,7 @@ def test_sweep_rejects_layouts_that_do_not_fit_and_says_why():
     big = ModelShape.from_model_config(named_shape("qwen2.5-32b"))
     opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
                         tensor_parallel=(1,))
-    with pytest.raises(SysModelError, match="trainer memory does not fit on 1 chips") as e:
+    with pytest.raises(SysModelError, match="trainer memory does not fit on 1 chip ") as e:
         sweep(big, get_accelerator("tpu_v5e"), 2, plan_workload(), opts)
     assert "generator memory does not fit at tp=1" in str(e.value)
 
@@ -173,4 +173,6 @@ def test_sweep_keeps_layouts_that_fit_with_their_memory():
         opts, tensor_parallel=(1, 2)))
     assert all(r.trainer_bytes <= budget and r.generator_bytes <= budget
                for r in res.evaluated)
-    assert any(k.startswith("trainer memory does not fit on 1 chips") for k in res.rejected)
+    refused = [k for k in res.rejected if k.startswith("trainer memory does not fit on ")]
+    assert len(refused) == 1 and "GiB per chip" in refused[0]
+    assert min(r.layout.num_train for r in res.evaluated) == res.rejected[refused[0]] + 1

@@ -114,7 +114,8 @@ def _memory_lines(shape, accelerator, best, workload: Workload,
     trainer = trainer_memory(shape, batch=rows, seq=workload.max_context,
                              mesh=(1, lay.num_train, 1), dtype=options.dtype,
                              param_dtype=options.param_dtype, remat=options.remat,
-                             logits_block=options.logits_block, attention=attention)
+                             logits_block=options.logits_block, attention=attention,
+                             backend="cpu" if accelerator.name == "cpu" else "accelerator")
     generator = generator_memory(
         shape, tensor_parallel=lay.tensor_parallel, max_slots=lay.slots_per_server,
         max_seq_len=workload.max_context, dtype=options.dtype,

@@ -113,7 +113,14 @@ class SweepOptions:
     trainer's peak; ``weight_sync`` prices weight updates (the link by each layout's placement:
     the accelerator's within-host link when the layout fits on one host, its across-host network
     otherwise); ``transfer_bandwidth`` (bytes/s one way per chip, measured) replaces that link
-    and its efficiency; measured inputs replace the first-principles models."""
+    and its efficiency; measured inputs replace the first-principles models.
+
+    Memory (:mod:`memory`): a trainer compiles its step for ``micro_batch_rows`` rows (default
+    one per trainer chip) of the workload's longest sample, with ``remat``, ``logits_block``
+    and ``attention`` (default: fused kernels on accelerators, materialised scores on a CPU);
+    a generator server holds ``slots`` sequences of that length and prefills up to
+    ``prefill_tokens`` prompt tokens at once. Either must fit in ``memory_fraction`` of a chip.
+    """
 
     modes: tuple[str, ...] = MODES
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
@@ -167,6 +174,7 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
     budget_bytes = accelerator.memory_capacity * opt.memory_fraction
     budget = f"{budget_bytes / GiB:.1f} GiB"
     servers_options = []  # (tp, batch, latency model, prefill s/token, swap s, bytes per chip)
+    first_misfit: dict[int, tuple[int, float]] = {}
     for tp in tps:
         if shape.num_heads % tp:
             rejected[f"{shape.num_heads} heads not divisible by tp={tp}"] += 1
@@ -184,22 +192,25 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                                                        batch * workload.max_context),
                                     prefill_len=workload.prompt_len).total
             if need > budget_bytes:
-                rejected[f"generator memory does not fit at tp={tp} ({need / GiB:.1f} GiB "
-                         f"per chip at {batch} slots > {budget})"] += 1
+                # One reason per tp, naming the fewest slots tried (batches ascend).
+                first = first_misfit.setdefault(tp, (batch, need))
+                rejected[f"generator memory does not fit at tp={tp} ({first[1] / GiB:.1f} GiB "
+                         f"per chip at {first[0]} slots, the fewest refused; > {budget})"] += 1
                 continue
             servers_options.append((tp, batch, latency, prefill, swap, need))
 
     evaluated: list[LayoutResult] = []
     attention = opt.attention or ("materialised" if accelerator.name == "cpu" else "fused")
+    trainer_misfits: list[tuple[int, float]] = []  # (chips, bytes per chip)
     for num_train in _trainer_sizes(num_accelerators, opt.max_splits):
         rows = opt.micro_batch_rows or num_train
         trainer_bytes = trainer_memory(
             shape, batch=rows, seq=workload.max_context, mesh=(1, num_train, 1),
             dtype=opt.dtype, param_dtype=opt.param_dtype, remat=opt.remat,
-            logits_block=opt.logits_block, attention=attention).total
+            logits_block=opt.logits_block, attention=attention,
+            backend="cpu" if accelerator.name == "cpu" else "accelerator").total
         if trainer_bytes > budget_bytes:
-            rejected[f"trainer memory does not fit on {num_train} chips (FSDP, remat "
-                     f"{opt.remat}: {trainer_bytes / GiB:.1f} GiB per chip > {budget})"] += 1
+            trainer_misfits.append((num_train, trainer_bytes))
             continue
         if opt.trainer_tokens_per_s_per_chip:
             trainer = TrainerModel.from_measured(opt.trainer_tokens_per_s_per_chip, num_train)
@@ -232,6 +243,11 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                                               latency=latency, transfer_link=priced["link"],
                                               trainer_bytes=trainer_bytes,
                                               generator_bytes=generator_bytes))
+    if trainer_misfits:  # one reason, naming the most chips refused (sizes ascend)
+        chips, need = trainer_misfits[-1]
+        rejected[f"trainer memory does not fit on {chips} chip{'s' if chips > 1 else ''}"
+                 f"{' or fewer' if len(trainer_misfits) > 1 else ''} (FSDP, remat {opt.remat}: "
+                 f"{need / GiB:.1f} GiB per chip > {budget})"] = len(trainer_misfits)
     if not evaluated:
         raise SysModelError(f"no layout of {num_accelerators} x {accelerator.name} can run this "
                             f"model: {dict(rejected)}")
