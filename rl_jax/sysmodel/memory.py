@@ -240,7 +240,8 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
 
     # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
     # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
-    # cast or transposed first: another dtype, or tied to the embedding). Its gradient is
+    # cast or transposed first: another dtype, or tied to the embedding; split over fsdp when
+    # tied, beside the whole lookup table and its gradient). Its gradient is
     # accumulated in that layout (the unembedding's share of ``grads``; a separate array when
     # the dtypes differ, or under fsdp, where it is whole until reduce-scattered). Per block
     # the backward keeps float32 [n, block] logits and cotangents (whole on every
@@ -249,9 +250,13 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     block = min(logits_block, v)
     v_local = _cdiv(_cdiv(v, block) * block, tensor)
     retyped = s.tie_word_embeddings or c != p
-    unembed = d * v_local * c * (2 if retyped else 1)
-    if c != p or fsdp > 1:  # the blocks' gradient is not the (fsdp-sharded) parameter's
-        unembed += d * v_local * c
+    copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
+    if s.tie_word_embeddings and fsdp > 1:
+        # Tied under fsdp: the transposed table's blocks stay split over fsdp, while the
+        # lookup's whole gathered table and its whole gradient stay live through the backward.
+        unembed = copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
+    else:
+        unembed = copies * d * v_local * c
     buffers = 5 if backend == "cpu" else 2
     logits_phase = unembed + buffers * n * block * 4 + n * d * 4
 
@@ -261,7 +266,8 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     # of the parameter dtype (the lookup gathered the whole table), next to the unembedding's
     # gradient still in blocks and re-laid out as [V, D] before the two are reduce-scattered
     # (and added, when tied).
-    embedding_phase = v * d * p + d * v_local * (p + c)
+    split = fsdp if s.tie_word_embeddings else 1  # the tied table's blocks stay split
+    embedding_phase = v * d * p + d * _cdiv(v_local, split) * (p + c)
 
     transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
     if backend == "cpu":
