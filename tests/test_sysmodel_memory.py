@@ -4,9 +4,10 @@ Each case compiles a program ahead of time from abstract shapes only (nothing ru
 ``compiled.memory_analysis()``'s peak (arguments + outputs - aliased + temporaries) with
 :mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``) on one
 device and on 8 forced host devices, and the generator's prefill and decode programs
-(``ModelRunner``). The computation runs in float32 here: XLA's CPU backend carries bfloat16
-products in float32, which an accelerator does not, so float32 is where the CPU's buffers are
-those an accelerator would allocate.
+(``ModelRunner``). The model is asked for ``backend="cpu"``: XLA's CPU backend carries
+bfloat16 products in float32 and neither fuses the log-probabilities' elementwise work nor
+updates the donated state in place, which accelerators do. Most cases compute in float32, where
+the CPU's activations have the dtype an accelerator's would.
 """
 
 import dataclasses
@@ -35,41 +36,43 @@ def model_config(name: str, layers: int | None = None):
     return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
 
 
-def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block):
+def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32"):
     from rl_jax.sharding import make_mesh
     from rl_jax.trainer.state import ModelSpec, OptimizerConfig, abstract_state, make_optimizer
     from rl_jax.trainer.step import (LMBatch, causal_lm_loss, default_batch_sharding,
                                      make_train_step)
     devices = jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]]
     mesh = make_mesh(*mesh_shape, devices=devices)
-    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.float32, param_dtype=jnp.float32, remat=remat,
-                     attention="xla")
+    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.float32,
+                     remat=remat, attention="xla")
     tx = make_optimizer(OptimizerConfig())
     step = make_train_step(spec, tx, functools.partial(causal_lm_loss, block_size=block))
     abstract = LMBatch.abstract(batch, seq, sharding=default_batch_sharding(spec))
     return step.lower(abstract_state(tx, spec), abstract).compile()
 
 
-# (shape, layers, batch, seq, mesh, remat, logits block)
+# (shape, layers, batch, seq, mesh, remat, logits block, computation dtype)
 TRAIN_CASES = [
-    ("tiny", None, 8, 128, (1, 1, 1), "none", 4096),
-    ("small", None, 4, 256, (1, 1, 1), "full", 4096),
-    ("small", None, 4, 256, (1, 1, 1), "dots", 2048),
-    ("small", None, 8, 256, (1, 4, 2), "none", 4096),
-    ("small", None, 8, 256, (1, 8, 1), "full", 4096),
-    ("qwen2.5-0.5b", 2, 2, 256, (1, 1, 1), "full", 4096),
-    ("qwen2.5-0.5b", 2, 8, 256, (1, 8, 1), "full", 4096),
+    ("tiny", None, 8, 128, (1, 1, 1), "none", 4096, "float32"),
+    ("small", None, 4, 256, (1, 1, 1), "full", 4096, "float32"),
+    ("small", None, 4, 256, (1, 1, 1), "full", 4096, "bfloat16"),
+    ("small", None, 4, 256, (1, 1, 1), "dots", 2048, "float32"),
+    ("small", None, 8, 256, (1, 4, 2), "none", 4096, "float32"),
+    ("small", None, 8, 256, (1, 8, 1), "full", 4096, "float32"),
+    ("qwen2.5-0.5b", 2, 2, 256, (1, 1, 1), "full", 4096, "float32"),
+    ("qwen2.5-0.5b", 2, 8, 256, (1, 8, 1), "full", 4096, "float32"),
 ]
 
 
-@pytest.mark.parametrize("name,layers,batch,seq,mesh,remat,block", TRAIN_CASES,
-                         ids=["-".join(map(str, c[:1] + c[4:6])) for c in TRAIN_CASES])
-def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block):
+@pytest.mark.parametrize("name,layers,batch,seq,mesh,remat,block,dtype", TRAIN_CASES,
+                         ids=["-".join(map(str, c[:1] + c[4:6] + c[7:])) for c in TRAIN_CASES])
+def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block,
+                                                  dtype):
     cfg = model_config(name, layers)
     compiled = compiled_peak(compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh,
-                                                remat=remat, block=block))
+                                                remat=remat, block=block, dtype=dtype))
     predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
-                               mesh=mesh, dtype="float32", param_dtype="float32", remat=remat,
+                               mesh=mesh, dtype=dtype, param_dtype="float32", remat=remat,
                                logits_block=block, attention="materialised", backend="cpu")
     error = predicted.total / compiled - 1
     assert abs(error) <= TOLERANCE, (
