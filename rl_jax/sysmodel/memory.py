@@ -130,7 +130,8 @@ def _activation_bytes(dtype: str, backend: str) -> int:
 
 
 def _widths(shape: ModelShape, tensor: int) -> tuple[int, int, int, int, int]:
-    """``D``, ``H·Dh``, ``K·Dh`` and ``F`` per device (heads and MLP over ``tensor``), ``H``."""
+    """``D``, then per device (heads and MLP split over ``tensor``) ``H·Dh``, ``K·Dh``, ``F``
+    and ``H``."""
     h = _cdiv(shape.num_heads, tensor)
     return (shape.hidden_size, h * shape.head_dim, _cdiv(shape.num_kv_heads, tensor)
             * shape.head_dim, _cdiv(shape.intermediate_size, tensor), h)
@@ -196,7 +197,9 @@ def layer_backward_bytes_per_token(shape: ModelShape, *, remat: str, attention: 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerMemory(MemoryBreakdown):
-    pass
+    """:func:`trainer_memory`'s breakdown: ``params``, ``moments``, ``grads``,
+    ``saved_activations`` and the peak phase's transient; ``notes["transients"]`` has every
+    phase's."""
 
 
 def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
@@ -292,7 +295,8 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
 
 @dataclasses.dataclass(frozen=True)
 class GeneratorMemory(MemoryBreakdown):
-    pass
+    """:func:`generator_memory`'s breakdown; ``notes["programs"]`` has the bytes the prefill and
+    decode programs hold (their arguments, outputs and temporaries)."""
 
 
 def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: int,
@@ -313,10 +317,13 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
         key/value heads split over the chips (a chip keeps at least one head).
       weight_update: with ``swap``, a second set of parameters and decode weights, prepared
         while the current ones still decode (``Engine._prepare_loop``).
-      prefill: the larger of the prefill program (``runner.prefill`` on ``prefill_tokens``
-        tokens in rows of ``prefill_len``: its keys and values ``[L, tokens, K, Dh]``, one
-        layer's activations with float32 ``[H, prefill_len]`` scores per token, float32 logits
-        of every row) and the decode step's float32 logits ``[slots, V]``.
+      prefill / decode: the larger transient of the two programs. Prefill (``runner.prefill``
+        on ``prefill_tokens`` tokens in rows of ``prefill_len``, default one row): its keys and
+        values ``[L, tokens, K, Dh]``, one layer's activations per token (the layer input, the
+        two normalised inputs and the MLP's output ``4D``, q, k, v and the attention output
+        ``2(H+K)·Dh``, gate, up and their product ``3F``, the norms' float32 values ``2D``, the
+        float32 scores and probabilities ``2·H·prefill_len``) and float32 logits per row. A
+        decode step: float32 logits ``[slots, V]`` and the sampler's exponentials of them.
     """
     _positive(tensor_parallel=tensor_parallel, max_slots=max_slots, max_seq_len=max_seq_len,
               prefill_tokens=prefill_tokens)
