@@ -180,3 +180,27 @@ def test_sweep_keeps_layouts_that_fit_with_their_memory():
     refused = [k for k in res.rejected if k.startswith("trainer memory does not fit on ")]
     assert len(refused) == 1 and "GiB per chip" in refused[0]
     assert min(r.layout.num_train for r in res.evaluated) == res.rejected[refused[0]] + 1
+
+
+def test_plan_prints_the_chosen_layouts_memory(tmp_path):
+    from ml_collections import ConfigDict
+
+    from rl_jax.sysmodel.plan import PlanRequest, run_plan
+    cfg = named_shape("qwen2.5-0.5b")
+    config = ConfigDict({"mode": "async", "model": {"dtype": "bfloat16", "shape": {
+        f: getattr(cfg, f) for f in ("hidden_size", "intermediate_size", "num_layers",
+                                     "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                                     "tie_word_embeddings", "attention_bias")}},
+        "rollout": {"group_size": 4, "groups_per_batch": 8, "max_new_tokens": 512,
+                    "max_lag": 2, "prompt_len": 64}})
+    request = PlanRequest(accelerator="h100", num_accelerators=4, modes=("async",), steps=4,
+                          simulate_top=1, split_points=2, batches=(8, 32),
+                          tensor_parallel=(1,))
+    report = run_plan(config, request, tmp_path)
+    lines = {line.split(" (")[0]: line for line in report.text.splitlines()
+             if "memory per chip" in line}
+    assert set(lines) == {"trainer memory per chip", "generator memory per chip"}, report.text
+    best = report.summary["best"]
+    assert f"{best['trainer_gib_per_chip']:.2f} GiB" in lines["trainer memory per chip"]
+    assert f"{best['generator_gib_per_chip']:.2f} GiB" in lines["generator memory per chip"]
+    assert "kv_cache" in lines["generator memory per chip"]
