@@ -80,34 +80,50 @@ def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh
         f"{predicted.describe()}, compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
 
 
-def test_generator_memory_matches_the_compiled_programs():
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_generator_memory_matches_the_compiled_programs(tensor_parallel):
     from rl_jax.generator.runner import ModelRunner
+    from rl_jax.models.transformer import layer_param_specs
+    from rl_jax.sharding import make_mesh
     cfg = model_config("small")
     slots, max_len, rows, prompt = 16, 512, 4, 128
-    runner = ModelRunner(cfg, max_slots=slots, max_seq_len=max_len, dtype=jnp.float32,
-                         attention="xla")
-    params = {"embed": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), jnp.float32),
-              "final_norm": jax.ShapeDtypeStruct((cfg.hidden_size,), jnp.float32),
-              "lm_head": jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), jnp.float32)}
-    from rl_jax.models.transformer import layer_param_specs
-    params["layers"] = {name: jax.ShapeDtypeStruct((cfg.num_layers,) + shp, jnp.float32)
-                        for name, (shp, _) in layer_param_specs(cfg).items()}
-    prefill = runner._prefill.lower(params, jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
-                                    jax.ShapeDtypeStruct((rows,), jnp.int32)).compile()
+    mesh = None
+    if tensor_parallel > 1:
+        mesh = make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
+                         devices=jax.devices()[:tensor_parallel])
+    runner = ModelRunner(cfg, max_slots=slots, max_seq_len=max_len, mesh=mesh,
+                         dtype=jnp.float32, attention="xla")
+    axes = {"embed": ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+            "final_norm": ((cfg.hidden_size,), ("norm",)),
+            "lm_head": ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")),
+            "layers": {name: ((cfg.num_layers,) + shp, logical)
+                       for name, (shp, logical) in layer_param_specs(cfg).items()}}
+
+    def struct(shape, logical):
+        sharding = None if mesh is None else runner.rules.sharding(mesh, logical)
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+
+    params = {name: struct(*value) for name, value in axes.items() if name != "layers"}
+    params["layers"] = {name: struct(*value) for name, value in axes["layers"].items()}
+    tokens = jax.ShapeDtypeStruct((rows, prompt), jnp.int32)
+    prefill = runner._prefill.lower(params, tokens, jax.ShapeDtypeStruct((rows,), jnp.int32))
     weights = jax.eval_shape(runner._prepare, params)
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.state)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         runner.state)
     decode = runner._decode.lower(weights, *runner._cache_structs(max_len), state,
-                                  batch=slots, filtered=False).compile()
-    predicted = generator_memory(ModelShape.from_model_config(cfg), tensor_parallel=1,
-                                 max_slots=slots, max_seq_len=max_len, dtype="float32",
+                                  batch=slots, filtered=False)
+    predicted = generator_memory(ModelShape.from_model_config(cfg),
+                                 tensor_parallel=tensor_parallel, max_slots=slots,
+                                 max_seq_len=max_len, dtype="float32",
                                  prefill_tokens=rows * prompt, prefill_len=prompt)
     programs = predicted.notes["programs"]
     for name, program in (("prefill", prefill), ("decode", decode)):
-        compiled = compiled_peak(program)
+        compiled = compiled_peak(program.compile())
         error = programs[name] / compiled - 1
-        assert abs(error) <= TOLERANCE, (f"{name}: predicted {programs[name] / 2**20:.1f} MiB, "
-                                         f"compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
-    assert predicted.terms["kv_cache"] == runner.cache_bytes
+        assert abs(error) <= TOLERANCE, (f"{name} at tp={tensor_parallel}: predicted "
+                                         f"{programs[name] / 2**20:.1f} MiB, compiled "
+                                         f"{compiled / 2**20:.1f} MiB ({error:+.1%})")
+    assert predicted.terms["kv_cache"] == runner.cache_bytes / tensor_parallel
 
 
 def test_memory_model_refuses_bad_input():

@@ -319,11 +319,11 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
         while the current ones still decode (``Engine._prepare_loop``).
       prefill / decode: the larger transient of the two programs. Prefill (``runner.prefill``
         on ``prefill_tokens`` tokens in rows of ``prefill_len``, default one row): its keys and
-        values ``[L, tokens, K, Dh]``, one layer's activations per token (the layer input, the
-        two normalised inputs and the MLP's output ``4D``, q, k, v and the attention output
-        ``2(H+K)·Dh``, gate, up and their product ``3F``, the norms' float32 values ``2D``, the
-        float32 scores and probabilities ``2·H·prefill_len``) and float32 logits per row. A
-        decode step: float32 logits ``[slots, V]`` and the sampler's exponentials of them.
+        values ``[L, tokens, K, Dh]``, one layer's live activations per token (the residual
+        stream, a norm's float32 values and output ``3D``, then the larger of the attention
+        block: q, k, v and its output ``2(H+K)·Dh`` with float32 scores and probabilities
+        ``2·H·prefill_len``, and the MLP: gate, up and their product ``3F``) and float32 logits
+        per row. A decode step: float32 logits ``[slots, V]`` and the sampler's exponentials.
     """
     _positive(tensor_parallel=tensor_parallel, max_slots=max_slots, max_seq_len=max_seq_len,
               prefill_tokens=prefill_tokens)
@@ -349,8 +349,11 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
     rows = _cdiv(prefill_tokens, length)
     tokens = rows * length
     prefill_kv = 2 * L * tokens * k * hd * c
-    prefill_layer = tokens * ((4 * d + (2 * h + 2 * k) * hd + 3 * f) * c + 2 * d * 4
-                              + 2 * h * length * 4)
+    # A forward pass frees what it no longer needs: per token the residual stream, a norm's
+    # float32 values and its output, then the larger of the attention block (q, k, v, the
+    # attention output, float32 scores and probabilities) and the MLP (gate, up, product).
+    attention_block = (2 * h + 2 * k) * hd * c + 2 * h * length * 4
+    prefill_layer = tokens * (2 * d * c + d * 4 + max(attention_block, 3 * f * c))
     prefill = prefill_kv + prefill_layer + rows * v_local * 4
     decode_logits = 2 * max_slots * v_local * 4
     terms = {"params": float(params), "decode_weights": float(decode),
