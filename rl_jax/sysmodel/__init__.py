@@ -11,6 +11,9 @@ Modules:
   accelerators  catalogue (H100, H200, B200, TPU v5e/v5p/v6e from datasheets; CPU measured)
   shape         ModelShape: parameters, FLOPs per token (train 6·N + attention, decode 2·N +
                 attention), KV bytes per token
+  memory        memory per device of the trainer's step (state, gradients, saved activations
+                per remat policy, the largest transient) and of a generator server (weights,
+                decode layout, KV cache, weight-update copy, prefill)
   latency       decode step latency vs batch (roofline capped by KV capacity, or measured) and
                 the trainer's step time (FLOPs and MFU, or measured tokens/s)
   lengths       response-length distributions (measured, log-normal with a long tail, constant)
@@ -55,6 +58,8 @@ from rl_jax.sysmodel.accelerators import (CATALOGUE, Accelerator, accelerator_na
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload, balance, max_staleness_estimate, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
+from rl_jax.sysmodel.memory import (GeneratorMemory, TrainerMemory, generator_memory,
+                                    trainer_memory)
 from rl_jax.sysmodel.lengths import (ConstantLengths, EmpiricalLengths, LengthDistribution,
                                      LogNormalLengths, SequenceLengths)
 from rl_jax.sysmodel.predict import RunPrediction, predict_run
@@ -74,4 +79,5 @@ __all__ = [
     "RunPrediction", "predict_run", "ModelShape", "MODES", "SimConfig", "SimResult", "simulate",
     "Layout", "LayoutResult", "SweepOptions", "SweepResult", "format_table", "sweep",
     "WeightSync", "shares_host", "transfer_breakdown",
+    "GeneratorMemory", "TrainerMemory", "generator_memory", "trainer_memory",
 ]

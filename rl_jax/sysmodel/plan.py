@@ -13,7 +13,8 @@ from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
 from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNormalLengths
-from rl_jax.sysmodel.recipe import model_shape, rollout_settings
+from rl_jax.sysmodel.memory import GiB, generator_memory, trainer_memory
+from rl_jax.sysmodel.recipe import get, model_shape, rollout_settings
 from rl_jax.sysmodel.simulator import MODES
 from rl_jax.sysmodel.sweep import SweepOptions, SweepResult, format_table, sweep
 from rl_jax.sysmodel.weightsync import PATHS, WeightSync, transfer_breakdown
@@ -101,10 +102,42 @@ def _transfer_line(weight_bytes: float, accelerator, best, options: SweepOptions
             f"{terms['host_s']:.3g} s host staging + {terms['fixed_s']:.3g} s fixed")
 
 
+def _memory_lines(shape, accelerator, best, workload: Workload,
+                  options: SweepOptions) -> list[str]:
+    """Memory per chip of the best layout's trainer and generator, term by term."""
+    if best is None:
+        return []
+    lay = best.layout
+    budget = accelerator.memory_capacity * options.memory_fraction
+    attention = options.attention or ("materialised" if accelerator.name == "cpu" else "fused")
+    rows = options.micro_batch_rows or lay.num_train
+    trainer = trainer_memory(shape, batch=rows, seq=workload.max_context,
+                             mesh=(1, lay.num_train, 1), dtype=options.dtype,
+                             param_dtype=options.param_dtype, remat=options.remat,
+                             logits_block=options.logits_block, attention=attention,
+                             backend="cpu" if accelerator.name == "cpu" else "accelerator")
+    generator = generator_memory(
+        shape, tensor_parallel=lay.tensor_parallel, max_slots=lay.slots_per_server,
+        max_seq_len=workload.max_context, dtype=options.dtype,
+        prefill_tokens=min(options.prefill_tokens,
+                           lay.slots_per_server * workload.max_context),
+        prefill_len=workload.prompt_len)
+    return [f"trainer memory per chip (FSDP over {lay.num_train}, {rows} rows x "
+            f"{workload.max_context} tokens per micro-batch, remat {options.remat}, "
+            f"{attention} attention): {trainer.describe()} of {budget / GiB:.1f} GiB usable",
+            f"generator memory per chip (tp={lay.tensor_parallel}, {lay.slots_per_server} "
+            f"slots x {workload.max_context} tokens): {generator.describe()} of "
+            f"{budget / GiB:.1f} GiB usable"]
+
+
 def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
              base_dir: str | Path = ".") -> PlanReport:
     """Plans layouts for the recipe ``config``; writes ``plan.json``, ``latency.png``,
-    ``split.png`` and ``utilisation.png`` into ``outdir`` and returns the printed text."""
+    ``split.png`` and ``utilisation.png`` into ``outdir`` and returns the printed text.
+
+    Layouts whose trainer or generator does not fit a chip are refused (:mod:`memory`); the
+    trainer's memory follows the config's ``model.remat``, ``trainer.micro_batch_rows``
+    (default one row per trainer chip) and ``trainer.logits_block_size``."""
     req.validate()
     accelerator = get_accelerator(req.accelerator)
     shape = model_shape(config, base_dir=base_dir)
@@ -132,6 +165,9 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         transfer_bandwidth=req.transfer_gbps * 1e9 if req.transfer_gbps else None,
         weight_sync=WeightSync(path=req.transfer_path),
         trainer_tokens_per_s_per_chip=req.trainer_tokens_per_s, measured_latency=measured,
+        remat=str(get(config, "model.remat", "full")),
+        micro_batch_rows=int(get(config, "trainer.micro_batch_rows", 0)) or None,
+        logits_block=int(get(config, "trainer.logits_block_size", 4096)),
         num_steps=req.steps, simulate_top=req.simulate_top, split_points=req.split_points,
         seed=req.seed)
     result = sweep(shape, accelerator, req.num_accelerators, workload, options)
@@ -168,6 +204,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
            if settings["defaulted"] else ""),
         f"responses: {workload.lengths.describe()}",
         _transfer_line(shape.weight_bytes(dtype), accelerator, best, options),
+        *_memory_lines(shape, accelerator, best, workload, options),
         f"decode roofline at tp={tp}: "
         + (f"memory-bound below batch {ridge:,.0f}, compute-bound above" if ridge < 1e12
            else "memory-bound at every batch (KV reads outweigh FLOPs)")
@@ -197,6 +234,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         "frontier": [r.row() for r in result.frontier],
         "simulated": [r.row() for r in result.simulated],
         "rejected": result.rejected,
+        "memory_budget_bytes": accelerator.memory_capacity * options.memory_fraction,
     }
     Path(files["json"]).write_text(json.dumps(summary, indent=1, default=str))
     lines += ["", "wrote " + ", ".join(files.values())]

@@ -3,8 +3,12 @@
 A layout is (mode, trainer chips, generator chips, tensor-parallel degree per server, slots per
 server). For every layout in the budget the sweep
 
-1. rejects what cannot run (weights or KV cache not fitting, trainer state not fitting under
-   FSDP, heads not divisible by TP, one-step-off with ``max_lag < 1``), counting the reasons;
+1. rejects what cannot run, counting the reasons: a generator server whose memory
+   (:func:`memory.generator_memory`: weights, decode layout, KV cache of its slots at the
+   workload's longest context, the weight-update copy, prefill) exceeds the chip's budget; a
+   trainer whose step (:func:`memory.trainer_memory`: state, gradients, saved activations and
+   the largest transient, FSDP over its chips) exceeds it; heads not divisible by TP;
+   one-step-off with ``max_lag < 1``;
 2. estimates steady-state throughput in closed form (:func:`invariants.steady_state`), with
    each layout's weight update priced over the link its placement picks (within one host, or
    across hosts when the layout needs more chips than a host holds; :mod:`weightsync`);
@@ -27,6 +31,7 @@ from rl_jax.sysmodel.accelerators import Accelerator
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
+from rl_jax.sysmodel.memory import GiB, generator_memory, trainer_memory
 from rl_jax.sysmodel.shape import ModelShape
 from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
 from rl_jax.sysmodel.weightsync import WeightSync, transfer_breakdown
@@ -51,6 +56,8 @@ class LayoutResult:
     transfer_s: float
     sim: SimResult | None = None
     transfer_link: str = ""  # the link the weight update takes (placement)
+    trainer_bytes: float = 0.0  # per trainer chip (memory.trainer_memory)
+    generator_bytes: float = 0.0  # per generator chip (memory.generator_memory)
     trainer: TrainerModel | None = dataclasses.field(default=None, repr=False)
     latency: Any = dataclasses.field(default=None, repr=False)
 
@@ -79,6 +86,8 @@ class LayoutResult:
                "staleness_ungated": self.estimate["staleness_ungated"],
                "bottleneck": self.estimate["bottleneck"], "transfer_s": self.transfer_s,
                "transfer_link": self.transfer_link,
+               "trainer_gib_per_chip": self.trainer_bytes / GiB,
+               "generator_gib_per_chip": self.generator_bytes / GiB,
                "step_s": sim.step_s if sim else self.estimate["step_s"]}
         if sim:
             out.update(trainer_idle=sim.trainer_idle_fraction,
@@ -104,7 +113,14 @@ class SweepOptions:
     trainer's peak; ``weight_sync`` prices weight updates (the link by each layout's placement:
     the accelerator's within-host link when the layout fits on one host, its across-host network
     otherwise); ``transfer_bandwidth`` (bytes/s one way per chip, measured) replaces that link
-    and its efficiency; measured inputs replace the first-principles models."""
+    and its efficiency; measured inputs replace the first-principles models.
+
+    Memory (:mod:`memory`): a trainer compiles its step for ``micro_batch_rows`` rows (default
+    one per trainer chip) of the workload's longest sample, with ``remat``, ``logits_block``
+    and ``attention`` (default: fused kernels on accelerators, materialised scores on a CPU);
+    a generator server holds ``slots`` sequences of that length and prefills up to
+    ``prefill_tokens`` prompt tokens at once. Either must fit in ``memory_fraction`` of a chip.
+    """
 
     modes: tuple[str, ...] = MODES
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
@@ -114,6 +130,11 @@ class SweepOptions:
     mfu: float = 0.4
     decode_efficiency: float = 0.6
     memory_fraction: float = 0.9
+    remat: str = "full"  # the trainer's layer rematerialisation
+    micro_batch_rows: int | None = None  # rows per trainer micro-batch (default one per chip)
+    logits_block: int = 4096
+    attention: str | None = None  # trainer attention: "materialised"/"fused" (None: by chip)
+    prefill_tokens: int = 2048  # prompt tokens per generator prefill (engine.max_prefill_tokens)
     transfer_bandwidth: float | None = None
     weight_sync: WeightSync = WeightSync()
     trainer_tokens_per_s_per_chip: float | None = None
@@ -150,31 +171,46 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
         sync = dataclasses.replace(sync, link_efficiency=1.0)
     tps = (1,) if opt.measured_latency is not None else opt.tensor_parallel
 
-    servers_options = []  # (tp, batch, latency model, prefill s/token, swap s)
+    budget_bytes = accelerator.memory_capacity * opt.memory_fraction
+    budget = f"{budget_bytes / GiB:.1f} GiB"
+    servers_options = []  # (tp, batch, latency model, prefill s/token, swap s, bytes per chip)
+    first_misfit: dict[int, tuple[int, float]] = {}
     for tp in tps:
         if shape.num_heads % tp:
             rejected[f"{shape.num_heads} heads not divisible by tp={tp}"] += 1
             continue
         roof = RooflineLatency(shape, accelerator, tp, opt.dtype, opt.decode_efficiency,
                                opt.memory_fraction, workload.max_context)
-        cap = roof.max_batch
         latency = opt.measured_latency or roof
         prefill = 0.0 if opt.measured_latency else roof.prefill_seconds_per_token(
             workload.prompt_len)
         swap = 2 * roof.weight_bytes_per_chip() / accelerator.memory_bandwidth
         for batch in opt.batches:
-            if batch > cap:
-                rejected["KV cache does not fit at this batch" if cap else
-                         "weights do not fit on a server"] += 1
+            need = generator_memory(shape, tensor_parallel=tp, max_slots=batch,
+                                    max_seq_len=workload.max_context, dtype=opt.dtype,
+                                    prefill_tokens=min(opt.prefill_tokens,
+                                                       batch * workload.max_context),
+                                    prefill_len=workload.prompt_len).total
+            if need > budget_bytes:
+                # One reason per tp, naming the fewest slots tried (batches ascend).
+                first = first_misfit.setdefault(tp, (batch, need))
+                rejected[f"generator memory does not fit at tp={tp} ({first[1] / GiB:.1f} GiB "
+                         f"per chip at {first[0]} slots, the fewest refused; > {budget})"] += 1
                 continue
-            servers_options.append((tp, batch, latency, prefill, swap))
+            servers_options.append((tp, batch, latency, prefill, swap, need))
 
     evaluated: list[LayoutResult] = []
-    state_bytes = shape.train_state_bytes(opt.param_dtype)
-    budget_bytes = accelerator.memory_capacity * opt.memory_fraction
+    attention = opt.attention or ("materialised" if accelerator.name == "cpu" else "fused")
+    trainer_misfits: list[tuple[int, float]] = []  # (chips, bytes per chip)
     for num_train in _trainer_sizes(num_accelerators, opt.max_splits):
-        if state_bytes / num_train > budget_bytes:
-            rejected["trainer state does not fit (FSDP)"] += 1
+        rows = opt.micro_batch_rows or num_train
+        trainer_bytes = trainer_memory(
+            shape, batch=rows, seq=workload.max_context, mesh=(1, num_train, 1),
+            dtype=opt.dtype, param_dtype=opt.param_dtype, remat=opt.remat,
+            logits_block=opt.logits_block, attention=attention,
+            backend="cpu" if accelerator.name == "cpu" else "accelerator").total
+        if trainer_bytes > budget_bytes:
+            trainer_misfits.append((num_train, trainer_bytes))
             continue
         if opt.trainer_tokens_per_s_per_chip:
             trainer = TrainerModel.from_measured(opt.trainer_tokens_per_s_per_chip, num_train)
@@ -183,7 +219,7 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                                               seq_len=workload.tokens_per_sample,
                                               dtype=opt.dtype, param_dtype=opt.param_dtype)
         num_generate = num_accelerators - num_train
-        for tp, batch, latency, prefill, swap in servers_options:
+        for tp, batch, latency, prefill, swap, generator_bytes in servers_options:
             servers = num_generate // tp
             if servers < 1 or num_generate % tp:
                 continue
@@ -204,7 +240,14 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                 estimate.update(swap_s=swap, prefill_s_per_token=prefill)
                 layout = Layout(mode, num_train, num_generate, tp, servers, batch)
                 evaluated.append(LayoutResult(layout, estimate, transfer, trainer=trainer,
-                                              latency=latency, transfer_link=priced["link"]))
+                                              latency=latency, transfer_link=priced["link"],
+                                              trainer_bytes=trainer_bytes,
+                                              generator_bytes=generator_bytes))
+    if trainer_misfits:  # one reason, naming the most chips refused (sizes ascend)
+        chips, need = trainer_misfits[-1]
+        rejected[f"trainer memory does not fit on {chips} chip{'s' if chips > 1 else ''}"
+                 f"{' or fewer' if len(trainer_misfits) > 1 else ''} (FSDP, remat {opt.remat}: "
+                 f"{need / GiB:.1f} GiB per chip > {budget})"] = len(trainer_misfits)
     if not evaluated:
         raise SysModelError(f"no layout of {num_accelerators} x {accelerator.name} can run this "
                             f"model: {dict(rejected)}")

@@ -1,0 +1,371 @@
+"""Memory per device of the trainer's step and of a generator server, from the model's shape.
+
+Planned, not discovered: the planner rejects a layout whose trainer or generator does not fit
+before anything is compiled. Every term below is an array the code builds, sized per device by
+the sharding rules of :mod:`rl_jax.sharding` (``ShardingRules.default()`` for the trainer,
+``generator_rules()`` for the generator); the docstrings name the code each term comes from.
+
+Symbols: ``L`` layers, ``D`` hidden, ``F`` MLP hidden, ``H`` query heads, ``K`` key/value heads,
+``Dh`` head dim, ``V`` vocabulary, ``B×T`` the batch (rows × tokens), mesh ``(data, fsdp,
+tensor)``, ``c`` bytes of the computation dtype, ``p`` of the parameter dtype.
+
+Trainer (``rl_jax.trainer.step.make_train_step``, state donated so outputs reuse the inputs):
+
+- *state*: parameters (``p`` bytes) and AdamW's two moments (optax keeps them in the parameter
+  dtype), split over ``fsdp`` (the ``embed`` axis) and ``tensor`` (heads, MLP, vocabulary);
+  norms are replicated. Replicated over ``data``.
+- *grads*: one gradient per parameter (``p`` bytes), live from the backward pass through the
+  update (the global-norm clip reads all of them before any update).
+- *saved activations*: what the ``lax.scan`` over layers keeps for the backward pass, stacked
+  ``[L, ...]``, per remat policy (:func:`saved_bytes_per_token`); tokens are split over
+  ``data × fsdp`` (``act_batch``), heads and MLP over ``tensor``.
+- the largest transient phase (:class:`TrainerMemory` names it ``peak_phase``):
+  *logits*: the blockwise log-probability backward over the vocabulary
+  (``rl_jax.models.logprobs``): the unembedding cast and laid out in ``[nb, D, block]`` blocks,
+  its gradient in that layout, and ``[tokens, block]`` float32 blocks of logits and their
+  cotangents; *layer*: the backward of one decoder layer (what the remat policy recomputes,
+  the attention scores when materialised, and the cotangents); both next to the saved
+  activations. *embedding*: the end of the backward pass, where the embedding lookup's
+  gradient is scattered into a full ``[V, D]`` table (the lookup gathers the whole table:
+  ``Transformer.__call__`` constrains it to be replicated) beside the unembedding's gradient;
+  *update* (XLA's CPU backend only): the optimizer update, which that backend does not do in
+  place on the donated state.
+
+``backend="cpu"`` models what XLA's CPU backend compiles (the validation tests compile there);
+``"accelerator"`` what GPU/TPU backends keep: the computation dtype, fused elementwise work and
+in-place updates. One H100 (jax 0.11.2, bf16 compute, f32 parameters, qwen2.5-0.5b, cuDNN
+attention where it applied) compiled 8.86 GiB at 8×1024 tokens with full remat (this model:
+8.75 GiB fused), 10.61 GiB at 16×1024 (9.81), 13.16 GiB at 8×1024 with ``dots`` (13.39) and
+87.15 GiB at 16×1024 without remat (78.98 with materialised scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rl_jax.sysmodel.accelerators import dtype_bytes
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.shape import ModelShape
+
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION = ("materialised", "fused")
+BACKENDS = ("accelerator", "cpu")
+GiB = 2 ** 30
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device by term; ``total`` is what must fit on one device."""
+
+    terms: dict[str, float]
+    total: float
+    peak_phase: str = ""
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"terms": dict(self.terms), "total": self.total, "peak_phase": self.peak_phase,
+                **self.notes}
+
+    def describe(self) -> str:
+        """``12.3 GiB (state 5.5 + grads 1.8 + ...)``: the terms over 1% of the total."""
+        parts = [f"{name} {value / GiB:.2f}" for name, value in self.terms.items()
+                 if value >= 0.01 * self.total]
+        phase = f"; peak in {self.peak_phase}" if self.peak_phase else ""
+        return f"{self.total / GiB:.2f} GiB ({' + '.join(parts)} GiB{phase})"
+
+
+def _check_mesh(mesh: tuple[int, int, int]) -> tuple[int, int, int]:
+    if len(mesh) != 3 or any(not isinstance(m, int) or isinstance(m, bool) or m < 1
+                             for m in mesh):
+        raise SysModelError(f"mesh must be three positive integers (data, fsdp, tensor), got "
+                            f"{mesh!r}")
+    return tuple(mesh)
+
+
+def _positive(**values: int):
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SysModelError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ---- parameters per device -------------------------------------------------------------------
+
+def param_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
+    """Parameter elements one device holds under ``ShardingRules.default()``: matrices split
+    over ``fsdp`` (their ``embed`` axis) and ``tensor`` (``vocab``, heads or ``mlp``); q/k/v
+    biases over ``tensor``; the output bias over ``fsdp``; norms replicated. A dimension the
+    mesh does not divide is counted rounded up (the largest shard)."""
+    s = shape
+    d, f, h, k, hd, v = (s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads,
+                         s.head_dim, s.vocab_size)
+    dd = _cdiv(d, fsdp)
+    layer = (dd * _cdiv(h, tensor) * hd + 2 * dd * _cdiv(k, tensor) * hd  # wq, wk, wv
+             + _cdiv(h, tensor) * hd * dd  # wo
+             + 3 * dd * _cdiv(f, tensor)  # w_gate, w_up, w_down
+             + 2 * d)  # attn_norm, mlp_norm
+    if s.attention_bias:
+        layer += (_cdiv(h, tensor) + 2 * _cdiv(k, tensor)) * hd
+    if s.output_bias:
+        layer += dd
+    if s.qk_norm:
+        layer += 2 * hd
+    tables = (1 if s.tie_word_embeddings else 2) * _cdiv(v, tensor) * dd
+    return s.num_layers * layer + tables + d
+
+
+# ---- activations ------------------------------------------------------------------------------
+
+def _activation_bytes(dtype: str, backend: str) -> int:
+    """Bytes of an activation computed in ``dtype``: XLA's CPU backend carries bfloat16 and
+    float16 products in float32 (the same step compiled in bfloat16 and in float32 has nearly
+    the same peak there); accelerators keep the computation dtype."""
+    if backend not in BACKENDS:
+        raise SysModelError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return 4 if backend == "cpu" else dtype_bytes(dtype)
+
+
+def _widths(shape: ModelShape, tensor: int) -> tuple[int, int, int, int, int]:
+    """``D``, then per device (heads and MLP split over ``tensor``) ``H·Dh``, ``K·Dh``, ``F``
+    and ``H``."""
+    h = _cdiv(shape.num_heads, tensor)
+    return (shape.hidden_size, h * shape.head_dim, _cdiv(shape.num_kv_heads, tensor)
+            * shape.head_dim, _cdiv(shape.intermediate_size, tensor), h)
+
+
+def saved_bytes_per_token(shape: ModelShape, *, remat: str, attention: str, dtype: str,
+                          tensor: int = 1, seq: int = 1, backend: str = "accelerator") -> float:
+    """Bytes one decoder layer keeps per token for the backward pass (``Transformer.__call__``'s
+    ``lax.scan`` stacks them ``[L, ...]``); ``seq`` is the key length of the attention.
+
+    - ``full`` (``jax.checkpoint`` of the layer): its input ``h`` ``[D]`` only.
+    - ``dots`` (``dots_with_no_batch_dims_saveable``): the input and the outputs of the
+      weight matmuls (einsums without batch dimensions): q, k, v ``(H+2K)·Dh``, the attention
+      output projection ``D``, gate and up ``2F``, down ``D``. The attention products have
+      batch dimensions: recomputed.
+    - ``none``: the residuals of JAX's linearisation of ``decoder_layer``: the input and the
+      attention block's output (the norms' inputs) and the two normalised inputs of the
+      matmuls ``4D``, the norms' float32 normalised values ``2D``; rotated q and k, v and the
+      attention output ``2(H+K)·Dh``; for ``silu(gate)·up``: gate, up, the sigmoid, the silu,
+      their product and the silu's derivative ``6F``; for a materialised attention its float32
+      masked scores and probabilities ``2·H·S`` (fused kernels keep a float32 log-sum-exp per
+      head instead).
+    """
+    if remat not in REMAT_POLICIES:
+        raise SysModelError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    if attention not in ATTENTION:
+        raise SysModelError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    a = _activation_bytes(dtype, backend)
+    d, q, kv, f, h = _widths(shape, tensor)
+    if remat == "full":
+        return float(d * a)
+    if remat == "dots":
+        return float((3 * d + q + 2 * kv + 2 * f) * a)
+    scores = 2 * h * seq * 4 if attention == "materialised" else 2 * h * 4
+    return float((4 * d + 2 * q + 2 * kv + 6 * f) * a + 2 * d * 4 + scores)
+
+
+def layer_backward_bytes_per_token(shape: ModelShape, *, remat: str, attention: str,
+                                   dtype: str, tensor: int = 1, seq: int = 1,
+                                   backend: str = "accelerator") -> float:
+    """Bytes per token of one layer's backward beyond what is saved: what the remat policy
+    recomputes (``full``: all of :func:`saved_bytes_per_token` with ``none``; ``dots``: what
+    ``none`` keeps beyond ``dots``) and the cotangents: float32 at the residual stream ``2D``,
+    q, k, v and the attention output ``2(H+K)·Dh``, the MLP's ``3F``, and for a materialised
+    attention the float32 cotangent of the scores ``H·S`` (the softmax's backward is one
+    fusion from the probabilities' cotangent to the scores')."""
+    a = _activation_bytes(dtype, backend)
+    d, q, kv, f, h = _widths(shape, tensor)
+    scores = h * seq * 4 if attention == "materialised" else 0
+    cotangents = 2 * d * 4 + (2 * q + 2 * kv + 3 * f) * a + scores
+    kw = dict(attention=attention, dtype=dtype, tensor=tensor, seq=seq, backend=backend)
+    everything = saved_bytes_per_token(shape, remat="none", **kw)
+    if remat == "full":
+        recompute = everything
+    elif remat == "dots":
+        recompute = everything - saved_bytes_per_token(shape, remat="dots", **kw)
+    else:
+        recompute = 0.0
+    return float(recompute + cotangents)
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainerMemory(MemoryBreakdown):
+    """:func:`trainer_memory`'s breakdown: ``params``, ``moments``, ``grads``,
+    ``saved_activations`` and the peak phase's transient; ``notes["transients"]`` has every
+    phase's."""
+
+
+def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
+                   mesh: tuple[int, int, int] = (1, 1, 1), dtype: str = "bfloat16",
+                   param_dtype: str = "float32", remat: str = "full", logits_block: int = 4096,
+                   attention: str = "materialised", backend: str = "accelerator"
+                   ) -> TrainerMemory:
+    """Peak bytes per device of one train step on ``batch × seq`` tokens (one micro-batch; the
+    module docstring lists the terms).
+
+    Args:
+      shape: the model.
+      batch, seq: rows and tokens per row of the (micro-)batch the step compiles for.
+      mesh: ``(data, fsdp, tensor)`` device counts.
+      dtype, param_dtype: computation and parameter dtypes.
+      remat: the layer's rematerialisation (``ModelSpec(remat=...)``).
+      logits_block: vocabulary columns per block of the log-probabilities
+        (``trainer.logits_block_size``).
+      attention: ``"materialised"`` (XLA's ``dot_product_attention``: ``[B, H, T, S]`` float32
+        scores) or ``"fused"`` (cuDNN/splash kernels: no scores in memory).
+      backend: ``"accelerator"`` (GPU/TPU) or ``"cpu"``: XLA's CPU backend carries bfloat16
+        products in float32 and does not fuse the elementwise work of the blockwise
+        log-probabilities into their matmuls (five ``[tokens, block]`` float32 arrays live in
+        its backward instead of two), as its buffer assignment shows.
+    """
+    data, fsdp, tensor = _check_mesh(mesh)
+    _positive(batch=batch, seq=seq, logits_block=logits_block)
+    kw = dict(remat=remat, attention=attention, dtype=dtype, tensor=tensor, seq=seq,
+              backend=backend)
+    saved_per_token = saved_bytes_per_token(shape, **kw)  # checks remat, attention, backend
+    s = shape
+    c, p = dtype_bytes(dtype), dtype_bytes(param_dtype)
+    d, v, L = s.hidden_size, s.vocab_size, s.num_layers
+    n = _cdiv(batch, data * fsdp) * seq  # tokens per device
+    elements = param_elements_per_device(s, fsdp, tensor)
+
+    params = elements * p
+    moments = 2 * elements * p
+    grads = elements * p
+    saved = L * n * saved_per_token
+
+    # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
+    # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
+    # cast or transposed first: another dtype, or tied to the embedding; split over fsdp when
+    # tied, beside the whole lookup table and its gradient). Its gradient is
+    # accumulated in that layout (the unembedding's share of ``grads``; a separate array when
+    # the dtypes differ, or under fsdp, where it is whole until reduce-scattered). Per block
+    # the backward keeps float32 [n, block] logits and cotangents (whole on every
+    # tensor-parallel device: the scan's blocks are split, not their columns), and the hidden
+    # states' float32 cotangent [n, D].
+    block = min(logits_block, v)
+    v_local = _cdiv(_cdiv(v, block) * block, tensor)
+    retyped = s.tie_word_embeddings or c != p
+    copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
+    if s.tie_word_embeddings and fsdp > 1:
+        # Tied under fsdp: the transposed table's blocks stay split over fsdp, while the
+        # lookup's whole gathered table and its whole gradient stay live through the backward.
+        unembed = copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
+    else:
+        unembed = copies * d * v_local * c
+    buffers = 5 if backend == "cpu" else 2
+    logits_phase = unembed + buffers * n * block * 4 + n * d * 4
+
+    layer_phase = n * layer_backward_bytes_per_token(s, **kw)
+
+    # End of the backward pass: the lookup's gradient scattered into a replicated [V, D] table
+    # of the parameter dtype (the lookup gathered the whole table), next to the unembedding's
+    # gradient still in blocks and re-laid out as [V, D] before the two are reduce-scattered
+    # (and added, when tied).
+    split = fsdp if s.tie_word_embeddings else 1  # the tied table's blocks stay split
+    embedding_phase = v * d * p + d * _cdiv(v_local, split) * (p + c)
+
+    transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
+    if backend == "cpu":
+        # XLA's CPU backend does not update the donated state in place: the gradient divided by
+        # the denominator, two of the updated parameter/moment arrays and a copy of a moment
+        # are live together (per leaf), next to the embedding lookup's scattered gradient.
+        transients["update"] = 3 * grads + v * d * p
+    # Saved activations are live through the logits and layer phases; they are freed as the
+    # backward scan ends, before the embedding and update phases.
+    live = {name: value + (saved if name in ("logits", "layer") else 0.0)
+            for name, value in transients.items()}
+    phase = max(live, key=live.get)
+    terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
+             "saved_activations": float(saved if phase in ("logits", "layer") else 0.0),
+             phase: float(transients[phase])}
+    return TrainerMemory(terms, float(sum(terms.values())), phase, notes={
+        "tokens_per_device": n, "transients": {k: float(x) for k, x in transients.items()},
+        "saved_activations_all": float(saved)})
+
+
+# ---- the generator ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorMemory(MemoryBreakdown):
+    """:func:`generator_memory`'s breakdown; ``notes["programs"]`` has the bytes the prefill and
+    decode programs hold (their arguments, outputs and temporaries)."""
+
+
+def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: int,
+                     max_seq_len: int, dtype: str = "bfloat16", prefill_tokens: int = 2048,
+                     prefill_len: int | None = None, cache_dtype: str | None = None,
+                     swap: bool = True) -> GeneratorMemory:
+    """Bytes per device of one generator server (``rl_jax.generator.runner.ModelRunner`` under
+    the engine), tensor parallel over ``tensor_parallel`` chips (``generator_rules()``: heads,
+    MLP and vocabulary split; the hidden axis whole).
+
+    Terms:
+      params: the parameters as the trainer lays them out, in ``dtype`` (the engine keeps them
+        for prefill and as the reference of weight updates).
+      decode_weights: ``prepare_decode_weights``: every layer's matrices re-laid out (fused
+        q/k/v, fused gate/up) in ``dtype``, and the unembedding ``[D, V]`` (a transposed copy
+        when tied; an untied head of the same dtype is the parameter itself).
+      kv_cache: ``ModelRunner.cache_bytes``: ``2·L·slots·max_seq_len·K·Dh`` of ``cache_dtype``,
+        key/value heads split over the chips (a chip keeps at least one head).
+      weight_update: with ``swap``, a second set of parameters and decode weights, prepared
+        while the current ones still decode (``Engine._prepare_loop``).
+      prefill / decode: the larger transient of the two programs. Prefill (``runner.prefill``
+        on ``prefill_tokens`` tokens in rows of ``prefill_len``, default one row): its keys and
+        values ``[L, tokens, K, Dh]``, one layer's live activations per token (the residual
+        stream, a norm's float32 values and output ``3D``, then the larger of the attention
+        block: q, k, v and its output ``2(H+K)·Dh`` with float32 scores and probabilities
+        ``2·H·prefill_len``, and the MLP: gate, up and their product ``3F``) and float32 logits
+        per row. A decode step: float32 logits ``[slots, V]`` and the sampler's exponentials.
+    """
+    _positive(tensor_parallel=tensor_parallel, max_slots=max_slots, max_seq_len=max_seq_len,
+              prefill_tokens=prefill_tokens)
+    s = shape
+    tp = tensor_parallel
+    c = dtype_bytes(dtype)
+    kv_c = dtype_bytes(cache_dtype or dtype)
+    d, hd, L, v = s.hidden_size, s.head_dim, s.num_layers, s.vocab_size
+    h, k, f = _cdiv(s.num_heads, tp), _cdiv(s.num_kv_heads, tp), _cdiv(s.intermediate_size, tp)
+    v_local = _cdiv(v, tp)
+    layer = d * (h + 2 * k) * hd + h * hd * d + 3 * d * f + 2 * d
+    if s.attention_bias:
+        layer += (h + 2 * k) * hd
+    if s.output_bias:
+        layer += d
+    if s.qk_norm:
+        layer += 2 * hd
+    tables = (1 if s.tie_word_embeddings else 2) * v_local * d
+    params = (L * layer + tables + d) * c
+    decode = (L * layer + (v_local * d if s.tie_word_embeddings else 0)) * c
+    kv_cache = 2 * L * max_slots * max_seq_len * k * hd * kv_c
+    length = min(prefill_len or prefill_tokens, max_seq_len, prefill_tokens)
+    rows = _cdiv(prefill_tokens, length)
+    tokens = rows * length
+    prefill_kv = 2 * L * tokens * k * hd * c
+    # A forward pass frees what it no longer needs: per token the residual stream, a norm's
+    # float32 values and its output, then the larger of the attention block (q, k, v, the
+    # attention output, float32 scores and probabilities) and the MLP (gate, up, product).
+    attention_block = (2 * h + 2 * k) * hd * c + 2 * h * length * 4
+    prefill_layer = tokens * (2 * d * c + d * 4 + max(attention_block, 3 * f * c))
+    prefill = prefill_kv + prefill_layer + rows * v_local * 4
+    decode_logits = 2 * max_slots * v_local * 4
+    terms = {"params": float(params), "decode_weights": float(decode),
+             "kv_cache": float(kv_cache)}
+    if swap:
+        terms["weight_update"] = float(params + decode)
+    phase = "prefill" if prefill >= decode_logits else "decode"
+    terms[phase] = float(max(prefill, decode_logits))
+    # What each compiled program holds: prefill reads the parameters; a decode step reads the
+    # decode weights (layers, the input embedding and the unembedding) and the cache.
+    programs = {"prefill": float(params + prefill),
+                "decode": float((L * layer + 2 * v_local * d + d) * c + kv_cache
+                                + decode_logits)}
+    return GeneratorMemory(terms, float(sum(terms.values())), phase, notes={
+        "prefill_rows": rows, "prefill_len": length, "programs": programs})

@@ -1,0 +1,222 @@
+"""The systems model's memory per device against what XLA compiles.
+
+Each case compiles a program ahead of time from abstract shapes only (nothing runs) and compares
+``compiled.memory_analysis()``'s peak (arguments + outputs - aliased + temporaries) with
+:mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``) on one
+device and on 8 forced host devices, and the generator's prefill and decode programs
+(``ModelRunner``). The model is asked for ``backend="cpu"``: XLA's CPU backend carries
+bfloat16 products in float32 and neither fuses the log-probabilities' elementwise work nor
+updates the donated state in place, which accelerators do. Most cases compute in float32, where
+the CPU's activations have the dtype an accelerator's would.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rl_jax.models.shapes import shape as named_shape
+from rl_jax.sysmodel import SysModelError, get_accelerator
+from rl_jax.sysmodel.memory import generator_memory, trainer_memory
+from rl_jax.sysmodel.shape import ModelShape
+
+TOLERANCE = 0.15
+
+
+def compiled_peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+def model_config(name: str, layers: int | None = None):
+    cfg = named_shape(name)
+    return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
+
+
+def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32"):
+    from rl_jax.sharding import make_mesh
+    from rl_jax.trainer.state import ModelSpec, OptimizerConfig, abstract_state, make_optimizer
+    from rl_jax.trainer.step import (LMBatch, causal_lm_loss, default_batch_sharding,
+                                     make_train_step)
+    devices = jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]]
+    mesh = make_mesh(*mesh_shape, devices=devices)
+    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.float32,
+                     remat=remat, attention="xla")
+    tx = make_optimizer(OptimizerConfig())
+    step = make_train_step(spec, tx, functools.partial(causal_lm_loss, block_size=block))
+    abstract = LMBatch.abstract(batch, seq, sharding=default_batch_sharding(spec))
+    return step.lower(abstract_state(tx, spec), abstract).compile()
+
+
+# (shape, layers, batch, seq, mesh, remat, logits block, computation dtype)
+TRAIN_CASES = [
+    ("tiny", None, 8, 128, (1, 1, 1), "none", 4096, "float32"),
+    ("small", None, 4, 256, (1, 1, 1), "full", 4096, "float32"),
+    ("small", None, 4, 256, (1, 1, 1), "full", 4096, "bfloat16"),
+    ("small", None, 4, 256, (1, 1, 1), "dots", 2048, "float32"),
+    ("small", None, 8, 256, (1, 4, 2), "none", 4096, "float32"),
+    ("small", None, 8, 256, (1, 8, 1), "full", 4096, "float32"),
+    ("qwen2.5-0.5b", 2, 2, 256, (1, 1, 1), "full", 4096, "float32"),
+    ("qwen2.5-0.5b", 2, 8, 256, (1, 8, 1), "full", 4096, "float32"),
+]
+
+
+@pytest.mark.parametrize("name,layers,batch,seq,mesh,remat,block,dtype", TRAIN_CASES,
+                         ids=["-".join(map(str, c[:1] + c[4:6] + c[7:])) for c in TRAIN_CASES])
+def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block,
+                                                  dtype):
+    cfg = model_config(name, layers)
+    compiled = compiled_peak(compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh,
+                                                remat=remat, block=block, dtype=dtype))
+    predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
+                               mesh=mesh, dtype=dtype, param_dtype="float32", remat=remat,
+                               logits_block=block, attention="materialised", backend="cpu")
+    error = predicted.total / compiled - 1
+    assert abs(error) <= TOLERANCE, (
+        f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat}: predicted "
+        f"{predicted.describe()}, compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_generator_memory_matches_the_compiled_programs(tensor_parallel):
+    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.models.transformer import layer_param_specs
+    from rl_jax.sharding import make_mesh
+    cfg = model_config("small")
+    slots, max_len, rows, prompt = 16, 512, 4, 128
+    mesh = None
+    if tensor_parallel > 1:
+        mesh = make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
+                         devices=jax.devices()[:tensor_parallel])
+    runner = ModelRunner(cfg, max_slots=slots, max_seq_len=max_len, mesh=mesh,
+                         dtype=jnp.float32, attention="xla")
+    axes = {"embed": ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+            "final_norm": ((cfg.hidden_size,), ("norm",)),
+            "lm_head": ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")),
+            "layers": {name: ((cfg.num_layers,) + shp, logical)
+                       for name, (shp, logical) in layer_param_specs(cfg).items()}}
+
+    def struct(shape, logical):
+        sharding = None if mesh is None else runner.rules.sharding(mesh, logical)
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+
+    params = {name: struct(*value) for name, value in axes.items() if name != "layers"}
+    params["layers"] = {name: struct(*value) for name, value in axes["layers"].items()}
+    tokens = jax.ShapeDtypeStruct((rows, prompt), jnp.int32)
+    prefill = runner._prefill.lower(params, tokens, jax.ShapeDtypeStruct((rows,), jnp.int32))
+    weights = jax.eval_shape(runner._prepare, params)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         runner.state)
+    decode = runner._decode.lower(weights, *runner._cache_structs(max_len), state,
+                                  batch=slots, filtered=False)
+    predicted = generator_memory(ModelShape.from_model_config(cfg),
+                                 tensor_parallel=tensor_parallel, max_slots=slots,
+                                 max_seq_len=max_len, dtype="float32",
+                                 prefill_tokens=rows * prompt, prefill_len=prompt)
+    programs = predicted.notes["programs"]
+    for name, program in (("prefill", prefill), ("decode", decode)):
+        compiled = compiled_peak(program.compile())
+        error = programs[name] / compiled - 1
+        assert abs(error) <= TOLERANCE, (f"{name} at tp={tensor_parallel}: predicted "
+                                         f"{programs[name] / 2**20:.1f} MiB, compiled "
+                                         f"{compiled / 2**20:.1f} MiB ({error:+.1%})")
+    assert predicted.terms["kv_cache"] == runner.cache_bytes / tensor_parallel
+
+
+def test_memory_model_refuses_bad_input():
+    shape = ModelShape.from_model_config(named_shape("tiny"))
+    with pytest.raises(SysModelError, match="remat"):
+        trainer_memory(shape, batch=1, seq=8, remat="some")
+    with pytest.raises(SysModelError, match="mesh"):
+        trainer_memory(shape, batch=1, seq=8, mesh=(1, 0, 1))
+    with pytest.raises(SysModelError, match="batch"):
+        trainer_memory(shape, batch=0, seq=8)
+    with pytest.raises(SysModelError, match="attention"):
+        trainer_memory(shape, batch=1, seq=8, attention="flash")
+    with pytest.raises(SysModelError, match="max_slots"):
+        generator_memory(shape, max_slots=0, max_seq_len=8)
+
+
+def test_memory_scales_with_the_mesh_and_the_batch():
+    shape = ModelShape.from_model_config(named_shape("qwen2.5-7b"))
+    one = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1))
+    more = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 16, 1))
+    assert more.terms["params"] == pytest.approx(one.terms["params"] / 2, rel=0.01)
+    double = trainer_memory(shape, batch=16, seq=1024, mesh=(1, 8, 1))
+    assert double.notes["saved_activations_all"] == 2 * one.notes["saved_activations_all"]
+    assert trainer_memory(shape, batch=128, seq=1024, mesh=(1, 8, 1)).total > one.total
+    full = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1), remat="full")
+    none = trainer_memory(shape, batch=8, seq=1024, mesh=(1, 8, 1), remat="none")
+    assert none.total > full.total
+    tp = [generator_memory(shape, tensor_parallel=t, max_slots=64, max_seq_len=4096).total
+          for t in (1, 2, 4)]
+    assert tp[0] > tp[1] > tp[2]
+    assert get_accelerator("h100").memory_capacity > 0
+
+
+# ---- the planner -------------------------------------------------------------------------------
+
+def plan_workload():
+    from rl_jax.sysmodel import LogNormalLengths, Workload
+    return Workload(prompt_len=256, group_size=4, groups_per_batch=8,
+                    lengths=LogNormalLengths(256, 0.8, 1024), max_lag=2)
+
+
+def test_sweep_rejects_layouts_that_do_not_fit_and_says_why():
+    from rl_jax.sysmodel import SweepOptions, sweep
+    big = ModelShape.from_model_config(named_shape("qwen2.5-32b"))
+    opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
+                        tensor_parallel=(1,))
+    with pytest.raises(SysModelError, match="trainer memory does not fit on 1 chip ") as e:
+        sweep(big, get_accelerator("tpu_v5e"), 2, plan_workload(), opts)
+    assert "generator memory does not fit at tp=1" in str(e.value)
+
+
+def test_sweep_keeps_layouts_that_fit_with_their_memory():
+    from rl_jax.sysmodel import SweepOptions, sweep
+    small = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    accelerator = get_accelerator("h100")
+    opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
+                        tensor_parallel=(1,), modes=("async",))
+    res = sweep(small, accelerator, 2, plan_workload(), opts)
+    assert res.best is not None
+    budget = accelerator.memory_capacity * opts.memory_fraction
+    row = res.best.row()
+    assert 0 < row["trainer_gib_per_chip"] * 2**30 <= budget
+    assert 0 < row["generator_gib_per_chip"] * 2**30 <= budget
+    # The same model on a chip too small for its trainer: every layout is refused.
+    seven = ModelShape.from_model_config(named_shape("qwen2.5-7b"))
+    res = sweep(seven, accelerator, 8, plan_workload(), dataclasses.replace(
+        opts, tensor_parallel=(1, 2)))
+    assert all(r.trainer_bytes <= budget and r.generator_bytes <= budget
+               for r in res.evaluated)
+    refused = [k for k in res.rejected if k.startswith("trainer memory does not fit on ")]
+    assert len(refused) == 1 and "GiB per chip" in refused[0]
+    assert min(r.layout.num_train for r in res.evaluated) == res.rejected[refused[0]] + 1
+
+
+def test_plan_prints_the_chosen_layouts_memory(tmp_path):
+    from ml_collections import ConfigDict
+
+    from rl_jax.sysmodel.plan import PlanRequest, run_plan
+    cfg = named_shape("qwen2.5-0.5b")
+    config = ConfigDict({"mode": "async", "model": {"dtype": "bfloat16", "shape": {
+        f: getattr(cfg, f) for f in ("hidden_size", "intermediate_size", "num_layers",
+                                     "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                                     "tie_word_embeddings", "attention_bias")}},
+        "rollout": {"group_size": 4, "groups_per_batch": 8, "max_new_tokens": 512,
+                    "max_lag": 2, "prompt_len": 64}})
+    request = PlanRequest(accelerator="h100", num_accelerators=4, modes=("async",), steps=4,
+                          simulate_top=1, split_points=2, batches=(8, 32),
+                          tensor_parallel=(1,))
+    report = run_plan(config, request, tmp_path)
+    lines = {line.split(" (")[0]: line for line in report.text.splitlines()
+             if "memory per chip" in line}
+    assert set(lines) == {"trainer memory per chip", "generator memory per chip"}, report.text
+    best = report.summary["best"]
+    assert f"{best['trainer_gib_per_chip']:.2f} GiB" in lines["trainer memory per chip"]
+    assert f"{best['generator_gib_per_chip']:.2f} GiB" in lines["generator memory per chip"]
+    assert "kv_cache" in lines["generator memory per chip"]
