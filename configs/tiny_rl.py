@@ -26,8 +26,10 @@ def get_config() -> ConfigDict:
     c.base = ConfigDict(dict(checkpoint="", lm_config="configs/tiny_lm.py", lm_overrides=(
         "task.num_digits=2", "trainer.steps=300", "trainer.stop_after=175")))
     # scan_layers=False: the 3 layers unrolled (see configs/tiny_lm.py).
+    # shape: a named shape (rl_jax.models.shapes, e.g. "qwen2.5-0.5b") to start from random
+    # weights of, when base.checkpoint is empty (for measuring real shapes, not for learning).
     c.model = ConfigDict(dict(dtype="float32", param_dtype="float32", remat="none",
-                              scan_layers=False))
+                              scan_layers=False, shape=""))
     c.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
     # The reward environment (rl_jax.envs.get(name, **kwargs)); train prompts come from its

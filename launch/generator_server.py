@@ -33,15 +33,16 @@ _MAX_WAITING = flags.DEFINE_integer("max_waiting", 4096,
                                     "Queued sequences before requests get 503.")
 _MAX_PREFILL = flags.DEFINE_integer("max_prefill_tokens", 2048,
                                     "Prompt tokens prefilled per scheduler step.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
-                           "Parameter and computation dtype.")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
+                           "Parameter and computation dtype (auto: bfloat16 on GPUs and TPUs, "
+                           "float32 on CPUs).")
 _TP = flags.DEFINE_integer("tensor_parallel", 1, "Devices the model is split over.")
 _DP = flags.DEFINE_integer("data_parallel", 1, "Replicas of the model (SGLang's --dp-size), "
                            "each on tensor_parallel devices of its own.")
 _DECODE_STEPS = flags.DEFINE_integer(
-    "num_continuous_decode_steps", 1, "Decode steps run as one program, new requests admitted "
+    "num_continuous_decode_steps", 0, "Decode steps run as one program, new requests admitted "
     "between programs (SGLang's --num-continuous-decode-steps): fewer host round trips per "
-    "token.")
+    "token. 0: 8 on GPUs and TPUs, 1 on CPUs.")
 _ATTENTION = flags.DEFINE_enum(
     "attention_backend", "auto", ["auto", "native", "pallas", "xla"], "Decode attention "
     "(SGLang's --attention-backend): the native CPU kernel, compiled on first use, or the "

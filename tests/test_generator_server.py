@@ -601,3 +601,20 @@ def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
         assert first == second
     finally:
         server.engine.shutdown()
+
+
+def test_automatic_dtype_and_decode_steps_follow_the_backend():
+    from rl_jax.generator.server import ACCELERATOR_DECODE_STEPS, ServerConfig, resolve_auto
+
+    default = ServerConfig(model="m")
+    assert (default.dtype, default.decode_steps) == ("auto", 0)
+    cpu = resolve_auto(default, backend="cpu")
+    assert (cpu.dtype, cpu.decode_steps) == ("float32", 1)
+    for backend in ("gpu", "tpu"):
+        accel = resolve_auto(default, backend=backend)
+        assert (accel.dtype, accel.decode_steps) == ("bfloat16", ACCELERATOR_DECODE_STEPS)
+    explicit = ServerConfig(model="m", dtype="float16", decode_steps=3)
+    assert resolve_auto(explicit, backend="gpu") == explicit
+    assert resolve_auto(ServerConfig(model="m", dtype="float32"), backend="tpu").dtype == \
+        "float32"
+    assert resolve_auto(default).dtype == "float32"  # this machine's JAX backend: a CPU

@@ -424,3 +424,24 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_a_named_shape_without_checkpoint_starts_from_random_weights(tmp_path):
+    """model.shape names a shape (rl_jax.models.shapes) and no base checkpoint is given: the run
+    writes random weights of that shape with a byte-level tokenizer and trains from them."""
+    from rl_jax.models.hf import read_config
+    from rl_jax.models.shapes import shape
+
+    workdir = tmp_path / "shaped"
+    result = launch(workdir, "--config.model.shape=tiny", "--config.base.lm_config=",
+                    "--config.mode=sync", "--config.trainer.steps=2",
+                    "--config.generator.max_seq_len=96", "--config.rollout.seq_len=96")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert read_config(workdir / "base/hf") == shape("tiny")
+    assert read_config(workdir / "hf") == shape("tiny")
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["parameters"] == shape("tiny").num_params()
+    result = launch(tmp_path / "bad", "--config.model.shape=gpt-5", "--config.base.lm_config=",
+                    timeout=180)
+    assert result.returncode != 0
+    assert "model.shape: unknown model shape 'gpt-5'" in result.stderr.strip().splitlines()[-1]

@@ -103,12 +103,13 @@ class ServerConfig:
     max_seq_len: int = 512
     max_waiting: int = 4096
     max_prefill_tokens: int = 2048
-    dtype: str = "float32"
+    # "auto": bfloat16 on accelerators, float32 on CPUs (see resolve_auto)
+    dtype: str = "auto"
     tensor_parallel: int = 1
     data_parallel: int = 1  # replicas of the model, each on tensor_parallel devices of its own
     # decode steps run as one program, admissions between programs (SGLang's
-    # --num-continuous-decode-steps; see EngineConfig.decode_steps)
-    decode_steps: int = 1
+    # --num-continuous-decode-steps; see EngineConfig.decode_steps); 0: auto (resolve_auto)
+    decode_steps: int = 0
     # decode attention (SGLang's --attention-backend): "auto" | "native" | "xla"
     # (see EngineConfig.attention)
     attention_backend: str = "auto"
@@ -162,6 +163,27 @@ def make_generator_meshes(tensor_parallel: int, data_parallel: int) -> list:
     return [make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
                       devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel])
             for i in range(data_parallel)]
+
+
+ACCELERATOR_DECODE_STEPS = 8
+
+
+def resolve_auto(config: ServerConfig, backend: str | None = None) -> ServerConfig:
+    """``config`` with its automatic settings made concrete for ``backend`` (default: JAX's):
+    ``dtype="auto"`` is bfloat16 on accelerators and float32 on CPUs; ``decode_steps=0`` is
+    :data:`ACCELERATOR_DECODE_STEPS` on accelerators (the host would otherwise launch every
+    step's program and read its tokens back between steps) and 1 on CPUs (where a step is long
+    enough that per-step host work is a small share, and admissions wait for a program's end)."""
+    if config.dtype != "auto" and config.decode_steps != 0:
+        return config
+    import jax
+    accelerator = (backend or jax.default_backend()) != "cpu"
+    return dataclasses.replace(
+        config,
+        dtype=("bfloat16" if accelerator else "float32") if config.dtype == "auto"
+        else config.dtype,
+        decode_steps=(ACCELERATOR_DECODE_STEPS if accelerator else 1)
+        if config.decode_steps == 0 else config.decode_steps)
 
 
 def load_params(model_dir: str | Path, *, mesh, rules, dtype) -> tuple[ModelConfig, dict]:
@@ -239,6 +261,7 @@ class GeneratorServer:
     @classmethod
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
         from rl_jax.generator.runner import generator_rules
+        config = resolve_auto(config)
         for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
                      "tensor_parallel", "data_parallel", "decode_steps"):
             if getattr(config, name) < 1:

@@ -31,7 +31,28 @@ from rl_jax.orchestrator.config import RLConfigError, validate
 log = logging.getLogger(__name__)
 
 
-# ---- the base policy ----------------------------------------------------------------------------
+# ---- the base policy ----
+
+def random_base(name: str, workdir: Path, *, dtype: str = "float32") -> Path:
+    """``model.shape="qwen2.5-0.5b"`` (a name of :mod:`rl_jax.models.shapes`) without a
+    checkpoint: the run starts from random weights of that shape, written once to
+    ``workdir/base/hf`` with a byte-level tokenizer covering the vocabulary (for measuring
+    real shapes, not for learning)."""
+    from rl_jax.models.config import ConfigError
+    from rl_jax.models.shapes import shape, write_random_checkpoint
+    try:
+        cfg = shape(name)
+    except ConfigError as e:
+        raise RLConfigError(f"model.shape: {e}") from None
+    hf = workdir / "base" / "hf"
+    if (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file():
+        from rl_jax.models.hf import read_config
+        if read_config(hf) == cfg:
+            return hf
+    print(f"no base policy: random weights of the {name} shape into {hf}", flush=True)
+    write_random_checkpoint(cfg, hf, dtype=dtype)
+    return hf
+
 
 def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
     """The HF directory of the starting policy, training it first when the config says so."""
@@ -44,6 +65,9 @@ def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
             raise RLConfigError(f"base.checkpoint={c.base.checkpoint} is not an HF checkpoint "
                                 "directory (no config.json)")
         return path.absolute()
+    named = c.get("model", {}).get("shape")
+    if isinstance(named, str) and named:
+        return random_base(named, workdir, dtype=c.model.get("param_dtype", "float32"))
     if not c.base.lm_config:
         raise RLConfigError("set base.checkpoint (an HF directory) or base.lm_config")
     base = workdir / "base"

@@ -67,7 +67,14 @@ def model_shape(config: Any, *, base_dir: str | Path = ".", _depth: int = 0) -> 
     """The model shape a recipe trains (see the module docstring for where it is looked up).
     ``base_dir`` resolves relative paths in the config."""
     shape = get(config, "model.shape")
-    if shape is not None:
+    if isinstance(shape, str) and shape:  # a named shape (rl_jax.models.shapes)
+        from rl_jax.models.config import ConfigError  # imports jax: only on this branch
+        from rl_jax.models.shapes import shape as named_shape
+        try:
+            return ModelShape.from_model_config(named_shape(shape), name=shape)
+        except ConfigError as e:
+            raise SysModelError(f"model.shape: {e}")
+    if shape is not None and shape != "":
         values = _as_dict(shape)
         return ModelShape.from_mapping(values, name=values.get("name") or "config model.shape")
     checkpoint = get(config, "base.checkpoint", "") or get(config, "model.init_from", "")
