@@ -59,6 +59,7 @@ from rl_jax.generator.types import GenerateRequest, SamplingParams  # noqa: E402
 from rl_jax.models.shapes import shape as named_shape  # noqa: E402
 from rl_jax.sysmodel import CATALOGUE, Accelerator, ModelShape, RooflineLatency  # noqa: E402
 from rl_jax.sysmodel.latency import TrainerModel  # noqa: E402
+from rl_jax.sysmodel.memory import trainer_memory  # noqa: E402
 from rl_jax.trainer.state import ModelSpec, OptimizerConfig, init_state, make_optimizer  # noqa
 from rl_jax.trainer.step import LMBatch, causal_lm_loss, make_train_step  # noqa: E402
 
@@ -314,6 +315,13 @@ def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
                     memory.argument_size_in_bytes + memory.output_size_in_bytes
                     + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
             row["predicted_state_bytes"] = shape.train_state_bytes("float32")
+            impl = (args.attention_check or {}).get("implementation", "xla")
+            predicted_memory = trainer_memory(
+                shape, batch=batch, seq=seq, dtype=dtype_name, param_dtype="float32",
+                remat=args.remat, logits_block=4096,
+                attention="materialised" if impl == "xla" else "fused",
+                backend="cpu" if jax.default_backend() == "cpu" else "accelerator")
+            row["predicted_peak_bytes"] = float(predicted_memory.total)
             limit = device_memory_limit()
             if limit and row.get("compiled_peak_bytes", 0) > limit:
                 raise MemoryError(
@@ -338,7 +346,8 @@ def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
             log(f"train {batch}x{seq} remat={args.remat}: {seconds * 1e3:.1f} ms/step "
                 f"{tokens / seconds:>10,.0f} tok/s MFU {row['mfu']:.3f} (vs measured matmul "
                 f"{row['mfu_vs_matmul']:.3f}); predicted {predicted_s * 1e3:.1f} ms; compiled "
-                f"peak {row.get('compiled_peak_bytes', 0) / 2**30:.2f} GiB")
+                f"peak {row.get('compiled_peak_bytes', 0) / 2**30:.2f} GiB (predicted "
+                f"{row['predicted_peak_bytes'] / 2**30:.2f})")
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
             log(f"train {batch}x{seq}: FAILED {row['error'][:300]}")
@@ -414,7 +423,7 @@ def summary(entry: dict) -> dict:
         best = max(train, key=lambda r: r["tokens_per_s"])
         out["trainer"] = {k: best.get(k) for k in (
             "batch", "seq", "tokens_per_s", "mfu", "mfu_vs_matmul", "measured_over_predicted",
-            "compiled_peak_bytes")}
+            "compiled_peak_bytes", "predicted_peak_bytes")}
     if entry.get("publication") and "end_to_end_gbps" in entry["publication"]:
         out["publication"] = {k: entry["publication"][k] for k in (
             "version_bytes", "end_to_end_gbps", "end_to_end_over_host_copies")}
@@ -423,6 +432,10 @@ def summary(entry: dict) -> dict:
 
 def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def gib(value) -> float | None:
+    return None if value is None else value / 2 ** 30
 
 
 def checks_markdown(records: list[dict]) -> list[str]:
@@ -486,7 +499,7 @@ def record_markdown(record: dict) -> str:
                 f"{fmt(r.get('engine_step_s', None) and r['engine_step_s'] * 1e3, '.3f')} | "
                 f"{r.get('error', '')[:120]} |")
         lines += ["", "| train BxT | remat | ms/step | tok/s | MFU | MFU vs matmul | "
-                  "predicted ms | compiled peak GiB | predicted state GiB | error |",
+                  "predicted ms | compiled peak GiB | predicted peak GiB | error |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in entry.get("trainer", []):
             lines.append(
@@ -496,7 +509,8 @@ def record_markdown(record: dict) -> str:
                 f"{fmt(r.get('mfu_vs_matmul'), '.3f')} | "
                 f"{fmt(r.get('predicted_step_s', None) and r['predicted_step_s'] * 1e3, '.1f')} | "
                 f"{fmt(r.get('compiled_peak_bytes', None) and r['compiled_peak_bytes'] / 2**30, '.2f')}"
-                f" | {r['predicted_state_bytes'] / 2**30:.2f} | {r.get('error', '')[:120]} |")
+                f" | {fmt(gib(r.get('predicted_peak_bytes')), '.2f')} | "
+                f"{r.get('error', '')[:120]} |")
         pub = entry.get("publication") or {}
         if "end_to_end_gbps" in pub:
             lines += ["", f"Publication of one {pub['version_bytes'] / 1e9:.2f} GB version "

@@ -34,6 +34,8 @@ def test_accelerator_check_runs_on_cpu_and_writes_the_comparison(tmp_path):
     assert "error" not in train, train
     assert 0 < train["mfu"] < 1.5 and train["tokens_per_s"] > 0
     assert train["compiled_peak_bytes"] > 0
+    # the systems model's memory (rl_jax.sysmodel.memory) against what XLA compiled
+    assert abs(train["predicted_peak_bytes"] / train["compiled_peak_bytes"] - 1) < 0.15, train
     assert entry["trainer_attention"]["implementation"] == "xla"
     pub = entry["publication"]
     assert "error" not in pub, pub
