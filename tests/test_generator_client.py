@@ -317,7 +317,7 @@ def test_server_commands():
         sys.executable, "-m", "launch.generator_server", "--model=/ckpt", "--host=127.0.0.1",
         "--port=31000", "--max_slots=16", "--max_seq_len=256", "--max_waiting=4096",
         "--dtype=float32", "--tensor_parallel=1", "--data_parallel=1", "--weight_version=0",
-        f"--parent_pid={os.getpid()}"]
+        f"--parent_pid={os.getpid()}", "--num_continuous_decode_steps=1"]
     sglang = PoolConfig(model="Qwen/Qwen3-0.6B", kind="sglang", host="0.0.0.0",
                         ports=(30001, 30002), tensor_parallel=2, data_parallel=2,
                         dtype="bfloat16",
@@ -334,6 +334,8 @@ def test_server_commands():
     steps = dict(decode_steps=4)
     assert "--num_continuous_decode_steps=4" in server_command(
         PoolConfig(model="/ckpt", **steps), 31000)
+    # one step too, explicitly: the server's own default depends on its backend
+    assert "--num_continuous_decode_steps=1" in server_command(PoolConfig(model="/ckpt"), 31000)
     cmd = server_command(PoolConfig(model="m", kind="sglang", **steps), 30001)
     assert cmd[cmd.index("--num-continuous-decode-steps") + 1] == "4"
     # A lower CPU priority, for either kind (outermost, so that it covers taskset too)

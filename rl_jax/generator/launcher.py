@@ -148,9 +148,9 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
                f"--max_seq_len={c.max_seq_len}", f"--max_waiting={c.max_waiting}",
                f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",
                f"--data_parallel={c.data_parallel}",
-               f"--weight_version={c.weight_version}", f"--parent_pid={os.getpid()}"]
-        if c.decode_steps != 1:
-            cmd.append(f"--num_continuous_decode_steps={c.decode_steps}")
+               f"--weight_version={c.weight_version}", f"--parent_pid={os.getpid()}",
+               # always given: the server's own default follows its backend
+               f"--num_continuous_decode_steps={c.decode_steps}"]
         if c.cpu_cores:
             cmd.append(f"--cpu_cores={c.cpu_cores}")
         if c.publisher_url:
