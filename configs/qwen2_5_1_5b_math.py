@@ -51,7 +51,8 @@ def get_config() -> ConfigDict:
     c.loss = ConfigDict(dict(name="reinforce_tis", options=ConfigDict(dict(truncation=5.0))))
     c.trainer = ConfigDict(dict(steps=1000, time_limit_s=0.0, num_microbatches=16,
                                 micro_batch_rows=0, logits_block_size=8192,
-                                prefetch=True, ess_lr_power=0.0, step_delay_s=0.0))
+                                prefetch=True, ess_lr_power=0.0, step_delay_s=0.0,
+                                ema_decay=0.0))
     c.optimizer = ConfigDict(dict(learning_rate=1e-6, warmup_steps=10, final_lr_ratio=1.0,
                                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0, schedule_on="steps"))

@@ -118,6 +118,10 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     workdir_path = Path(workdir).absolute()
     workdir_path.mkdir(parents=True, exist_ok=True)
     base_dir = ensure_base_checkpoint(c, workdir_path)
+    # Joined before anything asks JAX for its backend (cpu_placement_off_cpu does).
+    from rl_jax import distributed
+    distributed.initialize(c.distributed.coordinator, c.distributed.num_processes,
+                           c.distributed.process_id)
     cpu_placement_off_cpu(c)
     if c.cpus.trainer:
         from rl_jax import cpus
