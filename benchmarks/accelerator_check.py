@@ -52,10 +52,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import pools  # noqa: E402  (benchmarks/pools.py: environment, device naming, comparison)
+from generator_throughput import admit_prompts, engine_generate  # noqa: E402
 
 from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
-from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner  # noqa: E402
-from rl_jax.generator.types import GenerateRequest, SamplingParams  # noqa: E402
+from rl_jax.generator.runner import ModelRunner  # noqa: E402
 from rl_jax.models.shapes import shape as named_shape  # noqa: E402
 from rl_jax.sysmodel import CATALOGUE, Accelerator, ModelShape, RooflineLatency  # noqa: E402
 from rl_jax.sysmodel.latency import TrainerModel  # noqa: E402
@@ -156,16 +156,6 @@ def device_memory_limit() -> int | None:
 
 # ---- generator --------------------------------------------------------------------------------------
 
-def admit_prompts(runner: ModelRunner, params, prompts: np.ndarray):
-    b, p = prompts.shape
-    k, v, logits = runner.prefill(params, prompts, np.full((b,), p, np.int32))
-    values = {name: np.zeros((b,), dt) for name, dt in SLOT_FIELDS.items()}
-    values.update(position=np.full((b,), p), seed=np.arange(b), temperature=np.ones(b),
-                  top_k=np.full(b, -1), top_p=np.ones(b))
-    slots = np.arange(b, dtype=np.int32)
-    return runner.admit(k, v, logits, slots, slots, values, np.ones((b,), bool), False)
-
-
 def raw_decode(runner: ModelRunner, params, weights, prompts: np.ndarray, new_tokens: int,
                steps: int) -> float:
     """Seconds per decode step of ``new_tokens`` steps run ``steps`` per program, tokens kept on
@@ -178,22 +168,6 @@ def raw_decode(runner: ModelRunner, params, weights, prompts: np.ndarray, new_to
         out = runner.decode(weights, b, p + i + 1, False, steps=steps)
     block(out)
     return (time.perf_counter() - start) / (math.ceil(new_tokens / steps) * steps)
-
-
-def engine_generate(engine: Engine, prompts: np.ndarray, new_tokens: int) -> float:
-    """Seconds for ``B`` requests of ``new_tokens`` tokens each, admitted together."""
-    sampling = [SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True,
-                               seed=i) for i in range(len(prompts))]
-    engine.pause("in_place")
-    futures = [engine.submit(GenerateRequest(prompt.tolist(), sp))
-               for prompt, sp in zip(prompts, sampling)]
-    start = time.perf_counter()
-    engine.resume()
-    outputs = [f.result() for f in futures]
-    seconds = time.perf_counter() - start
-    if not all(len(o[0].output_ids) == new_tokens for o in outputs):
-        raise RuntimeError("the engine returned fewer tokens than asked for")
-    return seconds
 
 
 def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
