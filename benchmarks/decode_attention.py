@@ -30,27 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from generator_throughput import best_time, log  # benchmarks/ is on sys.path as the script's dir
 from rl_jax.generator.kernels import pallas_decode
 from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, attend
 from rl_jax.models import ModelConfig
 
 RESULTS = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-
-
-def log(message: str):
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def best_time(fn, *, warmup: int = 2, repeats: int = 10) -> float:
-    """Minimum seconds per call of ``fn`` (which blocks on its result) after warm-up."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.min(times))
 
 
 def reference(q, keys, values, positions) -> np.ndarray:
@@ -161,7 +146,7 @@ def attention_times(quick: bool) -> list[dict]:
                        "positions": name}
                 for label, fn in (("xla", xla), ("pallas", pallas)):
                     row[f"{label}_ms"] = 1e3 * best_time(
-                        lambda fn=fn: jax.block_until_ready(fn(q, keys, values, positions)))
+                        lambda fn=fn: jax.block_until_ready(fn(q, keys, values, positions)), repeats=10)
                 live = float(np.sum(np.minimum(np.asarray(positions) + 1, t)))
                 itemsize = jnp.dtype(dtype).itemsize  # keys and values of the positions read
                 row["pallas_live_GBps"] = 2 * live * k * d * itemsize / row["pallas_ms"] / 1e6
