@@ -21,10 +21,10 @@ from rl_jax.generator.runner import generator_rules
 from rl_jax.models import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
-from rl_jax.transfer import (GeneratorPuller, IntegrityError, LayoutError, Publisher,
-                             PublisherConfig, Puller, PullerConfig, TransferTimeout,
+from rl_jax.transfer import (GeneratorPuller, IntegrityError, LayoutError, NonFiniteWeights,
+                             Publisher, PublisherConfig, Puller, PullerConfig, TransferTimeout,
                              TransportUnavailable, verify)
-from rl_jax.transfer import checksum
+from rl_jax.transfer import checksum, finite
 from rl_jax.transfer.chunks import Entry, parse_chunk, plan_chunks
 from rl_jax.transfer.layout import Layout, flatten, shard_indices
 from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo
@@ -359,6 +359,132 @@ def test_generator_puller_feeds_a_live_engine(publisher, specs):
         engine.shutdown()
 
 
+def _poisoned(params, name: str, position: int, value: float):
+    """``params`` with ``value`` at flat ``position`` (negative: from the end) of tensor
+    ``name`` (a dotted path), the other tensors as they are."""
+    def poison(path, a):
+        if jax.tree_util.keystr(path, simple=True, separator=".") != name:
+            return a
+        bad = np.asarray(jax.device_get(a)).copy()
+        bad.reshape(-1)[position] = value
+        return jax.device_put(bad, a.sharding)
+    return jax.tree_util.tree_map_with_path(poison, params)
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket", "disk"])
+def test_non_finite_versions_are_refused_by_the_puller_on_every_host_transport(
+        publisher, specs, transport):
+    """A NaN or an infinity anywhere (first or last value of a tensor, one shard of several)
+    makes the pull fail with NonFiniteWeights naming the tensor; a later finite version comes
+    through and says it was checked, so that the engine skips its own pass."""
+    puller = Puller(publisher.url, target_of(specs["tp2"]), transports=[transport])
+    puller.register()
+    clean = random_params(specs["trainer"], 1)
+    names = sorted(host(clean))
+    cases = [(names[0], 0, np.nan), (names[-1], -1, -np.inf), (names[len(names) // 2], 5,
+                                                                  np.inf)]
+    version = 0
+    for name, position, value in cases:
+        version += 1
+        publisher.publish(_poisoned(clean, name, position, value), version)
+        with pytest.raises(NonFiniteWeights, match=name.replace(".", r"\.")) as info:
+            puller.pull(version - 1)
+        assert f"version {version}" in str(info.value)
+    publisher.publish(clean, version + 1)
+    update = puller.pull(version)
+    assert update.version == version + 1 and update.finite_checked
+    got, want = host(update.params), host(clean)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_device_to_device_pulls_leave_the_finiteness_check_to_the_engine(publisher, specs):
+    puller = Puller(publisher.url, target_of(specs["tp2"]), transports=["jax_transfer"])
+    puller.register()
+    clean = random_params(specs["trainer"], 1)
+    name = sorted(host(clean))[0]
+    publisher.publish(_poisoned(clean, name, 0, np.nan), 1)
+    update = puller.pull(0)
+    assert not update.finite_checked
+    engine = Engine(CONFIG, random_params(specs["tp2"], 0), version=0, mesh=specs["tp2"].mesh,
+                    rules=generator_rules())
+    try:
+        with pytest.raises(ValueError, match="non-finite"):
+            engine.update_weights(update.params, update.version,
+                                  finite_checked=update.finite_checked)
+        assert engine.version == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_generator_puller_skips_a_poisoned_version_and_the_engine_keeps_serving(
+        publisher, specs, monkeypatch):
+    """The background loop of a live engine: a non-finite version is refused by the puller
+    (the engine keeps its weights), the next finite one is applied without the engine's own
+    device-side pass (the puller checked it)."""
+    import rl_jax.generator.engine as engine_module
+    spec = specs["single"]
+    engine = Engine(CONFIG, random_params(spec, 0), version=0, rules=generator_rules())
+    passes = []
+    device_check = engine_module._finite_leaves
+    monkeypatch.setattr(engine_module, "_finite_leaves",
+                        lambda leaves: (passes.append(1), device_check(leaves))[1])
+    try:
+        gp = GeneratorPuller(publisher.url, transports=["shm"])
+        gp.puller(engine.params).register()
+        clean = random_params(specs["trainer"], 2)
+        publisher.publish(_poisoned(clean, sorted(host(clean))[-1], -1, np.nan), 1)
+        with pytest.raises(NonFiniteWeights):
+            gp.pull_latest(engine)
+        assert engine.version == 0 and gp.stats()["failures"] == 1
+        gp.start(engine, wait_s=5.0)
+        publisher.publish(clean, 2)
+        assert engine.wait_for_version(2, 30)
+        gp.stop()
+        got, want = host(engine.params), host(clean)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        assert passes == []
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_host_finiteness_matches_numpy_on_every_16_bit_pattern(dtype):
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    values = patterns.view(np.dtype(getattr(ml_dtypes, dtype, dtype)))
+    expected = np.isfinite(values.astype(np.float32))
+    assert 0 < expected.sum() < len(values)
+    for bits, ok in zip(patterns[::97], expected[::97]):  # single values
+        assert finite.all_finite(np.array([bits], np.uint16).view(values.dtype)) == ok
+    finite_values = values[expected]
+    assert finite.all_finite(finite_values)
+    for bad in values[~expected][::13]:  # one non-finite value among every finite one
+        mixed = finite_values.copy()
+        mixed[len(mixed) // 3] = bad
+        assert not finite.all_finite(mixed)
+        assert not finite.raw_finite(mixed.view(np.uint8), values.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_host_finiteness_of_wide_floats_at_the_edges(dtype):
+    dtype = np.dtype(dtype)
+    info = np.finfo(dtype)
+    edges = np.array([0.0, -0.0, info.max, -info.max, info.tiny, -info.smallest_subnormal,
+                      1.0, -1.0], dtype)
+    assert finite.all_finite(edges)
+    unsigned = np.dtype(f"uint{8 * dtype.itemsize}")
+    exponent = int(np.array(np.inf, dtype).view(unsigned))
+    sign = 1 << (8 * dtype.itemsize - 1)
+    for bits in (exponent, exponent + 1, sign | exponent, sign | (exponent + 12345),
+                 sign - 1, 2 * sign - 1):  # +-inf, NaNs, the largest patterns of each sign
+        mixed = edges.copy()
+        mixed.view(unsigned)[3] = bits
+        assert finite.all_finite(mixed) == bool(np.isfinite(mixed).all()), hex(bits)
+    assert finite.all_finite(np.arange(6, dtype=np.int32))  # not floating: nothing to check
+    strided = np.zeros((4, 4), dtype)[:, ::2]
+    strided[1, 1] = np.nan
+    assert not finite.all_finite(strided)
+
+
 def test_stale_staging_of_dead_publishers_is_removed(tmp_path):
     dead = tmp_path / "rl_jax-transfer-999999999-abcd"
     alive = tmp_path / f"rl_jax-transfer-{os.getpid()}-abcd"
@@ -572,9 +698,9 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
     puller.hooks["stream_start"] = lambda: (events.append("verify"), started.set())
     lay_out = puller._arrays_from_chunks
 
-    def arrays_from_chunks(*args):
+    def arrays_from_chunks(*args, **kw):
         events.append("arrays")
-        return lay_out(*args)
+        return lay_out(*args, **kw)
 
     puller._arrays_from_chunks = arrays_from_chunks
     seen = []
@@ -667,6 +793,33 @@ def test_streamed_block_corrupted_after_hashing_is_refused(streaming):
     pub.faults.clear()
     pub.publish(random_params(trainer, 3), 3)
     assert puller.pull(2).version == 3
+
+
+def test_streamed_version_with_a_non_finite_value_is_refused_block_by_block(streaming):
+    """Each checksum block of a streamed version is checked for non-finite values right after
+    it is hashed: a NaN in the last block of a multi-block tensor refuses the version."""
+    pub, puller, trainer = streaming
+    clean = random_params(trainer, 1)
+    name = max(host(clean).items(), key=lambda kv: kv[1].nbytes)[0]
+    assert host(clean)[name].nbytes >= 2 * checksum.BLOCK_BYTES  # NaN in its last block
+    started = threading.Event()
+    puller.hooks["stream_start"] = started.set
+    pub.hooks["after_announce"] = lambda v: started.wait(10)
+    thread, box = _pull_in_background(puller, 0)
+    time.sleep(0.05)
+    pub.publish(_poisoned(clean, name, -1, np.nan), 1)
+    thread.join(30)
+    assert started.is_set()
+    assert isinstance(box.get("error"), NonFiniteWeights), box
+    assert name in str(box["error"]) and "version 1" in str(box["error"])
+    started.clear()
+    thread, box = _pull_in_background(puller, 1)
+    time.sleep(0.05)
+    pub.publish(clean, 2)
+    thread.join(30)
+    assert started.is_set() and box["update"].version == 2 and box["update"].finite_checked
+    got, want = host(box["update"].params), host(clean)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
 
 
 def test_streamed_pull_restarts_when_superseded_and_times_out_on_a_stalled_publisher(

@@ -77,11 +77,11 @@ def _leaf_names(tree) -> list[str]:
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def check_weights(params: dict[str, Any], reference: dict[str, Any]):
+def check_weights(params: dict[str, Any], reference: dict[str, Any], *, finite: bool = True):
     """Refuses (:class:`WeightsRefused`, naming the leaves) ``params`` that differ from
     ``reference`` in tree structure or shapes, hold a dtype that cannot hold weights (anything
-    but floating point), or hold a non-finite value. The finiteness check runs on the device
-    the weights live on: one jitted reduction over the whole tree."""
+    but floating point), or (with ``finite``) hold a non-finite value. The finiteness check
+    runs on the device the weights live on: one jitted reduction over the whole tree."""
     got, want = jax.tree.structure(params), jax.tree.structure(reference)
     if got != want:
         missing = sorted(set(_leaf_names(reference)) - set(_leaf_names(params)))
@@ -99,9 +99,11 @@ def check_weights(params: dict[str, Any], reference: dict[str, Any]):
     if dtypes:
         raise WeightsRefused(f"new weights have dtypes that cannot hold weights (floating point "
                              f"only): {'; '.join(dtypes[:5])}")
-    finite = np.asarray(_finite_leaves(leaves))
-    if not finite.all():
-        bad = [n for n, ok in zip(names, finite) if not ok]
+    if not finite:
+        return
+    flags = np.asarray(_finite_leaves(leaves))
+    if not flags.all():
+        bad = [n for n, ok in zip(names, flags) if not ok]
         raise WeightsRefused(f"new weights hold non-finite values (NaN or infinity) in "
                              f"{len(bad)} tensor(s): {bad[:5]}")
 
@@ -369,13 +371,16 @@ class Engine:
         return self.submit(request).result(timeout)
 
     def update_weights(self, params: dict[str, Any], version: int, *,
-                       allow_older: bool = False):
+                       allow_older: bool = False, finite_checked: bool = False):
         """Swaps in ``params`` between two decode steps (running sequences continue).
 
         Checks them first, here, for every path new weights take (disk, transfer, SGLang's
         distributed protocol): :func:`check_weights` (tree, shapes, floating dtypes, finite
         values) and the version, which may not go below the newest one accepted unless
         ``allow_older``. Refused weights raise :class:`WeightsRefused` and change nothing.
+        ``finite_checked``: the caller already found every value finite on the very bytes of
+        ``params`` (the weight puller does, while it verifies their digests:
+        ``WeightUpdate.finite_checked``), so the device-side pass over them is skipped.
 
         Returns once checked: a helper thread lays the weights out for decode (the running
         batch keeps decoding meanwhile), then the scheduler swaps them in before its next step;
@@ -389,7 +394,7 @@ class Engine:
             raise WeightsRefused(f"weight version {version} is older than version {newest} "
                                  f"(already accepted); set allow_older to go back on purpose")
         start = time.perf_counter()
-        check_weights(params, self.params)
+        check_weights(params, self.params, finite=not finite_checked)
         self.stats["weight_check_ms"] += int((time.perf_counter() - start) * 1000)
         with self._lock:
             if not self.alive:

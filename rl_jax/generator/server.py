@@ -313,7 +313,8 @@ class GeneratorServer:
             return
         if update is not None:
             try:
-                self.engine.update_weights(update.params, update.version)
+                self.engine.update_weights(update.params, update.version,
+                                           finite_checked=update.finite_checked)
             except WeightsRefused as e:
                 log.warning("initial weights from %s refused (serving version %d): %s", url,
                             self.engine.version, e)
@@ -730,7 +731,8 @@ class GeneratorServer:
                 return _json_response({"success": True, "weight_version": self.engine.version,
                                        "message": "no newer version was published"})
             start = time.perf_counter()
-            refused = await self._install(update.params, update.version, allow_older)
+            refused = await self._install(update.params, update.version, allow_older,
+                                          finite_checked=update.finite_checked)
             if refused is not None:
                 return refused
             if not await asyncio.to_thread(wait_for_swap, self.engine, update.params):
@@ -741,12 +743,13 @@ class GeneratorServer:
                                "swap_ms": swap_ms, "transfer": update.metrics.to_json(),
                                "message": f"pulled weight version {update.version}"})
 
-    async def _install(self, params, version: int, allow_older: bool) -> web.Response | None:
+    async def _install(self, params, version: int, allow_older: bool, *,
+                       finite_checked: bool = False) -> web.Response | None:
         """Hands new weights to the engine, which checks them (off the event loop); the 400
         answer saying why when it refuses them (the old weights keep serving), else None."""
         try:
             await asyncio.to_thread(self.engine.update_weights, params, version,
-                                    allow_older=allow_older)
+                                    allow_older=allow_older, finite_checked=finite_checked)
         except WeightsRefused as e:
             log.warning("refused weight version %d (serving version %d): %s", version,
                         self.engine.version, e)

@@ -10,7 +10,7 @@ loads). SGLang's distributed protocol lives in :mod:`rl_jax.transfer.sglang` (ne
 
 from rl_jax.transfer.config import TRANSPORTS, PublisherConfig, PullerConfig
 from rl_jax.transfer.errors import (AuthenticationError, IntegrityError, LayoutError,
-                                    PublisherNotAllowed, PublisherUnavailable,
+                                    NonFiniteWeights, PublisherNotAllowed, PublisherUnavailable,
                                     StagingSpaceError, TransferError, TransferTimeout,
                                     TransportUnavailable, VersionGone)
 from rl_jax.transfer.layout import Layout
@@ -21,7 +21,7 @@ from rl_jax.transfer.puller import (GeneratorPuller, PullMetrics, Puller, Weight
 
 __all__ = [
     "TRANSPORTS", "PublisherConfig", "PullerConfig", "TransferError", "IntegrityError",
-    "LayoutError", "PublisherUnavailable", "TransferTimeout", "TransportUnavailable",
+    "NonFiniteWeights", "LayoutError", "PublisherUnavailable", "TransferTimeout", "TransportUnavailable",
     "VersionGone", "AuthenticationError", "PublisherNotAllowed", "StagingSpaceError",
     "Layout", "Manifest", "verify", "Publisher", "PublishStats", "Puller", "GeneratorPuller",
     "PullMetrics", "WeightUpdate", "pinned_publisher",

@@ -146,6 +146,10 @@ class PullerConfig:
         staging slot, which stays locked for as long as they live.
       auth_token: the publisher's token; None: ``$RL_JAX_TRANSFER_TOKEN`` at the time of each
         request. Never logged.
+      check_finite: refuse a version pulled over a host transport that holds a non-finite
+        value (:class:`~rl_jax.transfer.errors.NonFiniteWeights`), checked on the bytes the
+        digests cover (``rl_jax.transfer.finite``); the engine then skips its own check. False
+        leaves the check to the engine.
     """
 
     transport: str = "auto"
@@ -157,6 +161,7 @@ class PullerConfig:
     digest_threads: int = 0
     host_buffers: int = 3
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+    check_finite: bool = True
 
     def __post_init__(self):
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:

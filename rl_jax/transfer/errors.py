@@ -16,6 +16,10 @@ class IntegrityError(TransferError):
     shard, or a shape/dtype mismatch. The version is refused."""
 
 
+class NonFiniteWeights(IntegrityError):
+    """Pulled weights hold a non-finite value (NaN or infinity): the version is refused."""
+
+
 class TransferTimeout(TransferError):
     """A pull did not finish within its deadline (the pulling thread was abandoned)."""
 

@@ -2,7 +2,8 @@
 returns parameters ready for ``Engine.update_weights``.
 
 A pull never touches the engine: it builds new arrays in the engine's shardings (and dtypes),
-checks every shard's checksum against the manifest, and only then returns them. Over ``shm`` the
+checks every shard's checksum against the manifest (and, over the host transports, that every
+value is finite: :mod:`rl_jax.transfer.finite`), and only then returns them. Over ``shm`` the
 arrays alias the publisher's staging slot (no copy: each byte is read once, to verify it); the
 slot is held with a shared lock for as long as any of them lives, and the publisher never
 rewrites a held slot. Any failure
@@ -38,11 +39,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from rl_jax.transfer import checksum, jax_transport
+from rl_jax.transfer import checksum, finite, jax_transport
 from rl_jax.transfer.chunks import numpy_dtype, parse_chunk
 from rl_jax.transfer.config import MAX_WAIT_S, TRANSPORTS, PullerConfig
 from rl_jax.transfer.control import ControlClient, host_id, normalize_url
-from rl_jax.transfer.errors import (IntegrityError, LayoutError, PublisherNotAllowed,
+from rl_jax.transfer.errors import (IntegrityError, LayoutError, NonFiniteWeights,
+                                    PublisherNotAllowed,
                                     PublisherUnavailable, TransferError, TransferTimeout,
                                     TransportUnavailable, VersionGone)
 from rl_jax.transfer.layout import (Index, Layout, flatten, index_shape, normalize_index,
@@ -79,12 +81,15 @@ class PullMetrics:
 
 @dataclasses.dataclass
 class WeightUpdate:
-    """Verified parameters (nested dict, in the target shardings) and their version."""
+    """Verified parameters (nested dict, in the target shardings) and their version.
+    ``finite_checked``: every value was found finite by the puller (host transports with
+    ``PullerConfig.check_finite``); pass it on to ``Engine.update_weights``."""
 
     params: dict[str, Any]
     version: int
     metrics: PullMetrics
     manifest: Manifest
+    finite_checked: bool = False
 
 
 def run_with_deadline(fn: Callable[[], Any], seconds: float, what: str,
@@ -371,6 +376,7 @@ class Puller:
         self._registered = False
         self._dirs: dict[str, str | None] = {}  # the publisher's staging and disk directories
         self._deadline: float | None = None  # of the pull under way
+        self._nonfinite: list[str] = []  # tensors of the pull under way with non-finite values
         self._transfer_host = "127.0.0.1" if _is_loopback(self.client.host) else "0.0.0.0"
         self.hooks: dict[str, Callable[[], None]] = {}  # test seams: "mid_pull", "stream_start"
         self._buffers = HostBufferPool(config.host_buffers)
@@ -488,6 +494,7 @@ class Puller:
             attempts += 1
             chosen = transport or self._pick(manifest)
             start = time.perf_counter()
+            self._nonfinite = []
             try:
                 arrays, nbytes, *digests = self._fetch(chosen, manifest, deadline)
                 fetched = time.perf_counter()
@@ -495,6 +502,11 @@ class Puller:
                     manifest = _completed(manifest, digests[0])
                 else:
                     verify(manifest, arrays, digests=digests[0] if digests else None)
+                if self._nonfinite:
+                    names = sorted(set(self._nonfinite))
+                    raise NonFiniteWeights(
+                        f"pulled weights (version {manifest.version}) refused: {len(names)} "
+                        f"tensor(s) hold non-finite values (NaN or infinity): {names[:5]}")
             except (VersionGone, IntegrityError) as e:
                 if attempts > self.config.retries or not self._superseded(manifest, e):
                     self._report(manifest.version, chosen, False, 0.0, 0, str(e))
@@ -517,7 +529,9 @@ class Puller:
                 bytes=nbytes, seconds=end - start, fetch_seconds=fetched - start,
                 verify_seconds=end - fetched, attempts=attempts)
             self._report(manifest.version, chosen, True, metrics.seconds, nbytes, None)
-            return WeightUpdate(unflatten(arrays), manifest.version, metrics, manifest)
+            return WeightUpdate(unflatten(arrays), manifest.version, metrics, manifest,
+                                finite_checked=self.config.check_finite
+                                and chosen != "jax_transfer")
 
     def _pick(self, manifest: Manifest) -> str:
         offered = [t for t in TRANSPORTS if t in manifest.transports]
@@ -634,7 +648,7 @@ class Puller:
                 # (names, shapes, dtypes, shards) then, so that little is left to do once the
                 # last block is verified. Arrays that were copied rather than aliased
                 # (misaligned) would hold unverified bytes, so those are laid out again below.
-                arrays = self._arrays_from_chunks(manifest, base)
+                arrays = self._arrays_from_chunks(manifest, base, check_finite=False)
                 verify(manifest, arrays, checksums=False)
                 if not all(_aliases(a, base) for a in arrays.values()):
                     arrays = None
@@ -653,8 +667,9 @@ class Puller:
                     digests.setdefault(name, {})[index] = value
             if stamps()[0] != manifest.version:
                 raise VersionGone(f"version {manifest.version} was superseded while read")
-            if arrays is None:
-                arrays = self._arrays_from_chunks(manifest, base)
+            if arrays is None:  # (a streamed version's values were checked block by block)
+                arrays = self._arrays_from_chunks(manifest, base,
+                                                  check_finite=not streamed)
             return arrays, total, digests
         except BaseException:
             if release is not None:
@@ -675,12 +690,16 @@ class Puller:
             raise IntegrityError(f"a streamed version needs xxh3_64_blocks checksums, not "
                                  f"{manifest.algorithm}")
         blocks = []  # (tensor name, shard index, shard offset, start, stop) per table row
+        dtypes = []  # the tensor's dtype per block when its values are checked, else None
+        check = self.config.check_finite
         for tensor in manifest.tensors:
+            dtype = numpy_dtype(tensor.dtype) if check else None
             for shard in tensor.shards:
                 for k in range(checksum.num_blocks(shard.nbytes)):
                     start = shard.offset + k * checksum.BLOCK_BYTES
                     stop = min(shard.offset + shard.nbytes, start + checksum.BLOCK_BYTES)
                     blocks.append((tensor.name, shard.index, shard.offset, start, stop))
+                    dtypes.append(dtype)
         try:
             table = self._sources.table(progress_path, np.uint64)
         except OSError as e:
@@ -693,6 +712,7 @@ class Puller:
             self.hooks["stream_start"]()
         version = np.uint64(manifest.version)
         got = np.zeros(len(blocks), np.uint64)
+        finite_ok = np.ones(len(blocks), bool)
         bad = []
         mid_pull = len(blocks) // 2 if "mid_pull" in self.hooks else -1
         # Blocks are found ready with one vectorised look at the table per wake-up (a scan in
@@ -710,18 +730,23 @@ class Puller:
                 got[i] = checksum.xxh3(base[start:stop])
                 if got[i] != table[i, 0]:
                     bad.append(i)
+                elif dtypes[i] is not None:  # read again while the block is in the cache
+                    finite_ok[i] = finite.raw_finite(base[start:stop], dtypes[i])
             pending = pending[~ready]
         while stamps()[0] == STAMP_WRITING:  # every block is marked: the publisher is ending
             self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
         for i in bad:  # read once more now that the publisher is done
             name, index, offset, start, stop = blocks[i]
             got[i] = checksum.xxh3(base[start:stop])
+            if dtypes[i] is not None:
+                finite_ok[i] = finite.raw_finite(base[start:stop], dtypes[i])
             if got[i] != table[i, 0] or table[i, 1] != version:
                 raise IntegrityError(
                     f"pulled weights (version {manifest.version}) refused: {name}: checksum "
                     f"mismatch in the shard at index {[list(p) for p in index]}, block at byte "
                     f"{start - offset} of it (got {int(got[i]):016x}, "
                     f"publisher {int(table[i, 0]):016x})")
+        self._nonfinite.extend(blocks[i][0] for i in np.flatnonzero(~finite_ok).tolist())
         rows: dict[tuple[str, Index], list[int]] = {}
         for i, (name, index, *_) in enumerate(blocks):
             rows.setdefault((name, index), []).append(i)
@@ -799,9 +824,11 @@ class Puller:
                 f.result()
         return self._arrays_from_chunks(manifest, buf), sum(done)
 
-    def _arrays_from_chunks(self, manifest: Manifest, buf: np.ndarray) -> dict[str, jax.Array]:
+    def _arrays_from_chunks(self, manifest: Manifest, buf: np.ndarray, *,
+                            check_finite: bool = True) -> dict[str, jax.Array]:
         """Views into the staged bytes (after checking every chunk header against the
-        manifest), placed in the target shardings (without a copy when aligned, on CPU)."""
+        manifest), placed in the target shardings (without a copy when aligned, on CPU); with
+        ``check_finite`` (and ``PullerConfig.check_finite``) every value is checked finite."""
         entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         for c in manifest.transports["staging"]["chunks"]:
             offset, nbytes = int(c["offset"]), int(c["nbytes"])
@@ -826,8 +853,17 @@ class Puller:
                     raise IntegrityError(f"{tensor.name}: shard {k} in the chunks ({e_dtype}, "
                                          f"{e_shape} at {start}) does not match the manifest")
                 views[shard.index] = buf[start:stop].view(dtype).reshape(e_shape)
+            if check_finite:
+                self._require_finite(manifest, tensor.name, views.values())
             arrays[tensor.name] = self._place(tensor.name, tensor.shape, views)
         return arrays
+
+    def _require_finite(self, manifest: Manifest, name: str, values) -> None:
+        """Notes tensor ``name`` in :attr:`_nonfinite` when one of its host arrays holds a
+        non-finite value (nothing when ``PullerConfig.check_finite`` is off); the pull refuses
+        the version once its digests matched (so that corrupted bytes are reported as such)."""
+        if self.config.check_finite and not all(finite.all_finite(v) for v in values):
+            self._nonfinite.append(name)
 
     def _place(self, name: str, shape: tuple[int, ...], views: Mapping[Index, np.ndarray]
                ) -> jax.Array:
@@ -919,6 +955,7 @@ class Puller:
             if full.shape != tensor.shape:
                 raise IntegrityError(f"{tensor.name}: checkpoint shape {full.shape} != "
                                      f"manifest {tensor.shape}")
+            self._require_finite(manifest, tensor.name, [full])
             views = {shard.index: full[tuple(slice(a, b) for a, b in shard.index)]
                      for shard in tensor.shards}
             arrays[tensor.name] = self._place(tensor.name, tensor.shape, views)
@@ -931,8 +968,8 @@ class GeneratorPuller:
     ``pull_latest(engine)`` pauses nothing and changes nothing: it returns a verified
     :class:`WeightUpdate` in the engine's live shardings and dtypes (or None when the publisher
     has nothing newer than ``engine.version``); the server then calls
-    ``engine.update_weights(update.params, update.version)``, which swaps between two decode
-    steps. :meth:`start` runs that loop in a background thread instead.
+    ``engine.update_weights(update.params, update.version, finite_checked=...)``, which swaps
+    between two decode steps. :meth:`start` runs that loop in a background thread instead.
     """
 
     def __init__(self, url: str, *, config: PullerConfig | None = None,
@@ -1001,7 +1038,8 @@ class GeneratorPuller:
                 continue
             if update is not None:
                 try:
-                    engine.update_weights(update.params, update.version)
+                    engine.update_weights(update.params, update.version,
+                                          finite_checked=update.finite_checked)
                 except (ValueError, RuntimeError) as e:  # e.g. the engine's WeightsRefused
                     # A version the engine refuses (non-finite values, an older version) is
                     # skipped: the engine keeps serving what it has and the next one is pulled.
