@@ -46,7 +46,7 @@ setup(
     description="Asynchronous reinforcement learning for language models in JAX",
     packages=find_packages(include=["rl_jax", "rl_jax.*", "launch", "launch.*"]),
     # Native CPU kernels are compiled on first use (rl_jax.generator.kernels).
-    package_data={"rl_jax.generator.kernels": ["*.cc"]},
+    package_data={"rl_jax.generator.kernels": ["*.cc"], "rl_jax.transfer": ["*.c"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -9,12 +9,13 @@ import textwrap
 import numpy as np
 import pytest
 
+from rl_jax import native
 from rl_jax.generator import kernels
 from rl_jax.models import ModelConfig
 
 # Only a machine without a C++ compiler skips these; where one exists, a kernel that fails to
 # build makes them fail.
-pytestmark = pytest.mark.skipif(kernels._compiler() is None,
+pytestmark = pytest.mark.skipif(native.compiler("c++") is None,
                                 reason="no C++ compiler for the native kernel")
 
 

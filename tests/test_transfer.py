@@ -3,6 +3,7 @@ and verification, and publisher → puller round trips over each transport, incl
 superseded versions, refused layouts and deadlines. The cross-process behaviour is in
 ``test_transfer_multiprocess.py``."""
 
+import dataclasses
 import os
 import threading
 import time
@@ -445,6 +446,123 @@ def test_a_generator_puller_skips_a_poisoned_version_and_the_engine_keeps_servin
         assert passes == []
     finally:
         engine.shutdown()
+
+
+def test_the_publisher_finds_non_finite_values_while_staging_and_pullers_trust_it(
+        publisher, specs, monkeypatch):
+    """Staging copies find the NaN (stats, manifest); shm and socket pullers refuse the version
+    from the manifest without reading the values again; with the publisher's check off they
+    read them themselves and refuse it all the same."""
+    import rl_jax.transfer.puller as puller_module
+    pullers = {t: Puller(publisher.url, target_of(specs["tp2"]), transports=[t])
+               for t in ("shm", "socket")}
+    for p in pullers.values():
+        p.register()
+    clean = random_params(specs["trainer"], 1)
+    name = sorted(host(clean))[1]
+    stats = publisher.publish(_poisoned(clean, name, 7, np.nan), 1)
+    assert stats.nonfinite == (name,)
+    manifest = pullers["shm"].poll(0)
+    assert {t.name: t.finite for t in manifest.tensors} == {
+        n: n != name for n in host(clean)}
+    reads = []
+    real = puller_module.finite.all_finite
+    monkeypatch.setattr(puller_module.finite, "all_finite",
+                        lambda *a, **k: (reads.append(1), real(*a, **k))[1])
+    for p in pullers.values():
+        with pytest.raises(NonFiniteWeights, match=name):
+            p.pull(0)
+    assert reads == []  # the publisher's finding was enough
+    monkeypatch.setattr(publisher, "config", dataclasses.replace(publisher.config,
+                                                                 check_finite=False))
+    stats = publisher.publish(_poisoned(clean, name, -1, np.inf), 2)
+    assert stats.nonfinite == ()
+    assert all(t.finite is None for t in pullers["shm"].poll(1).tensors)
+    for p in pullers.values():
+        with pytest.raises(NonFiniteWeights, match=name):
+            p.pull(1)
+    assert reads  # read by the puller this time
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_copies_that_check_finiteness_copy_exactly_and_find_every_non_finite_value(dtype):
+    """``copy_finite`` over the layouts staging copies: whole arrays, column blocks (strided
+    rows), blocks of a stacked weight, void pieces; the copy is bit-exact and the answer is
+    numpy's, with the value anywhere (first, last, inside a row's tail)."""
+    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((3, 40, 96)).astype(dtype)
+    cases = {"whole": (slice(None),) * 3, "columns": (slice(None), slice(None), slice(32, 64)),
+             "rows": (slice(1, 2), slice(8, 40), slice(None)),
+             "odd columns": (slice(None), slice(3, 5), slice(5, 37))}
+    for label, box in cases.items():
+        for where in (None, "first", "last", "middle"):
+            src = full.copy()
+            view = src[box]
+            if where is not None:
+                position = {"first": (0, 0, 0), "last": tuple(n - 1 for n in view.shape),
+                            "middle": tuple(n // 2 for n in view.shape)}[where]
+                view[position] = [np.nan, np.inf, -np.inf][hash(where) % 3]
+            dst = np.zeros(view.shape, dtype)
+            ok = finite.copy_finite(dst, view)
+            assert ok == (where is None), (label, where)
+            assert np.array_equal(dst.view(np.uint8), np.ascontiguousarray(view).view(np.uint8))
+            assert finite.all_finite(view) == (where is None)
+    piece = np.dtype((np.void, 32 * dtype.itemsize))  # staging's column blocks as void pieces
+    src = full.copy()
+    src[2, 39, 63] = np.nan
+    dst = np.zeros((3, 40, 32), dtype)
+    assert not finite.copy_finite(dst.view(piece), src.view(piece)[:, :, 1:2], dtype)
+    assert np.array_equal(dst.view(np.uint8), np.ascontiguousarray(src[:, :, 32:64])
+                          .view(np.uint8))
+
+
+def test_copies_that_cast_check_what_the_destination_holds():
+    src = np.array([1.0, 70000.0, -3.0], np.float32)  # finite, beyond float16's range
+    dst = np.zeros(3, np.float16)
+    assert not finite.copy_finite(dst, src) and np.isinf(dst[1])
+    assert finite.copy_finite(np.zeros(3, ml_dtypes.bfloat16), src)
+    assert finite.copy_finite(np.zeros(3, np.int32), src)  # not floating: nothing to check
+
+
+def test_finiteness_without_the_native_kernel_gives_the_same_answers(monkeypatch):
+    """Where the C kernel cannot be built (no compiler, RL_JAX_NATIVE_FINITE=0) numpy copies
+    and checks, with the same results."""
+    native = finite._library()
+    assert native is not None, "the C kernel should build on this machine (cc is installed)"
+    monkeypatch.setitem(finite._state, "library", None)
+    rng = np.random.default_rng(1)
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        src = rng.standard_normal((64, 48)).astype(dtype)
+        for bad in (None, np.nan, -np.inf):
+            if bad is not None:
+                src[63, 40] = bad
+            dst = np.zeros((64, 16), dtype)
+            assert finite.copy_finite(dst, src[:, 32:]) == (bad is None)
+            assert np.array_equal(dst, src[:, 32:], equal_nan=True)
+            assert finite.all_finite(src[:, ::3]) == (bad is None or 40 % 3 != 0)
+
+
+def test_without_a_c_compiler_finiteness_falls_back_to_numpy(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import logging, sys
+        import numpy as np
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+        from rl_jax.transfer import finite
+        a = np.ones(1000, np.float32)
+        a[999] = np.nan
+        print("answers", finite.copy_finite(np.empty_like(a), a), finite._library())
+    """)
+    env = {"PATH": str(tmp_path), "CC": "", "RL_JAX_KERNEL_CACHE": str(tmp_path / "cache"),
+           "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "answers False None" in result.stdout
+    assert "no C compiler found" in result.stdout
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

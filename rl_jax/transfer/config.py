@@ -90,6 +90,10 @@ class PublisherConfig:
         mark each checksum block in the slot's progress table once it is copied and hashed:
         pullers verify the version while it is written (reading it from cache), so a pull
         ends about when the publish does instead of starting after it.
+      check_finite: every staging copy also finds whether the values it copies are finite
+        (``rl_jax.transfer.finite.copy_finite``, at no measurable cost); the findings travel
+        with the digests and pullers refuse a version holding a NaN or infinity without
+        reading it again. False stages with plain copies and leaves the check to the pullers.
       auth_token: the secret every control request must carry (``Authorization: Bearer``);
         None: ``$RL_JAX_TRANSFER_TOKEN``, else a random one exported to this process's
         environment (see :func:`publisher_token`). Never logged.
@@ -110,6 +114,7 @@ class PublisherConfig:
     staging_threads: int = 0
     max_host_slots: int = 8
     stream: bool = True
+    check_finite: bool = True
     auth_token: str | None = dataclasses.field(default=None, repr=False)
     max_layouts: int = 8
     max_body_bytes: int = 4 << 20
@@ -147,9 +152,9 @@ class PullerConfig:
       auth_token: the publisher's token; None: ``$RL_JAX_TRANSFER_TOKEN`` at the time of each
         request. Never logged.
       check_finite: refuse a version pulled over a host transport that holds a non-finite
-        value (:class:`~rl_jax.transfer.errors.NonFiniteWeights`), checked on the bytes the
-        digests cover (``rl_jax.transfer.finite``); the engine then skips its own check. False
-        leaves the check to the engine.
+        value (:class:`~rl_jax.transfer.errors.NonFiniteWeights`), as the publisher found
+        while staging it (or, for ``disk``, read here: ``rl_jax.transfer.finite``); the engine
+        then skips its own check. False leaves the check to the engine.
     """
 
     transport: str = "auto"

@@ -58,19 +58,31 @@ class TensorInfo:
     dtype: str  # numpy name: "float32", "bfloat16", ...
     checksum: str
     shards: tuple[ShardInfo, ...]
+    # whether every value is finite, as the publisher found while staging the bytes the
+    # checksums cover; None where it did not stage them (or a streamed version's, whose
+    # findings are in its progress table)
+    finite: bool | None = None
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "checksum": self.checksum, "shards": [s.to_json() for s in self.shards]}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+               "checksum": self.checksum, "shards": [s.to_json() for s in self.shards]}
+        if self.finite is not None:
+            out["finite"] = self.finite
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "TensorInfo":
+        finite = d.get("finite")
+        if finite is not None and not isinstance(finite, bool):
+            raise TypeError(f"tensor {str(d.get('name'))[:80]!r}: finite must be true or "
+                            f"false, got {str(finite)[:40]!r}")
         return cls(str(d["name"]), tuple(int(s) for s in d["shape"]), str(d["dtype"]),
-                   str(d["checksum"]), tuple(ShardInfo.from_json(s) for s in d["shards"]))
+                   str(d["checksum"]), tuple(ShardInfo.from_json(s) for s in d["shards"]),
+                   finite)
 
 
 @dataclasses.dataclass(frozen=True)

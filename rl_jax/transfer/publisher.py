@@ -97,6 +97,8 @@ class PublishStats:
     layouts: int
     bytes: Mapping[str, int]
     errors: Mapping[str, str]
+    # tensors found to hold a non-finite value while staged: pullers refuse the version
+    nonfinite: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -284,8 +286,13 @@ class Publisher:
                 hook(version)
             for key, staged in streams.items():
                 self._finish_stream(key, staged, prepared[key])
+        nonfinite = tuple(sorted({t.name for p in prepared.values() if p.manifest is not None
+                                  for t in p.manifest.tensors if t.finite is False}))
+        if nonfinite:
+            log.error("version %d holds non-finite values (NaN or infinity) in %d tensor(s) "
+                      "%s: generators will refuse it", version, len(nonfinite), nonfinite[:5])
         stats = PublishStats(version, time.perf_counter() - start, len(prepared), dict(nbytes),
-                             {k: p.error for k, p in prepared.items() if p.error})
+                             {k: p.error for k, p in prepared.items() if p.error}, nonfinite)
         self.history.append(stats)
         return stats
 
@@ -335,9 +342,9 @@ class Publisher:
             if key not in self._host:
                 self._host[key] = HostStaging(self._staging_root / key,
                                              self.config.max_host_slots)
-            tensors, staging, _ = self._host[key].stage(version, flat, layout,
-                                                        self.config.chunk_bytes, self.algorithm,
-                                                        self.config.staging_threads)
+            tensors, staging, _ = self._host[key].stage(
+                version, flat, layout, self.config.chunk_bytes, self.algorithm,
+                self.config.staging_threads, check_finite=self.config.check_finite)
             infos = {t.name: t for t in tensors}
             prep.staging = staging
             nbytes["host"] += sum(s.nbytes for t in tensors for s in t.shards)
@@ -411,7 +418,7 @@ class Publisher:
         if key not in self._host:
             self._host[key] = HostStaging(self._staging_root / key, self.config.max_host_slots)
         staged = self._host[key].begin(version, flat, layout, self.config.chunk_bytes,
-                                       stream=True)
+                                       stream=True, check_finite=self.config.check_finite)
         nbytes["host"] += sum(n for n, _ in staged.placed.values())
         tensors = tuple(TensorInfo(name, shape, dtype.name, PENDING, tuple(
             ShardInfo(index, PENDING, *staged.placed[name, k]) for k, index in

@@ -3,7 +3,8 @@ returns parameters ready for ``Engine.update_weights``.
 
 A pull never touches the engine: it builds new arrays in the engine's shardings (and dtypes),
 checks every shard's checksum against the manifest (and, over the host transports, that every
-value is finite: :mod:`rl_jax.transfer.finite`), and only then returns them. Over ``shm`` the
+value is finite: as the publisher found while staging the bytes the checksums cover, or, for a
+``disk`` checkpoint, by reading them: :mod:`rl_jax.transfer.finite`), and only then returns them. Over ``shm`` the
 arrays alias the publisher's staging slot (no copy: each byte is read once, to verify it); the
 slot is held with a shared lock for as long as any of them lives, and the publisher never
 rewrites a held slot. Any failure
@@ -49,8 +50,8 @@ from rl_jax.transfer.errors import (IntegrityError, LayoutError, NonFiniteWeight
                                     TransportUnavailable, VersionGone)
 from rl_jax.transfer.layout import (Index, Layout, flatten, index_shape, normalize_index,
                                     unflatten)
-from rl_jax.transfer.manifest import PENDING, Manifest, verify
-from rl_jax.transfer.staging import STAMP_SUPERSEDED, STAMP_WRITING
+from rl_jax.transfer.manifest import PENDING, Manifest, TensorInfo, verify
+from rl_jax.transfer.staging import NONFINITE, STAMP_SUPERSEDED, STAMP_WRITING
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,10 @@ def _streamed(manifest: Manifest) -> bool:
     """Whether ``manifest`` was announced before its version was staged (checksums pending,
     in the slot's progress table)."""
     return "progress" in manifest.transports.get("shm", {})
+
+
+_NONFINITE_BIT = np.uint64(NONFINITE)  # of a progress row's version (see staging)
+_VERSION_BITS = np.uint64(NONFINITE - 1)
 
 
 def _completed(manifest: Manifest, digests: Mapping[str, Mapping[Index, str]]) -> Manifest:
@@ -667,7 +672,7 @@ class Puller:
                     digests.setdefault(name, {})[index] = value
             if stamps()[0] != manifest.version:
                 raise VersionGone(f"version {manifest.version} was superseded while read")
-            if arrays is None:  # (a streamed version's values were checked block by block)
+            if arrays is None:  # (a streamed version's findings are in its progress table)
                 arrays = self._arrays_from_chunks(manifest, base,
                                                   check_finite=not streamed)
             return arrays, total, digests
@@ -690,16 +695,12 @@ class Puller:
             raise IntegrityError(f"a streamed version needs xxh3_64_blocks checksums, not "
                                  f"{manifest.algorithm}")
         blocks = []  # (tensor name, shard index, shard offset, start, stop) per table row
-        dtypes = []  # the tensor's dtype per block when its values are checked, else None
-        check = self.config.check_finite
         for tensor in manifest.tensors:
-            dtype = numpy_dtype(tensor.dtype) if check else None
             for shard in tensor.shards:
                 for k in range(checksum.num_blocks(shard.nbytes)):
                     start = shard.offset + k * checksum.BLOCK_BYTES
                     stop = min(shard.offset + shard.nbytes, start + checksum.BLOCK_BYTES)
                     blocks.append((tensor.name, shard.index, shard.offset, start, stop))
-                    dtypes.append(dtype)
         try:
             table = self._sources.table(progress_path, np.uint64)
         except OSError as e:
@@ -712,14 +713,13 @@ class Puller:
             self.hooks["stream_start"]()
         version = np.uint64(manifest.version)
         got = np.zeros(len(blocks), np.uint64)
-        finite_ok = np.ones(len(blocks), bool)
         bad = []
         mid_pull = len(blocks) // 2 if "mid_pull" in self.hooks else -1
         # Blocks are found ready with one vectorised look at the table per wake-up (a scan in
         # Python would cost more than the hashing for models of many thousand blocks).
         pending = np.arange(len(blocks))
         while pending.size:
-            ready = table[pending, 1] == version
+            ready = table[pending, 1] & _VERSION_BITS == version
             if not ready.any():
                 self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
                 continue
@@ -730,23 +730,21 @@ class Puller:
                 got[i] = checksum.xxh3(base[start:stop])
                 if got[i] != table[i, 0]:
                     bad.append(i)
-                elif dtypes[i] is not None:  # read again while the block is in the cache
-                    finite_ok[i] = finite.raw_finite(base[start:stop], dtypes[i])
             pending = pending[~ready]
         while stamps()[0] == STAMP_WRITING:  # every block is marked: the publisher is ending
             self._wait_for_publisher(manifest, stamps, deadline, info.get("pid"))
         for i in bad:  # read once more now that the publisher is done
             name, index, offset, start, stop = blocks[i]
             got[i] = checksum.xxh3(base[start:stop])
-            if dtypes[i] is not None:
-                finite_ok[i] = finite.raw_finite(base[start:stop], dtypes[i])
-            if got[i] != table[i, 0] or table[i, 1] != version:
+            if got[i] != table[i, 0] or table[i, 1] & _VERSION_BITS != version:
                 raise IntegrityError(
                     f"pulled weights (version {manifest.version}) refused: {name}: checksum "
                     f"mismatch in the shard at index {[list(p) for p in index]}, block at byte "
                     f"{start - offset} of it (got {int(got[i]):016x}, "
                     f"publisher {int(table[i, 0]):016x})")
-        self._nonfinite.extend(blocks[i][0] for i in np.flatnonzero(~finite_ok).tolist())
+        if self.config.check_finite:  # the publisher's finding, per block, with its digest
+            flagged = np.flatnonzero(table[:, 1] & _NONFINITE_BIT).tolist()
+            self._nonfinite.extend(blocks[i][0] for i in flagged)
         rows: dict[tuple[str, Index], list[int]] = {}
         for i, (name, index, *_) in enumerate(blocks):
             rows.setdefault((name, index), []).append(i)
@@ -854,16 +852,22 @@ class Puller:
                                          f"{e_shape} at {start}) does not match the manifest")
                 views[shard.index] = buf[start:stop].view(dtype).reshape(e_shape)
             if check_finite:
-                self._require_finite(manifest, tensor.name, views.values())
+                self._require_finite(manifest, tensor, views.values())
             arrays[tensor.name] = self._place(tensor.name, tensor.shape, views)
         return arrays
 
-    def _require_finite(self, manifest: Manifest, name: str, values) -> None:
-        """Notes tensor ``name`` in :attr:`_nonfinite` when one of its host arrays holds a
-        non-finite value (nothing when ``PullerConfig.check_finite`` is off); the pull refuses
-        the version once its digests matched (so that corrupted bytes are reported as such)."""
-        if self.config.check_finite and not all(finite.all_finite(v) for v in values):
-            self._nonfinite.append(name)
+    def _require_finite(self, manifest: Manifest, tensor: TensorInfo, values) -> None:
+        """Notes ``tensor`` in :attr:`_nonfinite` when it holds a non-finite value: as the
+        publisher found while staging the bytes its digests cover (``TensorInfo.finite``),
+        else by reading ``values`` (its host arrays). Nothing when
+        ``PullerConfig.check_finite`` is off. The pull refuses the version once its digests
+        matched (so that corrupted bytes are reported as such)."""
+        if not self.config.check_finite:
+            return
+        ok = tensor.finite if tensor.finite is not None else all(
+            finite.all_finite(v) for v in values)
+        if not ok:
+            self._nonfinite.append(tensor.name)
 
     def _place(self, name: str, shape: tuple[int, ...], views: Mapping[Index, np.ndarray]
                ) -> jax.Array:
@@ -955,7 +959,7 @@ class Puller:
             if full.shape != tensor.shape:
                 raise IntegrityError(f"{tensor.name}: checkpoint shape {full.shape} != "
                                      f"manifest {tensor.shape}")
-            self._require_finite(manifest, tensor.name, [full])
+            self._require_finite(manifest, dataclasses.replace(tensor, finite=None), [full])
             views = {shard.index: full[tuple(slice(a, b) for a, b in shard.index)]
                      for shard in tensor.shards}
             arrays[tensor.name] = self._place(tensor.name, tensor.shape, views)

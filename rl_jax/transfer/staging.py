@@ -17,8 +17,9 @@ lock exclusively while it writes (shared once a streamed version's pullers may r
 
 Streamed versions (every transport of the layout ``shm``, ``PublisherConfig.stream``): the
 manifest is announced while the version is staged, its checksums ``"pending"``, with a progress
-table (``slotN.progress``, ``uint64 [blocks, 2]``: digest, version) whose row for each 1 MiB block
-is written once the block is copied and hashed; a waiting puller verifies blocks as their rows
+table (``slotN.progress``, ``uint64 [blocks, 2]``: digest, version, the version's top bit
+:data:`NONFINITE` set where the block's shard holds a non-finite value) whose row for each 1 MiB
+block is written once the block is copied and hashed; a waiting puller verifies blocks as their rows
 appear, so its hashing overlaps the copy, and hands out its arrays (views of the slot, laid out and
 checked against the manifest before the first block arrives) once the last block is verified and
 the stamp says the version is complete. What staging needs besides the bytes (chunk headers, each
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from rl_jax.transfer import checksum
+from rl_jax.transfer import checksum, finite
 from rl_jax.transfer.chunks import ChunkPlan, Entry, numpy_dtype, plan_chunks
 from rl_jax.transfer.errors import LayoutError, StagingSpaceError, TransferError
 from rl_jax.transfer.layout import Index, Layout, index_shape, normalize_index
@@ -58,6 +59,10 @@ from rl_jax.transfer.manifest import ShardInfo, TensorInfo
 
 STAMP_WRITING = -1  # the slot is being written
 STAMP_SUPERSEDED = -2  # the slot holds a version that is no longer offered
+# Every copy into a slot says whether the values it copied are finite (``finite.copy_finite``):
+# a progress row's version carries this bit where its shard met a non-finite value, and each
+# staged tensor's info says ``finite`` (see ``TensorInfo``).
+NONFINITE = 1 << 63
 # The version in a chunk header's metadata: zero-padded to a fixed width, so a slot's headers
 # stay in place from version to version and only these digits are rewritten.
 VERSION_DIGITS = 20
@@ -147,10 +152,11 @@ def _host_shards(array: jax.Array) -> list[tuple[Index, np.ndarray]]:
     return shards
 
 
-def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]]
-              ) -> None:
+def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.ndarray]],
+              copy=functools.partial(np.copyto, casting="unsafe")) -> None:
     """Fills ``dst`` (the shard ``target``) from the overlapping source shards: one copy per
-    source (strided where the layouts cut differently), cast to ``dst``'s dtype."""
+    source (strided where the layouts cut differently, ``copy(dst_part, src_part)``), cast to
+    ``dst``'s dtype."""
     covered = 0
     for index, host in sources:
         lo = [max(s0, t0) for (s0, _), (t0, _) in zip(index, target)]
@@ -159,7 +165,7 @@ def _assemble(dst: np.ndarray, target: Index, sources: Sequence[tuple[Index, np.
             continue
         src = tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, index))
         out = tuple(slice(a - t0, b - t0) for a, b, (t0, _) in zip(lo, hi, target))
-        np.copyto(dst[out], host[src], casting="unsafe")
+        copy(dst[out], host[src])
         covered += int(np.prod([b - a for a, b in zip(lo, hi)]))
     if covered != dst.size:
         raise LayoutError(f"source shards cover {covered} of {dst.size} elements of shard "
@@ -226,12 +232,31 @@ class _ShardJob:
     progress: np.ndarray | None = None
     version: int = 0
     rows: np.ndarray | None = None  # the same rows, also when held back (``progress`` None)
+    # whether copies check the values (``PublisherConfig.check_finite``); False once a copy
+    # into ``dst`` met a non-finite value (set by any staging thread)
+    check: bool = True
+    finite: bool = True
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, dtype: np.dtype | None = None) -> None:
+        """``dst[...] = src`` (cast to ``dst``'s dtype), noting a non-finite value when the
+        job checks (``dtype``: the values' dtype where both are views of another dtype)."""
+        if not self.check:
+            np.copyto(dst, src, casting="unsafe")
+        elif not finite.copy_finite(dst, src, dtype):
+            self.finite = False
 
     def done(self, k: int, digest: int) -> None:
-        """Block ``k`` is copied and hashed: tells pullers streaming the version."""
+        """Block ``k`` is copied and hashed: tells pullers streaming the version. The block's
+        row is marked :data:`NONFINITE` when the shard met a non-finite value so far (always
+        so for the block that holds it: the copy comes before its ``done``)."""
         if self.progress is not None:
             self.progress[k, 0] = digest  # the digest is stored before the flag that
-            self.progress[k, 1] = self.version  # makes it valid
+            self.progress[k, 1] = self.stamp()  # makes it valid
+
+    def stamp(self) -> int:
+        """The version as a progress row states it: with :data:`NONFINITE` where the shard
+        holds a non-finite value."""
+        return self.version | (0 if self.finite or not self.check else NONFINITE)
 
 
 def _boxes(target: Index, sources: Sequence[tuple[Index, np.ndarray]]) -> list[tuple]:
@@ -365,8 +390,7 @@ def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
                 start, end, src, src_start = job.runs[i]
                 a, b = max(a0, start), min(a1, end)
                 if a < b:
-                    np.copyto(flat[a:b], src[src_start + a - start:src_start + b - start],
-                              casting="unsafe")
+                    job.copy(flat[a:b], src[src_start + a - start:src_start + b - start])
                 i += 1
             hasher.update(memoryview(raw[a0 * item:a1 * item]))
         out[k - first] = digest = hasher.intdigest()
@@ -381,8 +405,8 @@ def _copy_rows(job: _ShardJob, r0: int, r1: int) -> None:
         if a < b:
             dst = job.dst if piece is None else job.dst.view(piece)
             src = host if piece is None else host.view(piece)
-            np.copyto(dst[(slice(a, b),) + dst_rest],
-                      src[(slice(src0 + a - d0, src0 + b - d0),) + src_rest], casting="unsafe")
+            job.copy(dst[(slice(a, b),) + dst_rest],
+                     src[(slice(src0 + a - d0, src0 + b - d0),) + src_rest], job.dst.dtype)
 
 
 def _copy_slab_hash(job: _ShardJob, r0: int, r1: int) -> dict[int, int]:
@@ -415,7 +439,7 @@ def _copy_slab_hash(job: _ShardJob, r0: int, r1: int) -> dict[int, int]:
 
 def _stage_whole(job: _ShardJob, algorithm: str) -> str:
     """Copies the whole shard into place and returns its digest."""
-    _assemble(job.dst, job.index, job.sources)
+    _assemble(job.dst, job.index, job.sources, job.copy)
     return checksum.digest(job.dst, algorithm)
 
 
@@ -686,24 +710,27 @@ class HostStaging:
         return int(self._slots[slot].stamp[0])
 
     def stage(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
-              chunk_bytes: int, algorithm: str, threads: int = 0
-              ) -> tuple[list[TensorInfo], dict[str, Any], int]:
+              chunk_bytes: int, algorithm: str, threads: int = 0, *,
+              check_finite: bool = True) -> tuple[list[TensorInfo], dict[str, Any], int]:
         """Writes ``flat`` in ``layout`` into a slot nobody holds (never the current version's).
 
         Returns ``(tensor infos with offsets, staging description, slot)``; call
         :meth:`commit` once the version is announced.
         """
-        staged = self.begin(version, flat, layout, chunk_bytes)
+        staged = self.begin(version, flat, layout, chunk_bytes, check_finite=check_finite)
         return self.finish(staged, algorithm, threads), staged.description, staged.slot
 
     def begin(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
-              chunk_bytes: int, *, stream: bool = False) -> StagedVersion:
+              chunk_bytes: int, *, stream: bool = False,
+              check_finite: bool = True) -> StagedVersion:
         """Takes a slot nobody holds (never the current version's), writes the chunk headers
         and plans every shard's copy; :meth:`start` and :meth:`finish` copy and hash.
 
         With ``stream``, pullers may hold the slot while it is written (the publisher's lock on
         it becomes a shared one) and each checksum block is announced in the slot's progress
         table as soon as it is copied and hashed, so they verify the version as it is written.
+        With ``check_finite``, every copy also says whether its values are finite (see
+        :data:`NONFINITE` and ``TensorInfo.finite``).
         """
         plan = self._layout_plan(flat, layout, chunk_bytes)
         slot = self._acquire()
@@ -721,8 +748,9 @@ class HostStaging:
                 source_key = (tuple(i for i, _ in sources)
                               if all(h.flags.c_contiguous for _, h in sources) else None)
                 for k, index in enumerate(indices):
-                    jobs[name, k] = plan.job(name, k, views[name, k], index, sources,
-                                             source_key)
+                    jobs[name, k] = job = plan.job(name, k, views[name, k], index, sources,
+                                                   source_key)
+                    job.check = check_finite
             data_path, stamp_path, progress_path = entry.paths
             description = {"file": data_path, "stamp": stamp_path, "slot": slot,
                            "nbytes": plan.size,
@@ -835,14 +863,16 @@ class HostStaging:
                 before_done(staged)
             for key, values in blocks.items():
                 held[key].rows[:, 0] = values
-                held[key].rows[:, 1] = staged.version
+                held[key].rows[:, 1] = held[key].stamp()
             entry.stamp[0] = staged.version  # every byte is in place: pullers may finish
             infos = []
             for name, shape, dtype, indices in staged.tensors:
                 shards = tuple(ShardInfo(index, digests[name, k], *staged.placed[name, k])
                                for k, index in enumerate(indices))
                 infos.append(TensorInfo(name, shape, dtype.name, checksum.combine(
-                    [(s.index, s.checksum) for s in shards], algorithm), shards))
+                    [(s.index, s.checksum) for s in shards], algorithm), shards,
+                    finite=all(staged.jobs[name, k].finite for k in range(len(indices)))
+                    if all(staged.jobs[name, k].check for k in range(len(indices))) else None))
         except BaseException:
             entry.stamp[0] = STAMP_SUPERSEDED  # pullers streaming it give up on it
             raise

@@ -21,19 +21,16 @@ it, :func:`pallas_decode_attention_problem` compiles it for the model's shapes.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
 import threading
 from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from rl_jax import native
 
 log = logging.getLogger(__name__)
 
@@ -50,55 +47,11 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RL_JAX_KERNEL_CACHE",
-                               Path.home() / ".cache" / "rl_jax" / "kernels"))
-
-
 def _build(compiler: str) -> Path:
-    """The built library (compiled now unless a matching one is cached)."""
+    """The built library (compiled now unless a matching one is cached: :mod:`rl_jax.native`)."""
     import jaxlib
-    source = SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=60).stdout.splitlines()[:1]
-    key = hashlib.sha256(b"\0".join([
-        source, jaxlib.__version__.encode(), " ".join(FLAGS).encode(),
-        "".join(version).encode(), _cpu_signature().encode()])).hexdigest()[:20]
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"decode_attention-{key}.so"
-    if library.exists():
-        return library
-    with open(directory / f"decode_attention-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same one
-        if library.exists():
-            return library
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
-                   str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-        os.replace(partial, library)  # whole or not at all, for the processes waiting
-    return library
+    return native.build(SOURCE, "decode_attention", compiler, FLAGS,
+                        include_dirs=(jax.ffi.include_dir(),), key_parts=(jaxlib.__version__,))
 
 
 def decode_attention_available() -> bool:
@@ -110,7 +63,7 @@ def decode_attention_available() -> bool:
         reason = None
         if os.environ.get("RL_JAX_NATIVE_ATTENTION", "1") in ("0", "false", "False", "no"):
             reason = "turned off by RL_JAX_NATIVE_ATTENTION"
-        elif (compiler := _compiler()) is None:
+        elif (compiler := native.compiler("c++")) is None:
             reason = "no C++ compiler found ($CXX, g++, c++)"
         else:
             try:
