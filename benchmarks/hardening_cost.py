@@ -5,12 +5,14 @@ r"""What the security checks cost the normal path, measured side by side in one 
    whose engine keeps decoding a full batch (8 sequences) throughout; its puller is already
    waiting for each version, as a live one is. Three arms take turns, in a rotating order:
 
-   - ``off``: no finiteness check anywhere (``PullerConfig.check_finite=False`` and the engine
-     told the values were checked: a combination that exists for this measurement only);
-   - ``host``: the default: the puller checks each block's values right after it hashes it
-     (``rl_jax.transfer.finite``), the engine skips its own pass;
-   - ``device``: the puller does not check, the engine runs its device-side reduction over the
-     new weights (``Engine.update_weights`` without ``finite_checked``).
+   - ``off``: no finiteness check anywhere (``PublisherConfig.check_finite=False``,
+     ``PullerConfig.check_finite=False`` and the engine told the values were checked: a
+     combination that exists for this measurement only);
+   - ``publisher``: the default: every staging copy also finds whether its values are finite
+     (``rl_jax.transfer.finite.copy_finite``), the puller refuses on that finding and the
+     engine skips its own pass;
+   - ``engine``: only the engine checks, with its device-side reduction over the new weights
+     (``Engine.update_weights`` without ``finite_checked``).
 
    Timed per update, on one clock (``CLOCK_MONOTONIC`` is shared by the processes): from the
    trainer's ``publish`` call to the engine accepting the checked weights (``update_weights``
@@ -77,7 +79,7 @@ _OUT = flags.DEFINE_string("out", str(RESULTS / "hardening_cost.json"), "Results
 _ROLE = flags.DEFINE_string("role", None, "Worker role (internal).")
 
 LIMIT = 1.02  # a check may cost at most 2% of the normal path
-ARMS = ("off", "host", "device")
+ARMS = ("off", "publisher", "engine")
 API, ADMIN = "bench-api-key-8f3a1c2e9d7b4a60", "bench-admin-key-0b6e5d4c3a2f1e98"
 
 
@@ -94,6 +96,51 @@ def ratio_summary(on: list[float], off: list[float], *, higher_is_better: bool =
 
 
 # ---- 1. weight updates: the generator worker ---------------------------------------------------
+
+def trainer_main():
+    """The trainer worker: ``transfer_throughput``'s, with the publisher's finiteness check
+    switched per version."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from rl_jax.sharding import make_mesh
+    from rl_jax.trainer.state import ModelSpec
+    from rl_jax.transfer import Publisher, PublisherConfig
+
+    reply = transfer_throughput.reply
+    publisher = None
+    bump = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "setup":
+            if publisher is not None:
+                publisher.close()
+            spec = ModelSpec(transfer_throughput.model_config(cmd["size"]),
+                             mesh=make_mesh(data=1, fsdp=8))
+            rng = np.random.default_rng(0)
+            params = jax.tree.map(
+                lambda a, s: jax.device_put(rng.standard_normal(a.shape, np.float32), s),
+                spec.abstract_params, spec.param_shardings)
+            publisher = Publisher(PublisherConfig(transports=("shm",)), spec=spec)
+            reply(url=publisher.url)
+        elif cmd["cmd"] == "wait":
+            reply(ok=publisher.wait_for_layouts(1, 120))
+        elif cmd["cmd"] == "publish":
+            publisher.config = dataclasses.replace(publisher.config, check_finite=cmd["check"])
+            start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            stats = publisher.publish(params, cmd["version"])
+            params = bump(params)  # the next "train step" donates the published parameters
+            jax.block_until_ready(params)
+            reply(seconds=stats.seconds, errors=dict(stats.errors),
+                  nonfinite=list(stats.nonfinite), start=start)
+        elif cmd["cmd"] == "quit":
+            if publisher is not None:
+                publisher.close()
+            reply(ok=True)
+            return
+
 
 def generator_main():
     """Commands on stdin, replies on stdout (``transfer_throughput``'s protocol)."""
@@ -165,7 +212,7 @@ class LiveGenerator:
         while self.batches < 2:  # every decode length and the admission path compiled
             time.sleep(0.05)
         self.config = PullerConfig(timeout_s=600)
-        self.configs = {arm: dataclasses.replace(self.config, check_finite=arm == "host")
+        self.configs = {arm: dataclasses.replace(self.config, check_finite=arm == "publisher")
                         for arm in ARMS}
         self.puller = GeneratorPuller(cmd["url"], transports=["shm"], config=self.config)
         self.puller.puller(engine.params).register()
@@ -174,10 +221,10 @@ class LiveGenerator:
         puller = self.puller.puller(self.engine.params)
         puller.config = self.configs[arm]
         update = self.puller.pull_latest(self.engine, wait_s=120)
-        assert update.finite_checked == (arm == "host"), (arm, update.finite_checked)
+        assert update.finite_checked == (arm == "publisher"), (arm, update.finite_checked)
         start_cpu = time.thread_time()
         self.engine.update_weights(update.params, update.version,
-                                   finite_checked=arm != "device")
+                                   finite_checked=arm != "engine")
         accepted = time.perf_counter()
         engine_check_cpu = time.thread_time() - start_cpu
         assert self.engine.wait_for_version(update.version, 120)
@@ -216,14 +263,13 @@ class Worker(transfer_throughput.Proc):
 
 def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: float) -> list:
     os.environ.setdefault("RL_JAX_TRANSFER_TOKEN", secrets.token_urlsafe(32))
-    trainer = Worker(Path(transfer_throughput.__file__), "trainer", 8)
+    trainer = Worker(Path(__file__), "trainer", 8)
     generator = Worker(Path(__file__), "generator", 1)
     rows, version = [], 0
     try:
         for size in sizes:
             for dtype in dtypes:
-                setup = trainer.ask(cmd="setup", size=size, transport="shm", disk_dir="",
-                                    threads=0)
+                setup = trainer.ask(cmd="setup", size=size)
                 # the tokens/s window: the generator's sampler and the trainer share the clock
                 gen = generator.ask(cmd="setup", size=size, dtype=dtype, url=setup["url"])
                 trainer.ask(cmd="wait")
@@ -235,8 +281,9 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                         version += 1
                         generator.send(cmd="update", arm=arm)
                         time.sleep(0.05)  # the puller is waiting, as a live one is
-                        pub = trainer.ask(cmd="publish", version=version)
-                        assert not pub["errors"], pub
+                        pub = trainer.ask(cmd="publish", version=version,
+                                          check=arm == "publisher")
+                        assert not pub["errors"] and not pub["nonfinite"], pub
                         got = generator.reply()
                         rest = pub["start"] + window_s - time.perf_counter()
                         if rest > 0:
@@ -252,7 +299,7 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                         time.sleep(0.2)
                 row = {"size": size, "dtype": dtype, "model_bytes": gen["nbytes"],
                        "rounds": rounds, "runs": runs}
-                for arm in ("host", "device"):
+                for arm in ARMS[1:]:
                     row[arm] = {
                         "accepted": ratio_summary(runs[arm]["accepted_s"],
                                                   runs["off"]["accepted_s"]),
@@ -261,13 +308,14 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                                                       runs["off"]["decode_tok_s"],
                                                       higher_is_better=True)}
                 rows.append(row)
-                h, d = row["host"], row["device"]
+                p, e = row["publisher"], row["engine"]
                 print(f"update {size} {dtype} ({gen['nbytes'] / 1e6:.0f} MB): publish -> "
-                      f"accepted, median off {1e3 * h['accepted']['off_median']:.1f} ms, host "
-                      f"check {h['accepted']['cost']:+.1%} (median of rounds), engine check "
-                      f"{d['accepted']['cost']:+.1%}; -> serving {h['served']['cost']:+.1%} / "
-                      f"{d['served']['cost']:+.1%}; decode tok/s {h['decode_tok_s']['cost']:+.1%}"
-                      f" / {d['decode_tok_s']['cost']:+.1%}", flush=True)
+                      f"accepted, median off {1e3 * p['accepted']['off_median']:.1f} ms; cost "
+                      f"(median of rounds) of the publisher's check "
+                      f"{p['accepted']['cost']:+.1%}, the engine's {e['accepted']['cost']:+.1%};"
+                      f" publish -> serving {p['served']['cost']:+.1%} / "
+                      f"{e['served']['cost']:+.1%}; decode tok/s {p['decode_tok_s']['cost']:+.1%}"
+                      f" / {e['decode_tok_s']['cost']:+.1%}", flush=True)
     finally:
         for proc in (generator, trainer):
             try:
@@ -407,6 +455,8 @@ def main(argv):
     del argv
     if _ROLE.value == "generator":
         return generator_main()
+    if _ROLE.value == "trainer":
+        return trainer_main()
     import jax
 
     unknown = [s for s in _SIZES.value if s not in transfer_throughput.SIZES]

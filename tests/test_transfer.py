@@ -525,6 +525,40 @@ def test_copies_that_cast_check_what_the_destination_holds():
     assert finite.copy_finite(np.zeros(3, np.int32), src)  # not floating: nothing to check
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_the_bfloat16_cast_is_ml_dtypes_bit_for_bit(native, monkeypatch):
+    """float32 -> bfloat16 (the generator's dtype) in the C kernel: round to nearest even,
+    NaNs to the signed quiet NaN, overflow to infinity (counted as non-finite), over random
+    bit patterns and the edges, contiguous and as column blocks; the same without it."""
+    if not native:
+        monkeypatch.setitem(finite._state, "library", None)
+    rng = np.random.default_rng(0)
+    edges = np.array([0x7f7fffff, 0x7f7f8000, 0x7f7f7fff, 0xff7f8000, 0x7f800000, 0xff800000,
+                      0x7fc00000, 0x7f800001, 0xffc12345, 0, 0x80000000, 1, 0x8000, 0x18000,
+                      0x3f808000, 0x3f818000], np.uint32)
+    bits = np.concatenate([rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           edges])
+    x = bits.view(np.float32)
+    with np.errstate(all="ignore"):
+        want = x.astype(ml_dtypes.bfloat16)
+    got = np.zeros(x.shape, ml_dtypes.bfloat16)
+    assert not finite.copy_finite(got, x)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    normal = rng.standard_normal((300, 64)).astype(np.float32)
+    block = np.zeros((300, 32), ml_dtypes.bfloat16)
+    assert finite.copy_finite(block, normal[:, 16:48])
+    np.testing.assert_array_equal(block.view(np.uint16),
+                                  normal[:, 16:48].astype(ml_dtypes.bfloat16).view(np.uint16))
+    normal[299, 47] = 3.3961776e38  # finite in float32, infinite once rounded to bfloat16
+    assert not finite.copy_finite(block, normal[:, 16:48])
+    copy = finite.raw_copier(ml_dtypes.bfloat16, np.float32)
+    assert (copy is None) == (not native)
+    if copy is not None:
+        out = np.zeros(1000, ml_dtypes.bfloat16)
+        assert copy(out.ctypes.data, x.ctypes.data, 1000) == bool(np.isfinite(want[:1000]).all())
+        np.testing.assert_array_equal(out.view(np.uint16), want[:1000].view(np.uint16))
+
+
 def test_finiteness_without_the_native_kernel_gives_the_same_answers(monkeypatch):
     """Where the C kernel cannot be built (no compiler, RL_JAX_NATIVE_FINITE=0) numpy copies
     and checks, with the same results."""

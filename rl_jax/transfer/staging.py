@@ -236,6 +236,9 @@ class _ShardJob:
     # into ``dst`` met a non-finite value (set by any staging thread)
     check: bool = True
     finite: bool = True
+    _addresses: list | None = None
+    _box_plans: list | None = None
+    geometry: Any = None  # the _Geometry the job was bound from (boxes only)
 
     def copy(self, dst: np.ndarray, src: np.ndarray, dtype: np.dtype | None = None) -> None:
         """``dst[...] = src`` (cast to ``dst``'s dtype), noting a non-finite value when the
@@ -252,6 +255,42 @@ class _ShardJob:
         if self.progress is not None:
             self.progress[k, 0] = digest  # the digest is stored before the flag that
             self.progress[k, 1] = self.stamp()  # makes it valid
+
+    def run_addresses(self) -> list:
+        """The address of ``dst``, then ``(address, item size, copier)`` of each run's source
+        where the C kernel can copy it (``finite.raw_copier``: aligned, dtypes it handles;
+        else None), for :func:`_copy_hash_blocks`."""
+        if self._addresses is None:
+            out: list = [self.dst.ctypes.data]
+            for _, _, src, _ in self.runs:
+                address, copier = src.ctypes.data, None
+                if not (address % src.itemsize or out[0] % self.dst.itemsize):
+                    copier = finite.raw_copier(self.dst.dtype, src.dtype)
+                out.append(None if copier is None else (address, src.itemsize, copier))
+            self._addresses = out
+        return self._addresses
+
+    def box_plans(self) -> list:
+        """Per box, ``(finite.RowsPlan, dst address, source address)`` (None where the C kernel
+        cannot copy it), for :func:`_copy_rows`; the plans are made once per layout (kept by
+        the geometry), the addresses taken once per version."""
+        if self._box_plans is None:
+            base = self.dst.ctypes.data
+            native = list(self.geometry.native) if self.geometry is not None else []
+            if not native:  # (threads staging slabs of this shard may make it at once)
+                for d0, d1, src0, dst_rest, src_rest, host, piece in self.boxes:
+                    dst = self.dst if piece is None else self.dst.view(piece)
+                    src = host if piece is None else host.view(piece)
+                    native.append(finite.plan_rows(
+                        dst[(slice(d0, d1),) + dst_rest],
+                        src[(slice(src0, src0 + d1 - d0),) + src_rest], d1 - d0,
+                        None if piece is None else self.dst.dtype, dst_base=base,
+                        src_base=host.ctypes.data))
+                if self.geometry is not None:
+                    self.geometry.native[:] = native
+            self._box_plans = [None if plan is None else (plan, base, box[5].ctypes.data)
+                               for plan, box in zip(native, self.boxes)]
+        return self._box_plans
 
     def stamp(self) -> int:
         """The version as a progress row states it: with :data:`NONFINITE` where the shard
@@ -313,13 +352,16 @@ class _Geometry:
 
     runs: tuple[tuple[int, int, int, int], ...] | None
     boxes: tuple[tuple[int, int, int, tuple, tuple, int, np.dtype | None], ...] = ()
+    # the C kernel's plan of each box (``finite.RowsPlan`` or None), made from the first
+    # version's arrays: later ones are laid out alike (contiguous sources of the same shapes)
+    native: list = dataclasses.field(default_factory=list, compare=False)
 
     def bind(self, dst: np.ndarray, target: Index,
              sources: Sequence[tuple[Index, np.ndarray]]) -> _ShardJob:
         if self.runs is None:
             return _ShardJob(dst, target, sources, None, boxes=[
                 (d0, d1, s0, dst_rest, src_rest, sources[k][1], piece)
-                for d0, d1, s0, dst_rest, src_rest, k, piece in self.boxes])
+                for d0, d1, s0, dst_rest, src_rest, k, piece in self.boxes], geometry=self)
         flats = {k: sources[k][1].reshape(-1) for k in {run[2] for run in self.runs}}
         runs = [(d0, d1, flats[k], r) for d0, d1, k, r in self.runs]
         return _ShardJob(dst, target, sources, runs, [run[0] for run in runs])
@@ -380,6 +422,9 @@ def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
     item = flat.itemsize
     per_block, per_sub = checksum.BLOCK_BYTES // item, SUB_BLOCK_BYTES // item
     out = np.empty(stop - first, np.uint64)
+    # Runs the C kernel can copy (same dtype, aligned): their addresses, taken once, so that
+    # each piece costs one call (see finite.raw_copier).
+    addresses = job.run_addresses() if job.check else None
     for k in range(first, stop):
         e1 = min(flat.size, (k + 1) * per_block)
         hasher = checksum.block_hasher()
@@ -390,7 +435,13 @@ def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
                 start, end, src, src_start = job.runs[i]
                 a, b = max(a0, start), min(a1, end)
                 if a < b:
-                    job.copy(flat[a:b], src[src_start + a - start:src_start + b - start])
+                    if addresses is not None and addresses[i + 1] is not None:
+                        address, width, copier = addresses[i + 1]
+                        if not copier(addresses[0] + a * item,
+                                      address + (src_start + a - start) * width, b - a):
+                            job.finite = False
+                    else:
+                        job.copy(flat[a:b], src[src_start + a - start:src_start + b - start])
                 i += 1
             hasher.update(memoryview(raw[a0 * item:a1 * item]))
         out[k - first] = digest = hasher.intdigest()
@@ -400,9 +451,14 @@ def _copy_hash_blocks(job: _ShardJob, first: int, stop: int) -> np.ndarray:
 
 def _copy_rows(job: _ShardJob, r0: int, r1: int) -> None:
     """Copies rows ``[r0, r1)`` (axis 0) of ``job.dst`` from the sources (strided copies)."""
-    for d0, d1, src0, dst_rest, src_rest, host, piece in job.boxes:
+    plans = job.box_plans() if job.check else None
+    for k, (d0, d1, src0, dst_rest, src_rest, host, piece) in enumerate(job.boxes):
         a, b = max(r0, d0), min(r1, d1)
-        if a < b:
+        if a < b and plans is not None and plans[k] is not None:
+            plan, dst_base, src_base = plans[k]
+            if not plan.copy(dst_base, src_base, a - d0, b - d0):
+                job.finite = False
+        elif a < b:
             dst = job.dst if piece is None else job.dst.view(piece)
             src = host if piece is None else host.view(piece)
             job.copy(dst[(slice(a, b),) + dst_rest],
