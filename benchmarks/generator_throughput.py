@@ -689,7 +689,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="one model, three batch sizes, 32 new tokens, two repeats")
-    parser.add_argument("--models", default=None, help=f"comma-separated of {sorted(MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated of {sorted(MODELS)} or named shapes "
+                        "(rl_jax.models.shapes, e.g. qwen2.5-0.5b: random weights)")
+    parser.add_argument("--out", default=str(RESULTS / "generator_throughput.json"),
+                        help="results file (a PNG beside it)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -704,6 +708,9 @@ def main():
         parser.error(f"--data-parallel={args.data_parallel} needs as many host devices; this "
                      f"process has {jax.device_count()} (XLA_FLAGS sets another count)")
     args.models = (args.models or ("small" if args.quick else "small,tiny")).split(",")
+    from rl_jax.models.shapes import shape as named_shape
+    configs = {name: MODELS[name] if name in MODELS else named_shape(name)
+               for name in args.models}
     args.batches = [int(b) for b in (args.batches or ("1,16,64" if args.quick
                                                       else "1,4,16,32,64,128,256")).split(",")]
     args.new_tokens = args.new_tokens or (32 if args.quick else 128)
@@ -727,7 +734,7 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            results.append(bench_model(name, MODELS[name], args, ceilings, Path(tmp)))
+            results.append(bench_model(name, configs[name], args, ceilings, Path(tmp)))
     ceilings["run"] = rejudge(results)
     log(f"the run's best sustained ceilings: matmul {ceilings['run']['peak_flops'] / 1e9:.0f} "
         f"GFLOP/s, main memory {ceilings['run']['dram_bandwidth'] / 1e9:.0f} GB/s")
@@ -737,8 +744,8 @@ def main():
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on "
           f"{os.cpu_count()} cores")
 
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "generator_throughput.json"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "backend": jax.default_backend(), "devices": jax.device_count(),
         "settings": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -746,7 +753,7 @@ def main():
                      "sampling": "temperature 1, no top-k/top-p, EOS ignored", "quick": args.quick},
         "load_average": load, "cpus": os.cpu_count(), "ceilings": ceilings,
         "models": results}, indent=2, default=str))
-    png = RESULTS / "generator_throughput.png"
+    png = out.with_suffix(".png")
     plot(results, png)
     log(f"wrote {out} and {png}")
 

@@ -9,8 +9,16 @@ machine:
 3. log-probs over a large vocabulary: blockwise vs full logits, compiled temporary memory and time
    for forward+backward.
 
+With ``--shape=NAME`` (a named shape of ``rl_jax.models.shapes``, e.g. ``qwen2.5-0.5b``, random
+weights) it times that model's train step instead, at ``--shape_batches`` (``BxT``), beside
+``--torch``: the same HF architecture in PyTorch (``transformers``, SDPA attention, float32,
+``torch.optim.AdamW``), one forward, backward and optimizer step on the same tokens, best of the
+same repeats: ``jax_over_torch`` is the ratio of tokens/s (the aim is >= 1).
+
 Usage: python benchmarks/trainer_throughput.py [--quick]
-Writes benchmarks/results/trainer_throughput.json.
+       python benchmarks/trainer_throughput.py --shape=qwen2.5-0.5b --torch
+           --shape_batches=1x512 --out=benchmarks/results/trainer_qwen2.5-0.5b.json
+Writes benchmarks/results/trainer_throughput.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ def train_step_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
     return float(dense + unembed + attention)
 
 
-def bench_train_step(cfg: ModelConfig, batch: int, seq: int, scan_layers: bool = True) -> dict:
+def bench_train_step(cfg: ModelConfig, batch: int, seq: int, scan_layers: bool = True,
+                     repeats: int = 5) -> dict:
     spec = ModelSpec(cfg, mesh=None, scan_layers=scan_layers)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-4, warmup_steps=1, total_steps=1000))
     state = init_state(tx, spec, spec.init_params(seed=0))
@@ -73,11 +82,50 @@ def bench_train_step(cfg: ModelConfig, batch: int, seq: int, scan_layers: bool =
         loss_mask=np.ones((batch, seq)), positions=np.tile(np.arange(seq), (batch, 1)),
         segment_ids=np.ones((batch, seq))))
     data = jax.device_put(data)
-    seconds = timed(lambda: step(state, data)[1]["loss"])
+    seconds = timed(lambda: step(state, data)[1]["loss"], warmup=2 if repeats >= 5 else 1,
+                    repeats=repeats)
     flops = train_step_flops(cfg, batch, seq)
     return {"params": cfg.num_params(), "batch": batch, "seq": seq, "scan_layers": scan_layers,
             "step_s": seconds, "tokens_per_s": batch * seq / seconds,
             "flops_per_s": flops / seconds}
+
+
+def bench_torch_train_step(cfg: ModelConfig, batch: int, seq: int, repeats: int) -> dict:
+    """The same architecture in PyTorch (HF transformers, float32, SDPA): forward, cross-entropy
+    over the vocabulary, backward and an AdamW step, best of ``repeats`` after one warm-up."""
+    import torch
+    import transformers
+
+    hf = cfg.to_hf("float32")
+    config = transformers.AutoConfig.for_model(
+        hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                          torch_dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.RandomState(0)
+    tokens = torch.from_numpy(rng.randint(0, cfg.vocab_size, (batch, seq)))
+    targets = torch.from_numpy(rng.randint(0, cfg.vocab_size, (batch, seq)))
+
+    def step():
+        logits = model(input_ids=tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, cfg.vocab_size).float(),
+                                                 targets.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return {"params": sum(p.numel() for p in model.parameters()), "batch": batch, "seq": seq,
+            "threads": torch.get_num_threads(), "step_s": best, "tokens_per_s": batch * seq / best,
+            "flops_per_s": train_step_flops(cfg, batch, seq) / best}
 
 
 def bench_logprobs(tokens: int, hidden: int, vocab: int, block: int) -> dict:
@@ -104,11 +152,21 @@ def bench_logprobs(tokens: int, hidden: int, vocab: int, block: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes")
+    parser.add_argument("--shape", default=None,
+                        help="a named shape (rl_jax.models.shapes) to time instead")
+    parser.add_argument("--shape_batches", default="1x512",
+                        help="comma-separated BxT of the named shape's steps")
+    parser.add_argument("--torch", action="store_true",
+                        help="time the same architecture's step in PyTorch beside it")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps of a named shape")
+    parser.add_argument("--out", default=str(RESULTS / "trainer_throughput.json"))
     args = parser.parse_args()
 
     print(f"backend: {jax.default_backend()} x{jax.device_count()} ({platform.processor()})")
     ceiling = matmul_ceiling(512 if args.quick else 1024)
     print(f"ceiling: dense f32 matmul {ceiling / 1e9:.1f} GFLOP/s")
+    if args.shape:
+        return main_shape(args, ceiling)
 
     models = {
         "tiny_lm (0.6M)": ModelConfig(vocab_size=15, hidden_size=128, intermediate_size=384,
@@ -144,11 +202,40 @@ def main():
           f"{lp['blockwise']['temp_bytes'] / 2**20:.0f} MiB), time blockwise/full "
           f"{lp['time_ratio_blockwise_over_full']:.2f}")
 
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "trainer_throughput.json"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": jax.default_backend(), "devices": jax.device_count(),
                                "matmul_ceiling_flops": ceiling, "train_step": train,
                                "logprobs": lp}, indent=2))
+    print(f"wrote {out}")
+
+
+def main_shape(args, ceiling: float) -> None:
+    """A named shape's train step (and PyTorch's beside it): ``--shape``."""
+    from rl_jax.models.shapes import shape as named_shape
+    cfg = named_shape(args.shape)
+    rows = []
+    for spec in args.shape_batches.split(","):
+        batch, seq = (int(v) for v in spec.lower().split("x"))
+        row = {"model": args.shape, "jax": bench_train_step(cfg, batch, seq,
+                                                             repeats=args.repeats)}
+        row["jax"]["mfu_vs_matmul_ceiling"] = row["jax"]["flops_per_s"] / ceiling
+        print(f"train step {args.shape} B={batch} T={seq} jax: {row['jax']['step_s']:.2f} s, "
+              f"{row['jax']['tokens_per_s']:.1f} tok/s, MFU vs ceiling "
+              f"{row['jax']['mfu_vs_matmul_ceiling']:.2f}", flush=True)
+        if args.torch:
+            row["torch"] = bench_torch_train_step(cfg, batch, seq, args.repeats)
+            row["torch"]["mfu_vs_matmul_ceiling"] = row["torch"]["flops_per_s"] / ceiling
+            row["jax_over_torch"] = row["jax"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
+            print(f"{'':>20} torch: {row['torch']['step_s']:.2f} s, "
+                  f"{row['torch']['tokens_per_s']:.1f} tok/s ({row['torch']['threads']} "
+                  f"threads) -> jax / torch {row['jax_over_torch']:.2f}", flush=True)
+        rows.append(row)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"backend": jax.default_backend(), "devices": jax.device_count(),
+                               "matmul_ceiling_flops": ceiling, "shape": args.shape,
+                               "params": cfg.num_params(), "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 
