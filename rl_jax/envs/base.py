@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
