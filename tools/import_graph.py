@@ -14,7 +14,8 @@ each other (a cycle between packages, whatever their layers) are reported too.
 Usage::
 
     python tools/import_graph.py            # edges, upward edges, cycles; exit 1 if any
-    python tools/import_graph.py --modules  # also every module-level edge behind them
+    python tools/import_graph.py --modules  # also the module edges behind them, and cycles
+                                            # between modules (reported, not failed)
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 _MODULE_STRING = re.compile(rf"^({PACKAGE}(?:\.\w+)+)(?::\w+)?$")
 
 
-def module_name(path: pathlib.Path) -> str:
+def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
     """``rl_jax/envs/code.py`` -> ``rl_jax.envs.code``; a package's ``__init__`` -> the package."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -68,9 +69,9 @@ def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str
     return ".".join(base + ([name] if name else []))
 
 
-def imports_of(path: pathlib.Path) -> list[tuple[str, str]]:
+def imports_of(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[tuple[str, str]]:
     """``(imported rl_jax module, kind)`` for every import in the file at ``path``."""
-    module = module_name(path)
+    module = module_name(path, root)
     tree = ast.parse(path.read_text(), filename=str(path))
     found: list[tuple[str, str]] = []
 
@@ -99,10 +100,10 @@ def imports_of(path: pathlib.Path) -> list[tuple[str, str]]:
 
 def collect(root: pathlib.Path = ROOT) -> dict[tuple[str, str], set[str]]:
     """``(importing module, imported module) -> kinds`` over every module of the package."""
-    modules = {module_name(p): p for p in sorted((root / PACKAGE).rglob("*.py"))}
+    modules = {module_name(p, root): p for p in sorted((root / PACKAGE).rglob("*.py"))}
     edges: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
     for source, path in modules.items():
-        for target, kind in imports_of(path):
+        for target, kind in imports_of(path, root):
             # Keep the longest prefix that names a real module (drops imported attributes).
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -126,8 +127,14 @@ def layer_of(package: str) -> int | None:
     return next((i for i, layer in enumerate(LAYERS) if package in layer), None)
 
 
+def upward_edges(folded: dict[tuple[str, str], set[str]]) -> list[tuple[str, str]]:
+    """Package edges from a lower layer of :data:`LAYERS` to a higher one."""
+    return [(a, b) for a, b in sorted(folded) if None not in (layer_of(a), layer_of(b))
+            and layer_of(a) < layer_of(b)]
+
+
 def cycles(folded: dict[tuple[str, str], set[str]]) -> list[list[str]]:
-    """Strongly connected sets of two or more packages (Tarjan's algorithm)."""
+    """Strongly connected sets of two or more nodes (packages or modules; Tarjan's algorithm)."""
     graph: dict[str, list[str]] = collections.defaultdict(list)
     for a, b in folded:
         graph[a].append(b)
@@ -182,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               else ""))
     packages = sorted({p for edge in folded for p in edge})
     unplaced = [p for p in packages if layer_of(p) is None]
-    upward = [(a, b) for a, b in sorted(folded) if None not in (layer_of(a), layer_of(b))
-              and layer_of(a) < layer_of(b)]
+    upward = upward_edges(folded)
     found = cycles(folded)
     print("upward edges:" + ("" if upward else " none"))
     for a, b in upward:
@@ -193,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + " <-> ".join(component))
     if unplaced:
         print("packages missing from LAYERS: " + ", ".join(unplaced))
+    if args.modules:
+        module_cycles = cycles(edges)
+        print("module cycles (not failed):" + ("" if module_cycles else " none"))
+        for component in module_cycles:
+            print("  " + " <-> ".join(component))
     return 1 if upward or found or unplaced else 0
 
 
