@@ -35,7 +35,7 @@ from typing import Any
 import grain
 import jax
 
-from rl_jax.envs.base import Environment, Prompt
+from rl_jax.data.prompts import Prompt, PromptGenerator
 
 PathLike = str | os.PathLike
 
@@ -339,21 +339,22 @@ def write_array_record(path: PathLike, records: Iterable[Mapping[str, Any]]) -> 
 class _EnvPrompt:
     """Index -> ``env.prompt(index, split)``."""
 
-    def __init__(self, env: Environment, split: str):
+    def __init__(self, env: PromptGenerator, split: str):
         self.env, self.split = env, split
 
     def __call__(self, index: int) -> Prompt:
         return self.env.prompt(int(index), self.split)
 
 
-def env_source(env: Environment, split: str = "train", size: int | None = None) -> grain.MapDataset:
+def env_source(env: PromptGenerator, split: str = "train",
+               size: int | None = None) -> grain.MapDataset:
     """Prompts ``env.prompt(i, split)`` for ``i`` in ``[0, size)``; infinite (length
     ``sys.maxsize``) when ``size`` is None.
 
     Raises:
       SourceError: the environment does not generate prompts, or ``size`` is not positive.
     """
-    if type(env).prompt is Environment.prompt:
+    if type(env).prompt is PromptGenerator.prompt:
         raise SourceError(f"{type(env).__name__} does not generate prompts; read its prompts "
                           "from a file source instead")
     if size is not None and size < 1:

@@ -27,33 +27,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
+from rl_jax.data.prompts import Prompt, PromptGenerator
+
 
 class EnvError(ValueError):
     """Bad environment configuration or input (an unknown name, a prompt missing its answer)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """A prompt and what is needed to judge completions of it.
-
-    Attributes:
-      text: the text given to the policy.
-      answer: the reference answer, if the task has one (e.g. ``"975"``, ``"\\frac{1}{2}"``).
-      info: task data the environment reads (numbers and target, unit tests, operands).
-      index: the example index within its split, for generated prompts.
-      split: ``"train"`` or ``"eval"`` for generated prompts.
-    """
-
-    text: str
-    answer: str | None = None
-    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    index: int | None = None
-    split: str | None = None
 
 
 PromptLike = Prompt | str
@@ -133,7 +116,7 @@ class EpisodeState:
         return result
 
 
-class Environment(abc.ABC):
+class Environment(PromptGenerator, abc.ABC):
     """Base class of reward environments.
 
     Subclasses implement :meth:`score`; multi-turn ones also override :meth:`step`.
@@ -146,11 +129,6 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     async def score(self, prompt: PromptLike, completion: str) -> tuple[float, dict[str, Any]]:
         """``(reward, info)`` of a completion; never raises because the completion is bad."""
-
-    def prompt(self, index: int, split: str = "train") -> Prompt:
-        """Prompt ``index`` of ``split``; a pure function of the environment's config."""
-        raise NotImplementedError(f"{type(self).__name__} does not generate prompts; build "
-                                  "Prompt objects from your data set")
 
     async def reset(self, prompt: PromptLike) -> EpisodeState:
         """A fresh episode on ``prompt``."""

@@ -17,6 +17,10 @@ Checkpointing: ``get_state()`` records the next prompt position and the position
 not yet trained (in flight, completed, or handed out in a batch whose optimizer step has not been
 reported with ``set_trainer_version``); ``set_state()`` re-issues those first, so after a crash no
 prompt is lost and none is trained twice except those in flight at the crash (generated again).
+
+Beside it: :mod:`rl_jax.rollout.request_plan` (seeds and forced lengths of each request) and
+:mod:`rl_jax.rollout.batching` (:class:`GroupsToBatch`, the map that packs groups into batches);
+both are re-exported here.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +42,10 @@ from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
 from rl_jax.generator.client import GeneratorUnavailable
 from rl_jax.generator.types import GenerateRequest, SamplingParams
-from rl_jax.rollout.records import Group, Sample, host_advantages, pack_groups
+from rl_jax.rollout.batching import GroupsToBatch
+from rl_jax.rollout.records import Group, Sample
+from rl_jax.rollout.request_plan import (LognormalLengths, mask_after_stop, prompt_seed,
+                                         sample_seed, until_stop)
 from rl_jax.rollout.staleness import GateConfig, StalenessGate
 
 log = logging.getLogger(__name__)
@@ -80,51 +86,6 @@ class RolloutConfig:
     # (what the policy answered before it was made to go on).
     score_until: tuple[int, ...] = ()
 
-
-def prompt_seed(seed: int | None, position: int) -> int | None:
-    """The sampling seed of the prompt at ``position`` (None: unseeded): distinct per prompt,
-    the same for the same prompt, so a resumed or repeated run samples the same tokens."""
-    return None if seed is None else (int(seed) * 1_000_003 + 65_537 * int(position)) % 2**31
-
-
-def _mask_after(ids: list[int], stops: tuple[int, ...]) -> list[float]:
-    """1.0 up to and including the first stop token, 0.0 after it."""
-    kept = len(_until(ids, stops))
-    return [1.0] * kept + [0.0] * (len(ids) - kept)
-
-
-def _until(ids: list[int], stops: tuple[int, ...]) -> list[int]:
-    for i, token in enumerate(ids):
-        if token in stops:
-            return ids[:i + 1]
-    return ids
-
-
-def sample_seed(seed: int | None, position: int, index: int) -> int | None:
-    """The sampling seed of sample ``index`` of the prompt at ``position`` when each sample is
-    its own request (None: unseeded); distinct per sample, the same on a repeat."""
-    if seed is None:
-        return None
-    state = np.random.SeedSequence([int(seed), int(position), int(index)]).generate_state(1)
-    return int(state[0]) % 2**31
-
-
-@dataclasses.dataclass(frozen=True)
-class LognormalLengths:
-    """Long-tailed completion lengths: ``min(max, max(1, round(median · exp(sigma · z))))``
-    with ``z ~ N(0, 1)`` drawn from ``(seed, position, sample)`` (sample 0: ``(seed,
-    position)``, the length a whole group shares without per-sample lengths), so a sample always
-    gets the same length. ``p99 / p50 = exp(2.326 · sigma)`` before the cap (8.4 at sigma 0.915)."""
-
-    median: float
-    sigma: float
-    max: int
-    seed: int = 0
-
-    def __call__(self, position: int, sample: int = 0) -> int:
-        key = [self.seed, int(position)] + ([int(sample)] if sample else [])
-        z = np.random.default_rng(key).standard_normal()
-        return int(min(self.max, max(1, round(self.median * math.exp(self.sigma * z)))))
 
 
 class RolloutIterator(grain.DatasetIterator):
@@ -434,7 +395,7 @@ class RolloutIterator(grain.DatasetIterator):
                     sampling, max_new_tokens=int(cfg.length_of(position, 0)), ignore_eos=True)
             outputs = await self._generator.generate(
                 GenerateRequest(ids, sampling, rid=self._rid(position)))
-        texts = [self._decode(_until(o.output_ids, cfg.score_until)) for o in outputs]
+        texts = [self._decode(until_stop(o.output_ids, cfg.score_until)) for o in outputs]
         scores = await score_many(self._env, [prompt] * len(outputs), texts)
         # Seconds a group spends outside the generator's engine (queueing in the client, HTTP,
         # decoding, scoring), when the generator reports its own latency.
@@ -450,7 +411,7 @@ class RolloutIterator(grain.DatasetIterator):
         # Forced lengths: tokens past the first stop token only shape the length distribution;
         # they are trained on (compute) with loss mask 0, so the policy learns what it scored.
         masks = [None if cfg.length_of is None or not cfg.score_until else
-                 _mask_after(o.output_ids, cfg.score_until) for o in outputs]
+                 mask_after_stop(o.output_ids, cfg.score_until) for o in outputs]
         samples = [Sample(group_id=position, prompt_ids=list(ids),
                           completion_ids=list(o.output_ids),
                           behaviour_logprobs=list(o.output_logprobs),
@@ -542,42 +503,5 @@ class RolloutDataset(grain.IterDataset):
                                close_generator=self._close_generator)
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupsToBatch:
-    """grain map: groups → advantages → packed ``[rows, seq_len]`` numpy batch + metrics."""
-
-    seq_len: int
-    rows: int  # 0: as many as the samples need, rounded up by records.bucket_rows
-    advantage: str = "grpo"
-    pad_id: int = 0
-    row_multiple: int = 1  # rows=0: a multiple of this (batch shards × micro-batches)
-    power_of_two: bool = True  # rows=0: row_multiple · 2^k rows (else any multiple)
-    share_prompts: bool = False  # a group's prompt packed once (records.pack_groups)
-
-    def warm(self, num_groups: int, group_size: int):
-        """Compiles the advantage estimator for batches of ``num_groups`` groups of
-        ``group_size`` samples (see :func:`records.host_advantages`), so that the first batch
-        does not wait for it."""
-        group_ids = np.repeat(np.arange(num_groups), group_size)
-        host_advantages(self.advantage, np.zeros(len(group_ids), np.float32), group_ids,
-                        num_groups)
-
-    def __call__(self, groups: list[Group]) -> dict[str, Any]:
-        # Prompt-stream order, not completion order: the same groups always pack the same way.
-        groups = sorted(groups, key=lambda g: g.position)
-        batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
-                            advantage=self.advantage, pad_id=self.pad_id,
-                            row_multiple=self.row_multiple, power_of_two=self.power_of_two,
-                            share_prompts=self.share_prompts)
-        rewards = batch["rewards"]
-        solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
-        batch["metrics"] = {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "groups/zero_signal": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
-            "groups/solve_rate_band": float(np.mean((solve > 0) & (solve < 1))),
-            "tokens/completion": float(sum(len(s.completion_ids) for g in groups
-                                           for s in g.samples)),
-            "versions/min": float(min(g.min_version for g in groups)),
-            "positions": [g.position for g in groups],
-        }
-        return batch
+__all__ = ["GroupsToBatch", "LognormalLengths", "RolloutConfig", "RolloutDataset",
+           "RolloutIterator", "prompt_seed", "sample_seed"]

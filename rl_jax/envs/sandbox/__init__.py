@@ -1,7 +1,8 @@
 """Running untrusted Python programs: isolated processes, hard limits, a bounded worker pool.
 
 Every program runs in its own process tree, started by :class:`Sandbox` through the trusted runner
-script ``sandbox_runner.py`` (stdlib only). Isolation modes:
+(:mod:`rl_jax.envs.sandbox.runner`, stdlib only; :mod:`rl_jax.envs.sandbox.launch` starts it).
+Isolation modes:
 
 ``bwrap`` (root and bubblewrap, e.g. Debian's ``bubblewrap`` package, plus the system's
 libseccomp; what ``auto`` picks, and the only mode it picks)
@@ -56,9 +57,9 @@ wall deadline and cleans up (``bwrap``: at once).
 Tests: ``run(program, tests=[...])`` runs test sources (``assert solve(3, 4) == 7``) in a harness
 process of their own (uid ``uid_base + max_concurrency + slot`` as root), which calls into the
 program's process over pipes and alone reports the outcome; the result is ``ok`` only when every
-test ran and passed (see ``sandbox_runner.py``). A program cannot pass them by exiting early,
-killing processes, printing anything, patching builtins or returning objects that compare equal
-to everything.
+test ran and passed (see :mod:`rl_jax.envs.sandbox.runner.harness`). A program cannot pass them
+by exiting early, killing processes, printing anything, patching builtins or returning objects
+that compare equal to everything.
 
 Concurrency: a :class:`Sandbox` owns a thread pool of ``max_concurrency`` workers, each driving
 one sandboxed process at a time; :meth:`Sandbox.run` is awaitable from any event loop.
@@ -67,45 +68,20 @@ one sandboxed process at a time; :meth:`Sandbox.run` is awaitable from any event
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import ctypes
-import dataclasses
 import functools
-import json
 import logging
 import os
 import queue
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
 
-_HIDDEN_IN_SANDBOX = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/lock/")
-_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
-_UNSHARE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child",
-                  "--mount-proc")
-# Added to the wall-time limit before the parent kills a runner that has not reported (the runner
-# enforces the limit itself; this only covers a runner that is stuck or starved of CPU).
-_PARENT_GRACE_SECONDS = 5.0
-# The runner's report: two base64 streams of at most max_output_bytes each, plus small fields.
-_REPORT_OVERHEAD_BYTES = 64 * 1024
+from rl_jax.envs.sandbox.launch import _bwrap_binds, _Job, _run_job, default_interpreter
+from rl_jax.envs.sandbox.limits import REASONS, SandboxError, SandboxLimits, SandboxResult
 
-# Inside the bwrap root the runner lives here (read-only).
-_RUNNER_IN_BWRAP = "/sandbox_runner.py"
-_BWRAP_FLAGS = ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--as-pid-1", "--new-session",
-                # The runner (root) keeps its capabilities to mount the limited tmpfs and change
-                # uid; the program loses them all (setuid, empty bounding set, no_new_privs).
-                "--cap-add", "ALL")
-# Top-level directories or links a dynamic linker may look in.
-_BWRAP_SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SECCOMP_LIBRARY = "libseccomp.so.2"
 
-REASONS = ("ok", "runtime_error", "test_failed", "timeout", "memory", "output_limit",
-           "file_limit", "process_limit", "sandbox_error")
 ISOLATION_MODES = ("auto", "bwrap", "namespaces", "rlimits")
 # What the weaker modes leave open (logged when one is asked for).
 _UNPROTECTED = {
@@ -119,94 +95,6 @@ _UNPROTECTED = {
 }
 
 logger = logging.getLogger(__name__)
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself cannot run (bad limits, no isolation available, missing interpreter)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits of one sandboxed run.
-
-    Attributes:
-      wall_time: seconds from start until the whole process tree is killed.
-      cpu_time: CPU seconds of the program (``RLIMIT_CPU``, rounded up to whole seconds).
-      memory_bytes: address space per process (``RLIMIT_AS``).
-      max_total_memory_bytes: resident memory of all the program's processes together, sampled
-        every 20 ms (overshoot is what the program can fault in between two samples).
-      max_processes: processes and threads of the program's uid (``RLIMIT_NPROC``).
-      max_file_bytes: size of any one file (``RLIMIT_FSIZE``).
-      max_open_files: open file descriptors per process (``RLIMIT_NOFILE``).
-      max_files: files and directories the program may create.
-      max_disk_bytes: bytes the program may store in files.
-      max_output_bytes: bytes kept from stdout and from stderr; more kills the program.
-    """
-
-    wall_time: float = 10.0
-    cpu_time: float = 10.0
-    memory_bytes: int = 512 * 2**20
-    max_total_memory_bytes: int = 2**30
-    max_processes: int = 32
-    max_file_bytes: int = 16 * 2**20
-    max_open_files: int = 64
-    max_files: int = 256
-    max_disk_bytes: int = 64 * 2**20
-    max_output_bytes: int = 2**20
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not value > 0:
-                raise SandboxError(f"SandboxLimits.{field.name} must be positive, got {value!r}")
-        if self.memory_bytes < 32 * 2**20:
-            raise SandboxError(f"SandboxLimits.memory_bytes={self.memory_bytes} is below 32 MiB, "
-                               "too little to start a Python interpreter")
-        if self.max_open_files < 8:
-            raise SandboxError(f"SandboxLimits.max_open_files={self.max_open_files} is below 8, "
-                               "too few to start a Python interpreter")
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxResult:
-    """What happened to one program.
-
-    Attributes:
-      reason: one of :data:`REASONS`; ``"ok"`` means the program exited with status 0.
-      detail: a human-readable explanation of ``reason``.
-      exit_code: the main process's exit status, or None if it was killed by a signal.
-      signal: the signal that killed the main process, or None.
-      stdout, stderr: decoded output (UTF-8, invalid bytes replaced), at most
-        ``max_output_bytes`` each.
-      stdout_truncated, stderr_truncated: whether more was written than kept.
-      wall_time: seconds from the runner's start to the end of the program.
-      cpu_time: CPU seconds of all the program's processes.
-      peak_processes: most processes seen at once (sampled every 20 ms).
-      peak_memory_bytes: most resident memory of all its processes together (sampled).
-      files_created: files and directories the program created.
-      tests_run, tests_passed: for a run with ``tests``, how many the harness ran (the program
-        did not stop first) and how many passed.
-    """
-
-    reason: str
-    detail: str = ""
-    exit_code: int | None = None
-    signal: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    wall_time: float = 0.0
-    cpu_time: float = 0.0
-    peak_processes: int = 0
-    peak_memory_bytes: int = 0
-    files_created: int = 0
-    tests_run: int = 0
-    tests_passed: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.reason == "ok"
 
 
 @functools.cache
@@ -260,87 +148,6 @@ def _bwrap_problem() -> str | None:
     if not probe.ok:
         return f"a trial run failed ({probe.reason}): {probe.detail[-300:]}"
     return None
-
-
-@functools.cache
-def _bwrap_binds(interpreter: str) -> tuple[str, ...]:
-    """bwrap arguments that show ``interpreter`` its system and prefixes, read-only, at their own
-    paths (a virtual environment and the Python it is based on), and nothing else of the host.
-
-    Raises:
-      SandboxError: if the interpreter cannot report its prefixes, or one is ``/``.
-    """
-    try:
-        out = subprocess.run(
-            [interpreter, "-I", "-S", "-c", "import sys; print('\\0'.join((sys.prefix, "
-             "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)))"],
-            capture_output=True, timeout=30, check=True, env={"PATH": "/usr/bin:/bin"}).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise SandboxError(f"interpreter {interpreter!r} cannot report its prefixes: {e}") from e
-    real = os.path.realpath(interpreter)
-    prefixes = {os.path.realpath(p) for p in out.decode().strip().split("\0") if p}
-    prefixes.add(os.path.dirname(os.path.dirname(real)))
-    prefixes |= {os.path.abspath(p) for p in list(prefixes)}
-    if "/" in prefixes:
-        raise SandboxError(f"interpreter {interpreter!r} lives directly under / (prefix /); "
-                           "showing it to the program would show the whole host")
-    args = ["--ro-bind", "/usr", "/usr"]
-    for path in _BWRAP_SYSTEM_DIRS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    for prefix in sorted(prefixes):
-        if prefix != "/usr" and not prefix.startswith("/usr/") and os.path.isdir(prefix):
-            args += ["--ro-bind", prefix, prefix]
-    args += ["--perms", "0755", "--dir", "/etc",
-             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
-             "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp",
-             "--ro-bind", _RUNNER, _RUNNER_IN_BWRAP, "--remount-ro", "/", "--chdir", "/"]
-    return tuple(args)
-
-
-def _usable_by_others(path: str) -> bool:
-    """Whether a uid that owns nothing can execute ``path`` (every directory on the way
-    searchable, the file readable and executable, by "others")."""
-    real = os.path.realpath(path)
-    try:
-        if os.stat(real).st_mode & 0o005 != 0o005:
-            return False
-        parent = os.path.dirname(real)
-        while True:
-            if os.stat(parent).st_mode & 0o001 == 0:
-                return False
-            if parent == os.path.dirname(parent):
-                return True
-            parent = os.path.dirname(parent)
-    except OSError:
-        return False
-
-
-def default_interpreter(unprivileged: bool = True) -> str:
-    """The Python that runs sandboxed programs by default.
-
-    This process's interpreter when an unprivileged uid can run it (or ``unprivileged`` is
-    False) and it does not live under a directory the sandbox replaces (``/tmp`` ...), else the
-    first ``python3`` on PATH that qualifies. Programs see that interpreter's
-    standard library and installed packages.
-
-    Raises:
-      SandboxError: if no such interpreter exists; pass ``interpreter=`` explicitly.
-    """
-    candidates = [sys.executable]
-    if unprivileged:
-        candidates += [shutil.which(name) for name in ("python3", "python")]
-        candidates += ["/usr/bin/python3", "/usr/local/bin/python3"]
-    for path in candidates:
-        # The namespaces mode mounts a fresh tmpfs over these: an interpreter there would vanish.
-        hidden = path and any(p.startswith(_HIDDEN_IN_SANDBOX)
-                              for p in (os.path.abspath(path), os.path.realpath(path)))
-        if path and not hidden and (not unprivileged or _usable_by_others(path)):
-            return path
-    raise SandboxError(f"no Python interpreter is executable by an unprivileged uid (tried "
-                       f"{sys.executable!r} and python3 on PATH); pass interpreter= to Sandbox")
 
 
 def resolve_isolation(isolation: str = "auto") -> str:
@@ -479,72 +286,5 @@ def _check_tests(tests: Sequence[str] | None) -> list[str] | None:
     return list(tests)
 
 
-_PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Job:
-    """How to run programs: the mode, the program's argv (its file last), the confinement."""
-
-    mode: str
-    argv: list[str]
-    seccomp: bool = False
-    binds: tuple[str, ...] = ()  # bwrap's view of the host
-    tests: list[str] | None = None
-    uid: int | None = None
-    harness_uid: int | None = None
-
-
-def _run_job(spec: _Job, program: str, stdin: str, limits: SandboxLimits) -> SandboxResult:
-    """Starts the runner (inside bwrap, or fresh namespaces for ``namespaces``) on one job."""
-    job = {"mode": spec.mode, "uid": spec.uid, "harness_uid": spec.harness_uid,
-           "argv": spec.argv, "files": {"program.py": program}, "stdin": stdin,
-           "env": _PROGRAM_ENV, "limits": dataclasses.asdict(limits), "seccomp": spec.seccomp,
-           "tests": spec.tests}
-    # The runner (and the test harness it forks) runs under the program's interpreter: the only
-    # one inside bwrap, and one that the harness's unprivileged uid can use in every mode.
-    runner = [spec.argv[0], "-I", "-S", _RUNNER]
-    if spec.mode == "bwrap":
-        runner = [shutil.which("bwrap") or "bwrap", *_BWRAP_FLAGS, *spec.binds, "--",
-                  spec.argv[0], "-I", "-S", _RUNNER_IN_BWRAP]
-    elif spec.mode == "namespaces":
-        runner = [shutil.which("unshare") or "unshare", *_UNSHARE_FLAGS, *runner]
-    start = time.monotonic()
-    try:
-        proc = subprocess.Popen(runner, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-    except OSError as e:
-        return SandboxResult("sandbox_error", f"cannot start the sandbox runner: {e}")
-    try:
-        out, err = proc.communicate(json.dumps(job).encode(),
-                                    timeout=limits.wall_time + _PARENT_GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return SandboxResult("timeout", "the sandbox runner missed its deadline and was killed",
-                             wall_time=time.monotonic() - start)
-    report_limit = 3 * limits.max_output_bytes + _REPORT_OVERHEAD_BYTES
-    return _parse_report(out[:report_limit], err, proc.returncode)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.communicate()
-
-
-def _parse_report(out: bytes, err: bytes, returncode: int) -> SandboxResult:
-    try:
-        report = json.loads(out)
-    except ValueError:
-        return SandboxResult("sandbox_error", f"the runner exited with {returncode} and no "
-                             f"report; stderr: {err.decode('utf-8', 'replace')[-500:]}")
-    if report.get("reason") not in REASONS:
-        return SandboxResult("sandbox_error", f"the runner reported {report!r}"[:1000])
-    decoded = {k[:-4]: base64.b64decode(report.pop(k)).decode("utf-8", "replace")
-               for k in ("stdout_b64", "stderr_b64") if k in report}
-    fields = {f.name for f in dataclasses.fields(SandboxResult)}
-    return SandboxResult(**decoded, **{k: v for k, v in report.items() if k in fields})
+__all__ = ["ISOLATION_MODES", "REASONS", "Sandbox", "SandboxError", "SandboxLimits",
+           "SandboxResult", "default_interpreter", "resolve_isolation"]

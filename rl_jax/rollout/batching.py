@@ -1,0 +1,51 @@
+"""The grain map after the rollout stage: groups → advantages → packed batch + metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from rl_jax.rollout.records import Group, host_advantages, pack_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupsToBatch:
+    """grain map: groups → advantages → packed ``[rows, seq_len]`` numpy batch + metrics."""
+
+    seq_len: int
+    rows: int  # 0: as many as the samples need, rounded up by records.bucket_rows
+    advantage: str = "grpo"
+    pad_id: int = 0
+    row_multiple: int = 1  # rows=0: a multiple of this (batch shards × micro-batches)
+    power_of_two: bool = True  # rows=0: row_multiple · 2^k rows (else any multiple)
+    share_prompts: bool = False  # a group's prompt packed once (records.pack_groups)
+
+    def warm(self, num_groups: int, group_size: int):
+        """Compiles the advantage estimator for batches of ``num_groups`` groups of
+        ``group_size`` samples (see :func:`records.host_advantages`), so that the first batch
+        does not wait for it."""
+        group_ids = np.repeat(np.arange(num_groups), group_size)
+        host_advantages(self.advantage, np.zeros(len(group_ids), np.float32), group_ids,
+                        num_groups)
+
+    def __call__(self, groups: list[Group]) -> dict[str, Any]:
+        # Prompt-stream order, not completion order: the same groups always pack the same way.
+        groups = sorted(groups, key=lambda g: g.position)
+        batch = pack_groups(groups, seq_len=self.seq_len, rows=self.rows,
+                            advantage=self.advantage, pad_id=self.pad_id,
+                            row_multiple=self.row_multiple, power_of_two=self.power_of_two,
+                            share_prompts=self.share_prompts)
+        rewards = batch["rewards"]
+        solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
+        batch["metrics"] = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "groups/zero_signal": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
+            "groups/solve_rate_band": float(np.mean((solve > 0) & (solve < 1))),
+            "tokens/completion": float(sum(len(s.completion_ids) for g in groups
+                                           for s in g.samples)),
+            "versions/min": float(min(g.min_version for g in groups)),
+            "positions": [g.position for g in groups],
+        }
+        return batch

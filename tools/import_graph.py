@@ -1,0 +1,211 @@
+"""Package-level import graph of ``rl_jax`` and the edges that break its layering.
+
+Reads every module under ``rl_jax/`` with :mod:`ast` (nothing is imported or run) and records
+each import of an ``rl_jax`` module: at module level, inside functions (``kind = function``),
+and by name in a ``"rl_jax.x.y:attr"`` or ``"rl_jax.x.y"`` string handed to
+``importlib.import_module`` (``kind = dynamic``, e.g. a registry of lazily loaded classes).
+Edges are then folded to packages (``rl_jax.envs.code`` -> ``envs``; a top-level module such as
+``rl_jax/sharding.py`` is its own package).
+
+:data:`LAYERS` lists the packages from the lowest layer up. A package may import packages of its
+own layer or lower layers; an import of a higher layer is an *upward edge*. Packages that import
+each other (a cycle between packages, whatever their layers) are reported too.
+
+Usage::
+
+    python tools/import_graph.py            # edges, upward edges, cycles; exit 1 if any
+    python tools/import_graph.py --modules  # also the module edges behind them, and cycles
+                                            # between modules (reported, not failed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "rl_jax"
+
+# Lowest first. Packages within one tuple may import each other (one way: a cycle is reported);
+# a package missing here is reported, so that its place is decided when it is added. Data flows
+# prompts (data) -> generator -> rollout -> trainer, with environments (envs) scoring
+# completions of data's prompts; the orchestrator wires the roles; ``errors`` gathers the
+# user-facing error types of every layer for the entry points.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("compile_cache", "cpus", "heap", "metrics"),
+    ("distributed", "sharding"),
+    ("data",),
+    ("envs", "losses", "models"),
+    ("generator", "trainer", "transfer"),
+    ("rollout",),
+    ("orchestrator", "sysmodel"),
+    ("errors",),
+)
+
+_MODULE_STRING = re.compile(rf"^({PACKAGE}(?:\.\w+)+)(?::\w+)?$")
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    """``rl_jax/envs/code.py`` -> ``rl_jax.envs.code``; a package's ``__init__`` -> the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """The first component below ``rl_jax`` (``rl_jax`` itself for the top package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (level - 1)] if level > 1 else base
+    return ".".join(base + ([name] if name else []))
+
+
+def imports_of(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[tuple[str, str]]:
+    """``(imported rl_jax module, kind)`` for every import in the file at ``path``."""
+    module = module_name(path, root)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[str, str]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        kind = "function" if in_function else "module"
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, kind) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = (_resolve(module, path.name == "__init__.py", node.level, node.module)
+                      if node.level else node.module or "")
+            found.append((target, kind))
+            # ``from rl_jax.envs import sandbox`` imports the submodule too.
+            found.extend((f"{target}.{alias.name}", kind) for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = _MODULE_STRING.match(node.value)
+            if match:
+                found.append((match[1], "dynamic"))
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                 ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def collect(root: pathlib.Path = ROOT) -> dict[tuple[str, str], set[str]]:
+    """``(importing module, imported module) -> kinds`` over every module of the package."""
+    modules = {module_name(p, root): p for p in sorted((root / PACKAGE).rglob("*.py"))}
+    edges: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+    for source, path in modules.items():
+        for target, kind in imports_of(path, root):
+            # Keep the longest prefix that names a real module (drops imported attributes).
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target.startswith(PACKAGE + ".") and target != source:
+                edges[(source, target)].add(kind)
+    return edges
+
+
+def package_edges(edges: dict[tuple[str, str], set[str]]) -> dict[tuple[str, str], set[str]]:
+    """Module edges folded to packages, self-edges dropped."""
+    folded: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+    for (source, target), kinds in edges.items():
+        a, b = package_of(source), package_of(target)
+        if a != b:
+            folded[(a, b)] |= kinds
+    return folded
+
+
+def layer_of(package: str) -> int | None:
+    """Index of the layer holding ``package``, or None if :data:`LAYERS` does not place it."""
+    return next((i for i, layer in enumerate(LAYERS) if package in layer), None)
+
+
+def upward_edges(folded: dict[tuple[str, str], set[str]]) -> list[tuple[str, str]]:
+    """Package edges from a lower layer of :data:`LAYERS` to a higher one."""
+    return [(a, b) for a, b in sorted(folded) if None not in (layer_of(a), layer_of(b))
+            and layer_of(a) < layer_of(b)]
+
+
+def cycles(folded: dict[tuple[str, str], set[str]]) -> list[list[str]]:
+    """Strongly connected sets of two or more nodes (packages or modules; Tarjan's algorithm)."""
+    graph: dict[str, list[str]] = collections.defaultdict(list)
+    for a, b in folded:
+        graph[a].append(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(set(graph) | {b for _, b in folded}):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", action="store_true", help="print module-level edges too")
+    args = parser.parse_args(argv)
+    edges = collect()
+    folded = package_edges(edges)
+
+    def detail(a: str, b: str) -> str:
+        behind = sorted(f"{s} -> {t} ({', '.join(sorted(k))})" for (s, t), k in edges.items()
+                        if package_of(s) == a and package_of(t) == b)
+        return "".join(f"\n      {line}" for line in behind)
+
+    print("package edges (importer -> imported [kinds]):")
+    for (a, b), kinds in sorted(folded.items()):
+        print(f"  {a} -> {b} [{', '.join(sorted(kinds))}]" + (detail(a, b) if args.modules
+                                                              else ""))
+    packages = sorted({p for edge in folded for p in edge})
+    unplaced = [p for p in packages if layer_of(p) is None]
+    upward = upward_edges(folded)
+    found = cycles(folded)
+    print("upward edges:" + ("" if upward else " none"))
+    for a, b in upward:
+        print(f"  {a} -> {b}{detail(a, b)}")
+    print("package cycles:" + ("" if found else " none"))
+    for component in found:
+        print("  " + " <-> ".join(component))
+    if unplaced:
+        print("packages missing from LAYERS: " + ", ".join(unplaced))
+    if args.modules:
+        module_cycles = cycles(edges)
+        print("module cycles (not failed):" + ("" if module_cycles else " none"))
+        for component in module_cycles:
+            print("  " + " <-> ".join(component))
+    return 1 if upward or found or unplaced else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
