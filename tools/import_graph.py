@@ -36,7 +36,7 @@ PACKAGE = "rl_jax"
 # completions of data's prompts; the orchestrator wires the roles; ``errors`` gathers the
 # user-facing error types of every layer for the entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("compile_cache", "cpus", "heap", "metrics"),
+    ("compile_cache", "cpus", "heap", "metrics", "native"),
     ("distributed", "sharding"),
     ("data",),
     ("envs", "losses", "models"),
