@@ -17,7 +17,7 @@ import xxhash
 from safetensors.numpy import load as load_safetensors
 
 from rl_jax.generator.engine import Engine
-from rl_jax.generator.runner import generator_rules
+from rl_jax.generator.weights import generator_rules
 from rl_jax.models import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec

@@ -44,7 +44,9 @@ import jax
 import numpy as np
 
 from rl_jax.generator import kernels
-from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, batch_bucket, unpack
+from rl_jax.generator.kv_cache import SLOT_FIELDS, batch_bucket
+from rl_jax.generator.runner import ModelRunner
+from rl_jax.generator.sampling import unpack
 from rl_jax.generator.types import (GenerateOutput, GenerateRequest, GeneratorError, Overloaded,
                                     SamplingParams)
 from rl_jax.models.config import ModelConfig

@@ -76,10 +76,13 @@ from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig, WeightsRe
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate, parse_json_body)
 from rl_jax.generator import kernels
+from rl_jax.generator.kv_cache import MIN_ADMIT, kv_bucket
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
+from rl_jax.generator.weights import (SWAP_TIMEOUT_S, check_update, generator_rules,
+                                      load_params, make_generator_meshes, wait_for_swap)
 from rl_jax.heap import GcMonitor, freeze_long_lived
-from rl_jax.models.config import DTYPES, ConfigError, ModelConfig
-from rl_jax.models.hf import CheckpointError, load_pretrained, load_tokenizer, read_config
+from rl_jax.models.config import DTYPES, ConfigError, eos_ids
+from rl_jax.models.hf import CheckpointError, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +91,6 @@ MAX_BODY_BYTES = 512 << 20
 # event loop; bigger ones in worker threads.
 INLINE_BYTES = 16 << 10
 INLINE_TOKENS = 4096
-SWAP_TIMEOUT_S = 300.0
-# Fields that may differ between checkpoints served by one engine (its compiled functions
-# close over everything else).
-_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,22 +148,6 @@ class EngineStopped(RuntimeError):
 
 # ---- loading ------------------------------------------------------------------------------------
 
-def make_generator_meshes(tensor_parallel: int, data_parallel: int) -> list:
-    """One ``(data=1, fsdp=1, tensor=tp)`` mesh per data-parallel replica, over consecutive
-    devices (replica ``i`` on devices ``i·tp .. (i+1)·tp - 1``)."""
-    import jax
-
-    from rl_jax.sharding import ShardingError, make_mesh
-    devices = jax.devices()
-    need = tensor_parallel * data_parallel
-    if len(devices) < need:
-        raise ShardingError(f"tensor_parallel={tensor_parallel} x data_parallel={data_parallel} "
-                            f"needs {need} devices, {len(devices)} are available")
-    return [make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
-                      devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel])
-            for i in range(data_parallel)]
-
-
 ACCELERATOR_DECODE_STEPS = 8
 
 
@@ -184,36 +167,6 @@ def resolve_auto(config: ServerConfig, backend: str | None = None) -> ServerConf
         else config.dtype,
         decode_steps=(ACCELERATOR_DECODE_STEPS if accelerator else 1)
         if config.decode_steps == 0 else config.decode_steps)
-
-
-def load_params(model_dir: str | Path, *, mesh, rules, dtype) -> tuple[ModelConfig, dict]:
-    """Reads an HF checkpoint into the engine's parameter dict, placed for ``mesh``."""
-    from flax import nnx
-    model = load_pretrained(model_dir, mesh, dtype, rules=rules)
-    return model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param))
-
-
-def incompatibilities(current: ModelConfig, new: ModelConfig) -> list[str]:
-    """Why ``new`` cannot replace ``current`` in a running engine ([] when it can)."""
-    return [f"{f.name}: {getattr(current, f.name)!r} -> {getattr(new, f.name)!r}"
-            for f in dataclasses.fields(ModelConfig)
-            if f.name not in _TOKEN_FIELDS and getattr(current, f.name) != getattr(new, f.name)]
-
-
-def check_update(current: ModelConfig, model_dir: str | Path) -> ModelConfig:
-    """The config of ``model_dir`` if its weights can be swapped into an engine serving
-    ``current``; raises :class:`CheckpointError` otherwise."""
-    new = read_config(model_dir)
-    problems = incompatibilities(current, new)
-    if problems:
-        raise CheckpointError(f"checkpoint {str(model_dir)!r} does not match the served model "
-                              f"({'; '.join(problems)})")
-    return new
-
-
-def eos_ids(config: ModelConfig) -> tuple[int, ...]:
-    eos = config.eos_token_id
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def text_limit(tokenizer, max_seq_len: int) -> int | None:
@@ -260,7 +213,6 @@ class GeneratorServer:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
-        from rl_jax.generator.runner import generator_rules
         config = resolve_auto(config)
         for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
                      "tensor_parallel", "data_parallel", "decode_steps"):
@@ -342,7 +294,6 @@ class GeneratorServer:
         # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
         # both mixed): the first tokens of every power-of-two prompt count × sequence count,
         # and installing every power-of-two sequence count at every cache length.
-        from rl_jax.generator.runner import MIN_ADMIT, kv_bucket
         for prompts in sizes:
             for n in sizes:
                 if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
@@ -888,15 +839,6 @@ async def _all_results(futures: list[concurrent.futures.Future]) -> list:
         future.add_done_callback(finished)
     await done
     return [f.result() for f in futures]
-
-
-def wait_for_swap(engine: Engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while engine.params is not params:
-        if time.monotonic() > deadline or not engine.alive:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def _json_response(data: Any, status: int = 200, headers=None) -> web.Response:
