@@ -72,14 +72,15 @@ from aiohttp import web
 import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator import auth
-from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig, WeightsRefused
+from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate, parse_json_body)
 from rl_jax.generator import kernels
 from rl_jax.generator.kv_cache import MIN_ADMIT, kv_bucket
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
-from rl_jax.generator.weights import (SWAP_TIMEOUT_S, check_update, generator_rules,
-                                      load_params, make_generator_meshes, wait_for_swap)
+from rl_jax.generator.weights import (SWAP_TIMEOUT_S, WeightsRefused, check_update,
+                                      generator_rules, load_params, make_generator_meshes,
+                                      wait_for_swap)
 from rl_jax.heap import GcMonitor, freeze_long_lived
 from rl_jax.models.config import DTYPES, ConfigError, eos_ids
 from rl_jax.models.hf import CheckpointError, load_tokenizer
