@@ -376,7 +376,8 @@ async def rollout_round(generator: Generator, new_weights) -> tuple[list, int]:
 
 
 def test_local_engine_and_http_pool_behind_one_interface(pool, ckpts):
-    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig
 
     async def main():
         async with GeneratorClient(pool.urls) as client:

@@ -25,7 +25,8 @@ from safetensors.numpy import load_file, save_file
 from generator_fixtures import http, write_checkpoints
 from rl_jax.generator import server as server_module
 from rl_jax.generator.engine import Engine, EngineConfig, RequestFailed
-from rl_jax.generator.server import GeneratorServer, ServerConfig
+from rl_jax.generator.server import GeneratorServer
+from rl_jax.generator.server_config import ServerConfig
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 from rl_jax.generator.weights import WeightsRefused
 from rl_jax.models import ModelConfig

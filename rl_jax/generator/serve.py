@@ -94,6 +94,7 @@ def main(argv):
                                    f" --xla_force_host_platform_device_count={devices}")
     from rl_jax.errors import USER_ERRORS
     from rl_jax.generator import auth, server
+    from rl_jax.generator.server_config import ServerConfig
 
     try:
         keys = auth.load_keys(_API_KEY.value, _API_KEY_FILE.value, _ADMIN_KEY.value,
@@ -104,7 +105,7 @@ def main(argv):
     for name in (auth.API_KEY_ENV, auth.ADMIN_API_KEY_ENV):  # not for this process's children
         os.environ.pop(name, None)
 
-    config = server.ServerConfig(
+    config = ServerConfig(
         model=_MODEL.value, host=_HOST.value, port=_PORT.value, max_slots=_MAX_SLOTS.value,
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
