@@ -238,7 +238,7 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     new_k, new_v = [], []
     for w, kc, vc in zip(weights["layers"], k_cache, v_cache):
         h, kc, vc = decode_layer(h, w, kc, vc, positions, cos, sin, cfg=cfg, dtype=dtype,
-                                  constrain=constrain, attention=attention)
+                                 constrain=constrain, attention=attention)
         new_k.append(kc)
         new_v.append(vc)
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
