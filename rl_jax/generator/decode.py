@@ -1,15 +1,18 @@
 """The decode-path model over the slot KV cache: prefill, the decode weight layout, decode steps.
 
 Built from the training model's layer functions (:mod:`rl_jax.models.transformer`): prefill runs
-its ``decoder_layer``; a decode step's layer (:func:`decode_layer`) shares its residual structure
-(``pre_norm_block``), RMSNorm, qk-norm and rotary embedding (``qk_norm_and_rotary``), the MLP's
-activation (``mlp_activation``) and the output logits. What differs is what a decode step needs
-for speed: the projections run over :func:`prepare_decode_weights`' layout (queries, keys and
-values fused into one matrix grouped by key/value head, gate and up fused into one: one matmul
-each instead of three and two, and no per-step re-layout; the training layout keeps one matrix
-per HF tensor so that its shardings and names match), and attention reads one query per slot over
-the slot cache where it lies (:func:`attend`, or a kernel of :mod:`rl_jax.generator.kernels`)
-instead of a ``[B, T, S]``-masked product.
+its ``decoder_layer``; a decode step's layer (:func:`decode_layer`) shares its residual
+structure (``pre_norm_block``), RMSNorm, qk-norm (``qk_norm``), the rotary embedding
+(``apply_rotary``), the MLP's activation (``mlp_activation``) and the output logits. What
+differs is what a decode step needs for speed: the projections run over
+:func:`prepare_decode_weights`' layout (queries, keys and values fused into one matrix grouped
+by key/value head, gate and up fused into one: one matmul each instead of three and two, and no
+per-step re-layout; the training layout keeps one matrix per HF tensor so that its shardings and
+names match), and attention reads one query per slot over the slot cache where it lies
+(:func:`attend`, or a kernel of :mod:`rl_jax.generator.kernels`) instead of a
+``[B, T, S]``-masked product. The qk-norm runs on the fused layout's ``[S, K, G, Dh]`` heads
+before the reshape the rotary embedding takes, as it always has: normalising after the reshape
+computes the same values but XLA rounds it differently (one ulp).
 
 Decode runs the layers unrolled over per-layer weights and per-layer caches (donated and updated
 in place); a ``lax.scan`` over stacked weights and caches would copy every layer's weights and the
@@ -30,8 +33,8 @@ import jax.numpy as jnp
 from rl_jax.generator.kv_cache import SAMPLING_FIELDS, SlotState, chunk_bounds
 from rl_jax.generator.sampling import pack, sample
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.transformer import (attention_mask, decoder_layer, mlp_activation,
-                                       output_logits, pre_norm_block, qk_norm_and_rotary,
+from rl_jax.models.transformer import (apply_rotary, attention_mask, decoder_layer,
+                                       mlp_activation, output_logits, pre_norm_block, qk_norm,
                                        rms_norm, rotary_tables, unembedding)
 
 
@@ -157,12 +160,13 @@ def decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, con
             qkv = qkv + w["bqkv"]
         qkv = constrain(qkv.reshape(s, kv_heads, g + 2, hd),
                         ("act_batch", "act_kv_heads", None, "head_dim"))
-        # One token per slot, laid out as the training model's [B, T=1, heads, Dh].
-        q, k = qk_norm_and_rotary(qkv[:, :, :g].reshape(s, 1, kv_heads * g, hd),
-                                  qkv[:, None, :, g], w, cfg, cos, sin)
-        q = q.reshape(s, kv_heads, g, hd)
-        caches, attn = _write_and_attend(q, k[:, 0], qkv[:, :, g + 1], k_cache, v_cache,
-                                         positions, dtype=dtype, attention=attention)
+        q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
+        q, k = qk_norm(q, k, w, cfg)
+        # One token per slot: rotated as the training model's [B, T=1, heads, Dh].
+        q = apply_rotary(q.reshape(s, 1, kv_heads * g, hd), cos, sin).reshape(s, kv_heads, g, hd)
+        k = apply_rotary(k[:, None], cos, sin)[:, 0]
+        caches, attn = _write_and_attend(q, k, v, k_cache, v_cache, positions, dtype=dtype,
+                                         attention=attention)
         out = attn.reshape(s, kv_heads * g * hd) @ w["wo"]
         if cfg.output_bias:
             out = out + w["bo"]

@@ -302,19 +302,19 @@ def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: ja
         q = q + w["bq"].astype(dtype)
         k = k + w["bk"].astype(dtype)
         v = v + w["bv"].astype(dtype)
-    q, k = qk_norm_and_rotary(q, k, w, cfg, cos, sin)
-    return q, k, v
+    q, k = qk_norm(q, k, w, cfg)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def qk_norm_and_rotary(q: jax.Array, k: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig,
-                       cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Projected queries ``q [B,T,H,Dh]`` and keys ``k [B,T,K,Dh]`` as attention takes them:
-    each head RMS-normalised where the family has qk-norm (Qwen3), then rotated by its token's
-    angles ``cos, sin [B,T,Dh]``. Both steps act on each head's ``Dh`` values alone."""
+def qk_norm(q: jax.Array, k: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig
+            ) -> tuple[jax.Array, jax.Array]:
+    """Projected queries and keys (``[..., Dh]``: any layout with the head dim last) with each
+    head RMS-normalised where the family has qk-norm (Qwen3); unchanged otherwise. The rotary
+    embedding (:func:`apply_rotary`) comes after it."""
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q, k
 
 
 def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, dtype):
