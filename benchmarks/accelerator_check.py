@@ -335,7 +335,7 @@ def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
 # ---- weight publication ----------------------------------------------------------------------------------
 
 def measure_publication(cfg, args, dtype, repeats: int) -> dict:
-    from rl_jax.generator.runner import generator_rules
+    from rl_jax.generator.weights import generator_rules
     from rl_jax.transfer import Publisher, PublisherConfig, Puller, PullerConfig
 
     spec = ModelSpec(cfg, mesh=None)  # the trainer's float32 parameters

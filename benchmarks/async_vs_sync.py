@@ -114,8 +114,8 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
     import jax.numpy as jnp
 
     from rl_jax.generator.engine import Engine, EngineConfig
-    from rl_jax.generator.runner import generator_rules
-    from rl_jax.generator.server import eos_ids, load_params
+    from rl_jax.generator.weights import generator_rules, load_params
+    from rl_jax.models.config import eos_ids
     from rl_jax.generator.types import GenerateRequest, SamplingParams
     cfg, params = load_params(model_dir, mesh=None, rules=generator_rules(), dtype=jnp.float32)
     engine = Engine(cfg, params, rules=generator_rules(), dtype=jnp.float32,
@@ -196,8 +196,8 @@ def held_out_accuracies(model_dirs: list[Path], examples: int) -> list[float]:
     from rl_jax import envs
     from rl_jax.generator.base import LocalGenerator
     from rl_jax.generator.engine import Engine, EngineConfig
-    from rl_jax.generator.runner import generator_rules
-    from rl_jax.generator.server import eos_ids, load_params
+    from rl_jax.generator.weights import generator_rules, load_params
+    from rl_jax.models.config import eos_ids
     from rl_jax.models.hf import load_tokenizer
     from rl_jax.orchestrator.evaluation import evaluate, held_out_prompts
     from rl_jax.orchestrator.session import Codec

@@ -32,7 +32,9 @@ import numpy as np
 
 from generator_throughput import best_time, log  # benchmarks/ is on sys.path as the script's dir
 from rl_jax.generator.kernels import pallas_decode
-from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, attend
+from rl_jax.generator.decode import attend
+from rl_jax.generator.kv_cache import SLOT_FIELDS
+from rl_jax.generator.runner import ModelRunner
 from rl_jax.models import ModelConfig
 
 RESULTS = Path(os.environ.get("OUT") or Path(__file__).parent / "results")

@@ -88,8 +88,11 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rl_jax.generator import kernels  # noqa: E402
 from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
-from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, attend, sample  # noqa: E402
-from rl_jax.generator.server import make_generator_meshes  # noqa: E402
+from rl_jax.generator.decode import attend  # noqa: E402
+from rl_jax.generator.kv_cache import SLOT_FIELDS  # noqa: E402
+from rl_jax.generator.runner import ModelRunner  # noqa: E402
+from rl_jax.generator.sampling import sample  # noqa: E402
+from rl_jax.generator.weights import make_generator_meshes  # noqa: E402
 from rl_jax.generator.types import GenerateRequest, SamplingParams  # noqa: E402
 from rl_jax.models import ModelConfig, save_pretrained  # noqa: E402
 from rl_jax.trainer.state import ModelSpec  # noqa: E402

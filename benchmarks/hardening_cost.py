@@ -175,7 +175,7 @@ class LiveGenerator:
         import numpy as np
 
         from rl_jax.generator.engine import Engine, EngineConfig
-        from rl_jax.generator.runner import generator_rules
+        from rl_jax.generator.weights import generator_rules
         from rl_jax.generator.types import GenerateRequest, SamplingParams
         from rl_jax.trainer.state import ModelSpec
         from rl_jax.transfer import GeneratorPuller, PullerConfig

@@ -148,7 +148,7 @@ def trainer_main():
 def generator_main():
     import jax
 
-    from rl_jax.generator.runner import generator_rules
+    from rl_jax.generator.weights import generator_rules
     from rl_jax.trainer.state import ModelSpec
     from rl_jax.transfer import Puller, PullerConfig
 
@@ -196,7 +196,7 @@ class PauseTest:
         import numpy as np
 
         from rl_jax.generator.engine import Engine, EngineConfig
-        from rl_jax.generator.runner import generator_rules
+        from rl_jax.generator.weights import generator_rules
         from rl_jax.generator.types import GenerateRequest, SamplingParams
         from rl_jax.trainer.state import ModelSpec
         from rl_jax.transfer import GeneratorPuller, PullerConfig

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from rl_jax.generator.engine import Engine  # noqa: E402
-from rl_jax.generator.runner import generator_rules  # noqa: E402
+from rl_jax.generator.weights import generator_rules  # noqa: E402
 from rl_jax.sharding import make_mesh  # noqa: E402
 from rl_jax.trainer.state import ModelSpec  # noqa: E402
 from rl_jax.transfer import TransferError  # noqa: E402

@@ -100,7 +100,7 @@ def test_both_header_forms_and_their_variants():
 
 
 def test_keys_never_show_in_reprs_or_configs(tmp_path):
-    from rl_jax.generator.server import ServerConfig
+    from rl_jax.generator.server_config import ServerConfig
     keys = Keys(API, ADMIN)
     for text in (repr(keys), str(keys), f"{keys}", repr(ServerConfig(model="m", keys=keys)),
                  repr(PoolConfig(model="m", keys=keys))):
@@ -165,7 +165,8 @@ def test_exposure_warning():
 def test_every_server_endpoint_is_classified():
     """A new endpoint must be named admin, open or normal here: every route that changes the
     server is an admin path."""
-    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig
     fake = GeneratorServer.__new__(GeneratorServer)
     fake.config, fake.http_requests = ServerConfig(model="m", keys=Keys(API, ADMIN)), {}
     routes = {(r.method, r.resource.canonical) for r in fake.app().router.routes()}

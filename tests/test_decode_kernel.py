@@ -33,7 +33,7 @@ def _inputs(rng, s, k, g, d, t):
 def test_kernel_matches_xla_attention(g, d, t):
     import jax
     import jax.numpy as jnp
-    from rl_jax.generator.runner import attend
+    from rl_jax.generator.decode import attend
     rng = np.random.default_rng(g * 1000 + d + t)
     s, k = 13, 3
     q, keys, values = _inputs(rng, s, k, g, d, t)

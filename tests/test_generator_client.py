@@ -314,7 +314,7 @@ def test_pool_config_from_a_config_block():
 def test_server_commands():
     ours = PoolConfig(model="/ckpt", ports=(31000,), max_slots=16, max_seq_len=256)
     assert server_command(ours, 31000) == [
-        sys.executable, "-m", "launch.generator_server", "--model=/ckpt", "--host=127.0.0.1",
+        sys.executable, "-m", "rl_jax.generator.serve", "--model=/ckpt", "--host=127.0.0.1",
         "--port=31000", "--max_slots=16", "--max_seq_len=256", "--max_waiting=4096",
         "--dtype=float32", "--tensor_parallel=1", "--data_parallel=1", "--weight_version=0",
         f"--parent_pid={os.getpid()}", "--num_continuous_decode_steps=1"]
@@ -376,7 +376,8 @@ async def rollout_round(generator: Generator, new_weights) -> tuple[list, int]:
 
 
 def test_local_engine_and_http_pool_behind_one_interface(pool, ckpts):
-    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig
 
     async def main():
         async with GeneratorClient(pool.urls) as client:

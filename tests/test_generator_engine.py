@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from rl_jax.generator.engine import Engine, EngineConfig
-from rl_jax.generator.runner import generator_rules
-from rl_jax.generator.server import make_generator_meshes
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
+from rl_jax.generator.weights import generator_rules, make_generator_meshes
 from rl_jax.models import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
@@ -568,7 +567,7 @@ def test_filter_mask_matches_a_sorting_reference(filters):
     """Batches whose rows mix every filter, and batches where no row asks for top-p, or for
     top-k, or for either (the searches nobody asks for are skipped)."""
     import jax
-    from rl_jax.generator.runner import filter_mask
+    from rl_jax.generator.sampling import filter_mask
     rng = np.random.default_rng(0)
     rows, vocab = 24, 300
     scaled = rng.standard_normal((rows, vocab)).astype(np.float32) * 2
@@ -591,7 +590,7 @@ def test_filter_mask_matches_a_sorting_reference(filters):
 
 
 def test_inverse_cdf_picks_by_prefix_sums_and_never_a_zero_weight():
-    from rl_jax.generator.runner import inverse_cdf
+    from rl_jax.generator.sampling import inverse_cdf
     rng = np.random.default_rng(1)
     for vocab in (5, 48, 1000):
         weights = rng.random((64, vocab)).astype(np.float32)
@@ -610,7 +609,7 @@ def test_inverse_cdf_picks_by_prefix_sums_and_never_a_zero_weight():
 
 
 def test_sampled_tokens_follow_the_distribution_and_greedy_takes_the_first_maximum():
-    from rl_jax.generator.runner import sample
+    from rl_jax.generator.sampling import sample
     rows, vocab = 4096, 40
     logits = np.random.default_rng(2).standard_normal(vocab).astype(np.float32)
     logits[7] = logits[31] = logits.max() + 1.0  # a tie for the maximum
@@ -640,7 +639,7 @@ def test_filtered_sampling_reports_the_sampled_distribution_and_unbiased_ratios(
     """With top-k/top-p/min-p the behaviour log-prob is that of the filtered, renormalised
     distribution the token was drawn from; importance ratios ``π(y) / μ(y)`` against it estimate
     ``E_π[f]`` over the kept tokens without bias, against the unfiltered one they do not."""
-    from rl_jax.generator.runner import sample
+    from rl_jax.generator.sampling import sample
     rows, vocab, temperature = 16384, 40, 0.8
     logits = np.random.default_rng(4).standard_normal(vocab).astype(np.float32) * 1.5
     tile = np.broadcast_to(logits, (rows, vocab))
@@ -677,7 +676,7 @@ def test_filtered_sampling_reports_the_sampled_distribution_and_unbiased_ratios(
 
 
 def test_kv_and_batch_buckets():
-    from rl_jax.generator.runner import batch_bucket, kv_bucket
+    from rl_jax.generator.kv_cache import batch_bucket, kv_bucket
     sizes = [kv_bucket(n, 4096) for n in range(1, 4097)]
     assert sizes[0] == 16 and sizes[-1] == 4096
     assert all(size >= n for n, size in enumerate(sizes, 1))
@@ -758,7 +757,8 @@ def test_the_next_cache_length_is_compiled_ahead(weights):
 
 def _decode_across_a_cache_length(weights, compiles):
     import jax
-    from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner
+    from rl_jax.generator.kv_cache import SLOT_FIELDS
+    from rl_jax.generator.runner import ModelRunner
     runner = ModelRunner(CFG, max_slots=8, max_seq_len=96)
     params = weights[0]
     decode_weights = runner.prepare(params)
@@ -779,7 +779,8 @@ def test_runner_cache_chunks_and_moves_across_them(weights):
     """The cache is split at the decode batch sizes; a decode batch is whole chunks, and a move
     carries a sequence's keys, values and state between chunks."""
     import jax.numpy as jnp
-    from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, slot_chunks
+    from rl_jax.generator.kv_cache import SLOT_FIELDS, slot_chunks
+    from rl_jax.generator.runner import ModelRunner
     assert slot_chunks(64) == ((0, 8), (8, 16), (16, 32), (32, 64))
     assert slot_chunks(48) == ((0, 8), (8, 16), (16, 32), (32, 48))
     assert slot_chunks(4) == ((0, 4),)

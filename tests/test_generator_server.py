@@ -523,7 +523,8 @@ def test_overload_answers_503_and_recovers(server):
 def test_a_stopped_engine_answers_503_instead_of_hanging(ckpts):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig
 
     server = GeneratorServer.from_config(ServerConfig(model=str(ckpts["a"]), max_slots=2,
                                                       max_seq_len=32, warmup=False))
@@ -548,7 +549,8 @@ def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
     decoding for a fraction of a second on a CPU core)."""
     from jax import monitoring
 
-    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig
     from rl_jax.generator.types import GenerateRequest, SamplingParams
 
     server = GeneratorServer.from_config(ServerConfig(
@@ -588,7 +590,8 @@ def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
 def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
     """``warmup_shapes`` with two replicas: each replica compiles the same decode shapes (every
     batch bucket of its own slots, every cache length), not just the first one."""
-    from rl_jax.generator.server import GeneratorServer, ServerConfig
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig
 
     server = GeneratorServer.from_config(ServerConfig(
         model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, warmup=True,
@@ -604,7 +607,8 @@ def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
 
 
 def test_automatic_dtype_and_decode_steps_follow_the_backend():
-    from rl_jax.generator.server import ACCELERATOR_DECODE_STEPS, ServerConfig, resolve_auto
+    from rl_jax.generator.server_config import (ACCELERATOR_DECODE_STEPS, ServerConfig,
+                                                resolve_auto)
 
     default = ServerConfig(model="m")
     assert (default.dtype, default.decode_steps) == ("auto", 0)

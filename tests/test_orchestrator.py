@@ -269,7 +269,7 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
             assert process.poll() is None, process.stdout.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        killed = subprocess.run(["pkill", "-KILL", "-f", f"launch.generator_server.*{base_policy}"])
+        killed = subprocess.run(["pkill", "-KILL", "-f", f"rl_jax.generator.serve.*{base_policy}"])
         assert killed.returncode == 0
         out, _ = process.communicate(timeout=300)
     finally:

@@ -10,7 +10,8 @@ import pytest
 
 from rl_jax.generator import kernels
 from rl_jax.generator.kernels import pallas_decode
-from rl_jax.generator.runner import attend, kv_bucket
+from rl_jax.generator.decode import attend
+from rl_jax.generator.kv_cache import kv_bucket
 from rl_jax.models import ModelConfig
 
 
@@ -114,16 +115,17 @@ def test_the_decode_step_lowers_for_gpu_with_the_kernel():
     """The runner's whole decode step with the Pallas kernel lowers for CUDA: one Triton call
     per layer and cache chunk."""
     from functools import partial
-    from rl_jax.generator import runner as runner_lib
+    from rl_jax.generator.decode import decode
+    from rl_jax.generator.runner import ModelRunner
     from rl_jax.trainer.state import ModelSpec
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64)
-    runner = runner_lib.ModelRunner(cfg, max_slots=16, max_seq_len=100, dtype=jnp.bfloat16,
-                                    attention="xla")
+    runner = ModelRunner(cfg, max_slots=16, max_seq_len=100, dtype=jnp.bfloat16,
+                         attention="xla")
     runner._resize(100)
     weights = runner.prepare(ModelSpec(cfg, mesh=None).init_params(0))
-    step = jax.jit(partial(runner_lib.decode, batch=16, filtered=True, cfg=cfg,
-                           dtype=jnp.bfloat16, max_seq_len=100,
+    step = jax.jit(partial(decode, batch=16, filtered=True, cfg=cfg, dtype=jnp.bfloat16,
+                           max_seq_len=100,
                            attention=partial(kernels.pallas_decode_attention, platform="gpu")))
     lowered = step.trace(weights, runner.k_cache, runner.v_cache, runner.state).lower(
         lowering_platforms=("cuda",))

@@ -18,7 +18,7 @@ import xxhash
 from safetensors.numpy import load as load_safetensors
 
 from rl_jax.generator.engine import Engine
-from rl_jax.generator.runner import generator_rules
+from rl_jax.generator.weights import generator_rules
 from rl_jax.models import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
@@ -422,12 +422,12 @@ def test_a_generator_puller_skips_a_poisoned_version_and_the_engine_keeps_servin
     """The background loop of a live engine: a non-finite version is refused by the puller
     (the engine keeps its weights), the next finite one is applied without the engine's own
     device-side pass (the puller checked it)."""
-    import rl_jax.generator.engine as engine_module
+    import rl_jax.generator.weights as weights_module
     spec = specs["single"]
     engine = Engine(CONFIG, random_params(spec, 0), version=0, rules=generator_rules())
     passes = []
-    device_check = engine_module._finite_leaves
-    monkeypatch.setattr(engine_module, "_finite_leaves",
+    device_check = weights_module._finite_leaves
+    monkeypatch.setattr(weights_module, "_finite_leaves",
                         lambda leaves: (passes.append(1), device_check(leaves))[1])
     try:
         gp = GeneratorPuller(publisher.url, transports=["shm"])

@@ -85,7 +85,7 @@ def trainer():
 
 def generator():
     from rl_jax.generator.engine import Engine
-    from rl_jax.generator.runner import generator_rules
+    from rl_jax.generator.weights import generator_rules
 
     tp, url = int(sys.argv[3]), sys.argv[4]
     timeout, connections = float(sys.argv[5]), int(sys.argv[6])

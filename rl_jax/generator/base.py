@@ -97,7 +97,7 @@ class LocalGenerator(Generator):
 
     async def update_weights_from_disk(self, model_path, version=None, *,
                                        abort_all_requests=False, flush_cache=False) -> int:
-        from rl_jax.generator.server import check_update, load_params
+        from rl_jax.generator.weights import check_update, load_params, wait_for_swap
         check_update(self.engine.config, model_path)
         runner = self.engine.runner
         _, params = await asyncio.to_thread(load_params, model_path, mesh=runner.mesh,
@@ -106,7 +106,6 @@ class LocalGenerator(Generator):
         if abort_all_requests:
             await self.abort()
         self.engine.update_weights(params, version)
-        from rl_jax.generator.server import wait_for_swap
         if not await asyncio.to_thread(wait_for_swap, self.engine, params):
             raise RuntimeError("the engine did not apply the new weights")
         if flush_cache:

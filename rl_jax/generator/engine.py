@@ -25,6 +25,14 @@ step late and that step's extra token for it is dropped; a sequence that reaches
 first finish the step in flight, so their effect is observed at a step boundary. New weights are
 laid out for decode (:meth:`ModelRunner.prepare`) in a helper thread, off the decode path, and
 the ready layout is swapped in between two steps.
+
+The records and the admission plan are :mod:`rl_jax.generator.scheduling`'s, the weight checks
+:mod:`rl_jax.generator.weights`', the device work :class:`ModelRunner`'s. :class:`Engine` stays
+one class: its thread-safe front (submit, update, pause, abort) and its scheduler loop (admit,
+decode, read back, finish) share one lock-guarded state -- the queue, every replica's slots, the
+steps in flight, the counters -- whose invariants (a sequence is waiting, in a slot or finished;
+a slot is free or holds one sequence) each method keeps; split over classes, each half would
+reach into the other's state.
 """
 
 from __future__ import annotations
@@ -44,9 +52,14 @@ import jax
 import numpy as np
 
 from rl_jax.generator import kernels
-from rl_jax.generator.runner import SLOT_FIELDS, ModelRunner, batch_bucket, unpack
+from rl_jax.generator.kv_cache import SLOT_FIELDS, batch_bucket
+from rl_jax.generator.runner import ModelRunner
+from rl_jax.generator.sampling import unpack
+from rl_jax.generator.scheduling import (InFlight, Replica, Request, Sequence, plan_admission,
+                                         pow2_bucket, prefill_batch)
 from rl_jax.generator.types import (GenerateOutput, GenerateRequest, GeneratorError, Overloaded,
                                     SamplingParams)
+from rl_jax.generator.weights import WeightsRefused, check_weights
 from rl_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -55,57 +68,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 _INT32 = np.iinfo(np.int32)
 
 
-class WeightsRefused(GeneratorError):
-    """New weights that would corrupt the policy (wrong structure, shapes or dtype, non-finite
-    values, an older version); the engine keeps serving the weights it has."""
-
-
 class RequestFailed(RuntimeError):
     """The engine raised while serving one request: that request fails, the others go on."""
-
-
-@jax.jit
-def _finite_leaves(leaves: list) -> jax.Array:
-    """``[L]`` bool: whether every value of each leaf is finite (one program over the tree, one
-    small read-back)."""
-    import jax.numpy as jnp
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
-
-
-def _leaf_names(tree) -> list[str]:
-    return [jax.tree_util.keystr(path, simple=True, separator=".")
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def check_weights(params: dict[str, Any], reference: dict[str, Any], *, finite: bool = True):
-    """Refuses (:class:`WeightsRefused`, naming the leaves) ``params`` that differ from
-    ``reference`` in tree structure or shapes, hold a dtype that cannot hold weights (anything
-    but floating point), or (with ``finite``) hold a non-finite value. The finiteness check
-    runs on the device the weights live on: one jitted reduction over the whole tree."""
-    got, want = jax.tree.structure(params), jax.tree.structure(reference)
-    if got != want:
-        missing = sorted(set(_leaf_names(reference)) - set(_leaf_names(params)))
-        extra = sorted(set(_leaf_names(params)) - set(_leaf_names(reference)))
-        raise WeightsRefused(f"new weights do not match the engine's parameter tree (missing "
-                             f"{missing[:5]}, unexpected {extra[:5]})")
-    names = _leaf_names(params)
-    leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(reference)
-    shapes = [f"{n}: {tuple(a.shape)} (serving {tuple(b.shape)})"
-              for n, a, b in zip(names, leaves, ref_leaves) if tuple(a.shape) != tuple(b.shape)]
-    if shapes:
-        raise WeightsRefused(f"new weights have wrong shapes: {'; '.join(shapes[:5])}")
-    dtypes = [f"{n}: {np.dtype(a.dtype).name}" for n, a in zip(names, leaves)
-              if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]  # bfloat16 included
-    if dtypes:
-        raise WeightsRefused(f"new weights have dtypes that cannot hold weights (floating point "
-                             f"only): {'; '.join(dtypes[:5])}")
-    if not finite:
-        return
-    flags = np.asarray(_finite_leaves(leaves))
-    if not flags.all():
-        bad = [n for n, ok in zip(names, flags) if not ok]
-        raise WeightsRefused(f"new weights hold non-finite values (NaN or infinity) in "
-                             f"{len(bad)} tensor(s): {bad[:5]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,94 +100,6 @@ class EngineConfig:
         if self.attention not in kernels.BACKENDS:
             raise GeneratorError(f"attention must be one of {kernels.BACKENDS}, got "
                                  f"{self.attention!r}")
-
-
-@dataclasses.dataclass(slots=True)
-class _Sequence:
-    """One sample of a request: its tokens so far and where it lives."""
-
-    request: "_Request"
-    index: int  # sample index within the request (0..n-1)
-    seed: int
-    # Constant per request, kept here for the per-step loops over running sequences.
-    prompt_len: int = dataclasses.field(init=False)
-    max_new_tokens: int = dataclasses.field(init=False)
-    horizon: int = dataclasses.field(init=False)  # cache positions it may reach
-    filtered: bool = dataclasses.field(init=False)  # sampled with top-k/top-p/min-p
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    # Under the distribution before top-k/top-p/min-p (kept only when a filter is on).
-    unfiltered_logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    slot: int = -1  # slot within its replica's cache (-1: none)
-    replica: int = -1
-    finish_reason: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    # Tokens queued for sampling on the device (sampled or in flight): >= len(output_ids).
-    dispatched: int = 0
-
-    def __post_init__(self):
-        sampling = self.request.sampling
-        self.prompt_len = len(self.request.input_ids)
-        self.max_new_tokens = sampling.max_new_tokens
-        self.horizon = self.prompt_len + sampling.max_new_tokens
-        self.filtered = sampling.needs_filter
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.input_ids + self.output_ids
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """Device work whose tokens are not yet read, one part per replica: ``(out, seqs, columns)``
-    with ``out [3, n]`` (tokens, log-prob bits) holding sequence ``seqs[i]``'s token at column
-    ``columns[i]``; sampled by weights of ``version``."""
-
-    parts: list[tuple[Any, list[_Sequence], list[int]]]
-    version: int
-
-
-class _Replica:
-    """One data-parallel replica: a runner (KV cache and compiled steps on its own mesh), its
-    copy of the parameters and decode weights, and its slots."""
-
-    def __init__(self, index: int, runner: ModelRunner, params: dict[str, Any]):
-        self.index = index
-        self.runner = runner
-        self.params = self.place(params)
-        self.decode_weights = runner.prepare(self.params)
-        self.running: dict[int, _Sequence] = {}
-        self.free_slots = list(range(runner.max_slots))  # a heap: lowest slot first
-
-    def place(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` (placed for the first replica's mesh) as this replica uses them: the
-        first replica's own, a copy with the same partition specs on another's mesh."""
-        if self.index == 0:
-            return params
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        def one(a):
-            spec = a.sharding.spec if isinstance(a.sharding, NamedSharding) else PartitionSpec()
-            return jax.device_put(a, NamedSharding(self.runner.mesh, spec))
-        return jax.tree.map(one, params)
-
-
-@dataclasses.dataclass
-class _Request:
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    future: concurrent.futures.Future
-    start: float
-    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
-
-
-def _bucket(n: int, minimum: int, maximum: int) -> int:
-    size = minimum
-    while size < n:
-        size *= 2
-    return min(size, maximum)
 
 
 class Engine:
@@ -259,12 +135,12 @@ class Engine:
                 raise GeneratorError("the data-parallel replicas' meshes share devices")
         self.config = config
         self.engine_config = engine_config
-        self._replicas: list[_Replica] = []
+        self._replicas: list[Replica] = []
         for i, m in enumerate(meshes):
             runner = ModelRunner(config, max_slots=engine_config.max_slots // len(meshes),
                                  max_seq_len=engine_config.max_seq_len, mesh=m, rules=rules,
                                  dtype=dtype or jnp.float32, attention=engine_config.attention)
-            self._replicas.append(_Replica(i, runner, params))
+            self._replicas.append(Replica(i, runner, params))
         self.version = version
         self._accepted_version = version  # the newest version handed to update_weights
         # the decode attention the replicas run: "native" (the CPU kernel), "pallas" or "xla"
@@ -274,9 +150,9 @@ class Engine:
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the scheduler and callers wait on this
         self._helper_wake = threading.Condition(mutex)  # the weight helper waits on this
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._requests: dict[str, _Request] = {}
-        self._inflight: collections.deque[_InFlight] = collections.deque()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._requests: dict[str, Request] = {}
+        self._inflight: collections.deque[InFlight] = collections.deque()
         self._to_prepare: list[tuple[dict[str, Any], int]] = []
         self._retired: list[Any] = []  # replaced weights, released by the helper thread
         # (params, version, [(replica params, decode weights)] per replica), ready to swap in.
@@ -352,9 +228,9 @@ class Engine:
                 raise Overloaded(f"{len(self._waiting)} sequences are waiting (limit "
                                  f"{self.engine_config.max_waiting}); retry later")
             base_seed = sampling.seed if sampling.seed is not None else next(self._seed_counter)
-            req = _Request(rid=rid, input_ids=[int(t) for t in ids], sampling=sampling,
+            req = Request(rid=rid, input_ids=[int(t) for t in ids], sampling=sampling,
                            future=future, start=time.perf_counter())
-            req.sequences = [_Sequence(req, i, int(base_seed) % (2 ** 31))
+            req.sequences = [Sequence(req, i, int(base_seed) % (2 ** 31))
                              for i in range(sampling.n)]
             self._requests[rid] = req
             self._waiting.extend(req.sequences)
@@ -594,32 +470,8 @@ class Engine:
         free slots) and queues the sampling of their first tokens."""
         budget = self.engine_config.max_prefill_tokens
         free = [len(r.free_slots) for r in self._replicas]
-        groups: list[tuple[int, list[_Sequence]]] = []  # (replica, sequences sharing a prefill)
         with self._lock:
-            while self._waiting:
-                seq = self._waiting[0]
-                # Fresh samples waiting together share one prefill when they have the same
-                # prompt: the samples of one request, or requests for the same prompt sent
-                # together (e.g. a GRPO group sent as one request per sample, each with its own
-                # length or seed).
-                last = groups[-1] if groups else None
-                head = last[1][0] if last is not None else None
-                joins = (head is not None and free[last[0]] > 0 and not seq.output_ids
-                         and not head.output_ids
-                         and (head.request is seq.request
-                              or head.request.input_ids == seq.request.input_ids))
-                if not joins:
-                    target = max(range(len(free)), key=free.__getitem__)
-                    if not free[target]:
-                        break
-                    prefill_len = len(seq.request.input_ids) + max(len(seq.output_ids) - 1, 0)
-                    if groups and prefill_len > budget:
-                        break
-                    budget -= prefill_len
-                    groups.append((target, []))
-                self._waiting.popleft()
-                groups[-1][1].append(seq)
-                free[groups[-1][0]] -= 1
+            groups = plan_admission(self._waiting, free, budget)
         if not groups:
             return
         parts = []
@@ -628,11 +480,11 @@ class Engine:
             if mine:
                 parts.extend(self._admit_isolated(replica, mine))
         if parts:
-            self._inflight.append(_InFlight(parts, self.version))
+            self._inflight.append(InFlight(parts, self.version))
         self._release_fully_dispatched([seq for _, group in groups for seq in group
                                         if seq.finish_reason is None])
 
-    def _admit_isolated(self, replica: _Replica, groups: list[list[_Sequence]]) -> list:
+    def _admit_isolated(self, replica: Replica, groups: list[list[Sequence]]) -> list:
         """:meth:`_admit_to`, with a failure kept to the request that causes it: the admission
         is undone and retried one prefill group at a time, then one request at a time; a
         request that still fails alone gets the error, the others are admitted as usual (with
@@ -644,7 +496,7 @@ class Engine:
             if len(groups) > 1:
                 return [part for group in groups
                         for part in self._admit_isolated(replica, [group])]
-            by_request: dict[int, list[_Sequence]] = {}
+            by_request: dict[int, list[Sequence]] = {}
             for seq in groups[0]:
                 by_request.setdefault(id(seq.request), []).append(seq)
             if len(by_request) > 1:
@@ -658,7 +510,7 @@ class Engine:
                 f"request {request.rid} failed in the engine: {type(e).__name__}: {e}"))
             return []
 
-    def _undo_admission(self, seqs: list[_Sequence]):
+    def _undo_admission(self, seqs: list[Sequence]):
         """Returns sequences whose admission raised to their state before it (no slot)."""
         with self._lock:
             for seq in seqs:
@@ -666,7 +518,7 @@ class Engine:
                 seq.dispatched = len(seq.output_ids)
                 seq.cached_tokens = 0
 
-    def _fail_request(self, req: _Request, error: Exception):
+    def _fail_request(self, req: Request, error: Exception):
         """Finishes every sequence of ``req`` and resolves its future with ``error``."""
         with self._lock:
             for seq in req.sequences:
@@ -679,22 +531,17 @@ class Engine:
             if not req.future.done():
                 req.future.set_exception(error)
 
-    def _admit_to(self, replica: _Replica, groups: list[list[_Sequence]]):
+    def _admit_to(self, replica: Replica, groups: list[list[Sequence]]):
         """Prefills ``groups`` on ``replica`` and installs them in its lowest free slots; returns
         the in-flight part of their first tokens."""
         prompts = [g[0].tokens[:len(g[0].tokens) - (1 if g[0].output_ids else 0)] for g in groups]
         cfg, runner = self.engine_config, replica.runner
-        p = _bucket(max(map(len, prompts)), cfg.min_prefill_bucket, cfg.max_seq_len)
-        b = _bucket(len(prompts), 1, max(runner.max_slots, 1))
-        tokens = np.zeros((b, p), np.int32)
-        lengths = np.ones((b,), np.int32)
-        for i, prompt in enumerate(prompts):
-            tokens[i, :len(prompt)] = prompt
-            lengths[i] = len(prompt)
+        tokens, lengths = prefill_batch(prompts, cfg.min_prefill_bucket, cfg.max_seq_len,
+                                        runner.max_slots)
         k, v, logits = runner.prefill(replica.params, tokens, lengths)
 
         seqs = [seq for group in groups for seq in group]
-        m = _bucket(len(seqs), 1, max(runner.max_slots, 1))
+        m = pow2_bucket(len(seqs), 1, max(runner.max_slots, 1))
         values = {name: np.zeros((m,), dtype) for name, dtype in SLOT_FIELDS.items()}
         rows = np.zeros((m,), np.int32)
         slots = np.full((m,), runner.max_slots, np.int32)  # padding: an out-of-range slot, dropped
@@ -729,7 +576,7 @@ class Engine:
         self.stats[f"replica{replica.index}_admitted"] += len(seqs)
         return out, [seqs[i] for i in columns], columns
 
-    def _compact(self, replica: _Replica):
+    def _compact(self, replica: Replica):
         """Moves the sequences of a replica's highest slots into free lower ones when the running
         sequences would then fit a smaller decode batch (a long sample left alone in slot 40
         would otherwise be decoded in a batch of 64)."""
@@ -772,12 +619,12 @@ class Engine:
                 seq.dispatched += steps
             self.stats[f"decode_batch_{batch}"] += steps  # how full the decode batches run
             parts.append((out, seqs, list(replica.running)))
-        self._inflight.append(_InFlight(parts, self.version))
+        self._inflight.append(InFlight(parts, self.version))
         self.stats["decode_steps"] += steps
         self.stats["decode_dispatches"] += 1
         self._release_fully_dispatched([seq for _, seqs, _ in parts for seq in seqs])
 
-    def _release_fully_dispatched(self, seqs: list[_Sequence]):
+    def _release_fully_dispatched(self, seqs: list[Sequence]):
         """Frees the slots of sequences whose last token is queued: a later step would only
         compute tokens past ``max_new_tokens`` (the queued work still completes first)."""
         done = [s for s in seqs if s.dispatched >= s.max_new_tokens]
@@ -786,7 +633,7 @@ class Engine:
                 for seq in done:
                     self._release(seq)
 
-    def _process(self, work: _InFlight):
+    def _process(self, work: InFlight):
         """Appends the tokens of one finished step to their sequences, finishing those that
         stop."""
         finished = []
@@ -823,14 +670,14 @@ class Engine:
                 for seq in finished:
                     self._maybe_complete(seq.request)
 
-    def _release(self, seq: _Sequence):
+    def _release(self, seq: Sequence):
         if seq.slot >= 0:
             replica = self._replicas[seq.replica]
             replica.running.pop(seq.slot, None)
             heapq.heappush(replica.free_slots, seq.slot)
             seq.slot = seq.replica = -1
 
-    def _maybe_complete(self, req: _Request):
+    def _maybe_complete(self, req: Request):
         if any(s.finish_reason is None for s in req.sequences):
             return
         self._requests.pop(req.rid, None)

@@ -1,6 +1,6 @@
 """Starts a pool of generator servers from one config block and stops it cleanly.
 
-``kind = "rl_jax"`` runs this project's JAX server (``python -m launch.generator_server``);
+``kind = "rl_jax"`` runs this project's JAX server (``python -m rl_jax.generator.serve``);
 ``kind = "sglang"`` runs real SGLang servers (``python -m sglang.launch_server``, needs the
 ``[sglang]`` extra and GPUs; server ``i`` gets GPUs ``i*tp .. i*tp+tp-1`` via
 ``--base-gpu-id``). Both speak the same API, so :class:`~rl_jax.generator.client.
@@ -143,7 +143,7 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
     file of further SGLang settings (its ``--config``; see :func:`write_sglang_keys`)."""
     c = config
     if c.kind == "rl_jax":
-        cmd = [sys.executable, "-m", "launch.generator_server", f"--model={c.model}",
+        cmd = [sys.executable, "-m", "rl_jax.generator.serve", f"--model={c.model}",
                f"--host={c.host}", f"--port={port}", f"--max_slots={c.max_slots}",
                f"--max_seq_len={c.max_seq_len}", f"--max_waiting={c.max_waiting}",
                f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",

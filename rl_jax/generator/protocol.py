@@ -12,6 +12,11 @@ naming it otherwise, because silently ignoring it would return samples from anot
 than the one asked for (penalties, grammars, logit bias, LoRA, images, input log-probs). A server
 started with ``strict=False`` ignores unsupported values instead (logged once per field).
 Unknown top-level fields are ignored, as SGLang does; unknown sampling fields are refused.
+
+It stays one module: every field is written by the client (:func:`request_json`), read and
+bounded by the server (:func:`parse_json_body`, :func:`parse_generate`), answered
+(:func:`output_json`) and read back (:func:`outputs_from_json`) here, so the two ends of a field
+change together and can be read side by side.
 """
 
 from __future__ import annotations

@@ -48,6 +48,12 @@ are applied to the finished completion (decoding continues until a stop token or
 ``max_new_tokens``); ``stream: true`` sends one event per finished completion rather than
 incremental text; ``/update_weights_from_disk`` swaps weights in flight instead of waiting for
 running requests to finish.
+
+This module holds the application (routes, ``/generate``, the control and information
+endpoints, serving); its settings are :mod:`~rl_jax.generator.server_config`'s, the weight-update
+endpoints :mod:`~rl_jax.generator.weight_endpoints`', compiling before serving
+:mod:`~rl_jax.generator.warmup`'s, the aiohttp plumbing (bounded bodies, JSON errors, the error
+middleware) :mod:`~rl_jax.generator.httpio`'s; ``python -m rl_jax.generator.serve`` runs it.
 """
 
 from __future__ import annotations
@@ -55,11 +61,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import functools
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -71,15 +75,21 @@ from aiohttp import web
 
 import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
-from rl_jax.generator import auth
-from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig, WeightsRefused
+from rl_jax.generator import auth, kernels
+from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
+from rl_jax.generator.httpio import (EngineStopped, all_results, error_response,
+                                    errors_middleware, exit_with_parent, json_response,
+                                    read_body, sse_event)
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate, parse_json_body)
-from rl_jax.generator import kernels
+from rl_jax.generator.server_config import ServerConfig, resolve_auto, text_limit
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
+from rl_jax.generator.warmup import compile_engine
+from rl_jax.generator.weight_endpoints import WeightUpdateEndpoints
+from rl_jax.generator.weights import generator_rules, load_params, make_generator_meshes
 from rl_jax.heap import GcMonitor, freeze_long_lived
-from rl_jax.models.config import DTYPES, ConfigError, ModelConfig
-from rl_jax.models.hf import CheckpointError, load_pretrained, load_tokenizer, read_config
+from rl_jax.models.config import DTYPES, ConfigError, eos_ids
+from rl_jax.models.hf import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -88,159 +98,11 @@ MAX_BODY_BYTES = 512 << 20
 # event loop; bigger ones in worker threads.
 INLINE_BYTES = 16 << 10
 INLINE_TOKENS = 4096
-SWAP_TIMEOUT_S = 300.0
-# Fields that may differ between checkpoints served by one engine (its compiled functions
-# close over everything else).
-_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    model: str  # HF checkpoint directory (config.json, *.safetensors, optional tokenizer.json)
-    host: str = "127.0.0.1"
-    port: int = 30000  # 0 picks a free port (printed in the ready line)
-    max_slots: int = 32
-    max_seq_len: int = 512
-    max_waiting: int = 4096
-    max_prefill_tokens: int = 2048
-    # "auto": bfloat16 on accelerators, float32 on CPUs (see resolve_auto)
-    dtype: str = "auto"
-    tensor_parallel: int = 1
-    data_parallel: int = 1  # replicas of the model, each on tensor_parallel devices of its own
-    # decode steps run as one program, admissions between programs (SGLang's
-    # --num-continuous-decode-steps; see EngineConfig.decode_steps); 0: auto (resolve_auto)
-    decode_steps: int = 0
-    # decode attention (SGLang's --attention-backend): "auto" | "native" | "xla"
-    # (see EngineConfig.attention)
-    attention_backend: str = "auto"
-    weight_version: int = 0
-    strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
-    warmup: bool = True  # compile prefill/decode before reporting ready
-    warmup_shapes: bool = False  # ... every decode batch size and length (slower start)
-    served_model_name: str | None = None
-    parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
-    publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
-    # With a publisher_url: pull the newest published version (if any) before serving, so a
-    # server (re)started during a run never answers with weights older than the run's.
-    pull_on_start: bool = True
-    # API key and admin API key (rl_jax.generator.auth; never shown in a repr or a log)
-    keys: auth.Keys = auth.NO_KEYS
-    # /update_weights_from_transfer may name another publisher than publisher_url. A keyed
-    # server allows it too: the endpoint is an admin one, so its caller proved the key.
-    allow_any_publisher: bool = False
-    # Request bounds, checked before a request costs memory or time. Bodies larger than this
-    # are refused (413) before they are read in full.
-    max_request_bytes: int = 64 << 20
-    # Characters of one prompt text tokenised at most; 0: derived from the tokenizer, twice
-    # max_seq_len times its longest token (longer text could not fit max_seq_len).
-    max_text_chars: int = 0
-    # Seconds a connection may take to send a request's headers, and stay idle between
-    # requests (aiohttp's keep-alive timer covers both; uvicorn, in front of SGLang, closes
-    # idle ones after 5 s). Above the 15 s an aiohttp client keeps idle connections, so a
-    # client never reuses one the server is closing.
-    keepalive_timeout_s: float = 20.0
-    # Seconds a request's body may take to arrive.
-    body_timeout_s: float = 60.0
-
-
-class EngineStopped(RuntimeError):
-    """The engine's scheduler thread is not running (HTTP 503): nothing would be served."""
-
-
-# ---- loading ------------------------------------------------------------------------------------
-
-def make_generator_meshes(tensor_parallel: int, data_parallel: int) -> list:
-    """One ``(data=1, fsdp=1, tensor=tp)`` mesh per data-parallel replica, over consecutive
-    devices (replica ``i`` on devices ``i·tp .. (i+1)·tp - 1``)."""
-    import jax
-
-    from rl_jax.sharding import ShardingError, make_mesh
-    devices = jax.devices()
-    need = tensor_parallel * data_parallel
-    if len(devices) < need:
-        raise ShardingError(f"tensor_parallel={tensor_parallel} x data_parallel={data_parallel} "
-                            f"needs {need} devices, {len(devices)} are available")
-    return [make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
-                      devices=devices[i * tensor_parallel:(i + 1) * tensor_parallel])
-            for i in range(data_parallel)]
-
-
-ACCELERATOR_DECODE_STEPS = 8
-
-
-def resolve_auto(config: ServerConfig, backend: str | None = None) -> ServerConfig:
-    """``config`` with its automatic settings made concrete for ``backend`` (default: JAX's):
-    ``dtype="auto"`` is bfloat16 on accelerators and float32 on CPUs; ``decode_steps=0`` is
-    :data:`ACCELERATOR_DECODE_STEPS` on accelerators (the host would otherwise launch every
-    step's program and read its tokens back between steps) and 1 on CPUs (where a step is long
-    enough that per-step host work is a small share, and admissions wait for a program's end)."""
-    if config.dtype != "auto" and config.decode_steps != 0:
-        return config
-    import jax
-    accelerator = (backend or jax.default_backend()) != "cpu"
-    return dataclasses.replace(
-        config,
-        dtype=("bfloat16" if accelerator else "float32") if config.dtype == "auto"
-        else config.dtype,
-        decode_steps=(ACCELERATOR_DECODE_STEPS if accelerator else 1)
-        if config.decode_steps == 0 else config.decode_steps)
-
-
-def load_params(model_dir: str | Path, *, mesh, rules, dtype) -> tuple[ModelConfig, dict]:
-    """Reads an HF checkpoint into the engine's parameter dict, placed for ``mesh``."""
-    from flax import nnx
-    model = load_pretrained(model_dir, mesh, dtype, rules=rules)
-    return model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param))
-
-
-def incompatibilities(current: ModelConfig, new: ModelConfig) -> list[str]:
-    """Why ``new`` cannot replace ``current`` in a running engine ([] when it can)."""
-    return [f"{f.name}: {getattr(current, f.name)!r} -> {getattr(new, f.name)!r}"
-            for f in dataclasses.fields(ModelConfig)
-            if f.name not in _TOKEN_FIELDS and getattr(current, f.name) != getattr(new, f.name)]
-
-
-def check_update(current: ModelConfig, model_dir: str | Path) -> ModelConfig:
-    """The config of ``model_dir`` if its weights can be swapped into an engine serving
-    ``current``; raises :class:`CheckpointError` otherwise."""
-    new = read_config(model_dir)
-    problems = incompatibilities(current, new)
-    if problems:
-        raise CheckpointError(f"checkpoint {str(model_dir)!r} does not match the served model "
-                              f"({'; '.join(problems)})")
-    return new
-
-
-def eos_ids(config: ModelConfig) -> tuple[int, ...]:
-    eos = config.eos_token_id
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-
-
-def text_limit(tokenizer, max_seq_len: int) -> int | None:
-    """Characters of text that may be tokenised for one prompt: twice what ``max_seq_len``
-    tokens of the tokenizer's longest token could spell (None without a tokenizer)."""
-    if tokenizer is None:
-        return None
-    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
-    return 2 * max_seq_len * max(longest, 1)
-
-
-def parse_version(value: Any, current: int) -> int:
-    """A request's ``weight_version`` (int or integer string; None → current + 1)."""
-    if value is None:
-        return current + 1
-    if isinstance(value, bool):
-        raise ProtocolError(f"weight_version must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ProtocolError(f"weight_version must be an integer (this engine counts optimizer "
-                            f"steps), got {value!r}") from None
 
 
 # ---- the server ---------------------------------------------------------------------------------
 
-class GeneratorServer:
+class GeneratorServer(WeightUpdateEndpoints):
     """The aiohttp application around one engine (built by :meth:`from_config`)."""
 
     def __init__(self, engine: Engine, config: ServerConfig, *, tokenizer=None, mesh=None,
@@ -260,7 +122,6 @@ class GeneratorServer:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
-        from rl_jax.generator.runner import generator_rules
         config = resolve_auto(config)
         for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
                      "tensor_parallel", "data_parallel", "decode_steps"):
@@ -299,87 +160,10 @@ class GeneratorServer:
             server.warmup()
         return server
 
-    def pull_initial_weights(self):
-        """Pulls the newest version published at ``config.publisher_url``, if newer than the
-        loaded one; a publisher that cannot be reached is logged and the loaded weights kept."""
-        from rl_jax.transfer import GeneratorPuller, TransferError
-        url = self.config.publisher_url
-        puller = self._pullers.setdefault(url, GeneratorPuller(url))
-        try:
-            update = puller.pull_latest(self.engine, wait_s=0.0)
-        except (TransferError, OSError) as e:
-            log.warning("no initial weights from %s (serving version %d): %s", url,
-                        self.engine.version, e)
-            return
-        if update is not None:
-            try:
-                self.engine.update_weights(update.params, update.version,
-                                           finite_checked=update.finite_checked)
-            except WeightsRefused as e:
-                log.warning("initial weights from %s refused (serving version %d): %s", url,
-                            self.engine.version, e)
-                return
-            if not wait_for_swap(self.engine, update.params):
-                raise EngineStopped("the engine did not apply the initial weights")
-            log.info("pulled initial weight version %d from %s", update.version, url)
-
     def warmup(self):
-        """Compiles prefill, decode and sampling with one short greedy request (per
-        data-parallel replica); with ``warmup_shapes``, also every decode shape a run can meet
-        (each power-of-two batch up to a replica's slots, each grown to ``max_seq_len``) and
-        every admission shape of prompts up to the shortest prefill bucket, so that no request
-        waits for a compilation later (a second or more each on a CPU core)."""
-        steps = min(2, self.config.max_seq_len - 1)
-        if steps > 0:
-            self._burst(1, 1, tag="first", max_new_tokens=steps, temperature=0.0)
-        if not self.config.warmup_shapes or self.config.max_seq_len < 3:
-            return
-        start = time.perf_counter()
-        slots = self.config.max_slots // self.engine.data_parallel  # per replica
-        sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
-        for n in sizes:
-            self._burst(1, n, tag=f"batch-{n}", max_new_tokens=self.config.max_seq_len - 1)
-        # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
-        # both mixed): the first tokens of every power-of-two prompt count × sequence count,
-        # and installing every power-of-two sequence count at every cache length.
-        from rl_jax.generator.runner import MIN_ADMIT, kv_bucket
-        for prompts in sizes:
-            for n in sizes:
-                if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
-                    self._burst(prompts, n, tag=f"{prompts}x{n}")
-        lengths = sorted({kv_bucket(n, self.config.max_seq_len)
-                          for n in range(1, self.config.max_seq_len + 1)})
-        for runner in self.engine.runners:
-            for length in lengths:  # moving sequences to lower slots (see Engine._compact)
-                runner.compile_move(length)
-            runner.compile_shrinks(lengths)  # the cache shrinking as long sequences finish
-        for length in lengths[1:]:
-            for n in sizes:
-                if n >= MIN_ADMIT or n == slots:
-                    # The cache stays this long when idle.
-                    self._burst(1, 1, tag=f"grow-{length}", max_new_tokens=length - 1,
-                                temperature=0.0)
-                    self._burst(1, n, tag=f"{length}-{n}")
-        log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
-                 self.config.max_seq_len, time.perf_counter() - start)
-
-    def _burst(self, prompts: int, n: int, tag: str, max_new_tokens: int = 2,
-               temperature: float = 1.0):
-        """``prompts`` one-token requests of ``n`` samples for each data-parallel replica, all
-        admitted in one scheduler pass (a new request goes to the replica with the most free
-        slots, so each replica gets the same)."""
-        self.engine.pause("in_place")
-        deadline = time.monotonic() + 60
-        while not self.engine.paused and time.monotonic() < deadline:
-            time.sleep(0.001)
-        futures = [self.engine.submit(GenerateRequest(
-            [i % self.engine.config.vocab_size], SamplingParams(
-                max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True, n=n,
-                seed=i),
-            rid=f"warmup-{tag}-{i}")) for i in range(prompts * self.engine.data_parallel)]
-        self.engine.resume()
-        for future in futures:
-            future.result(timeout=1800)
+        """Compiles the engine's programs before serving (:func:`warmup.compile_engine`)."""
+        compile_engine(self.engine, self.config.max_seq_len, self.config.max_slots,
+                       all_shapes=self.config.warmup_shapes)
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -447,7 +231,7 @@ class GeneratorServer:
                 return await self._stream(request, parsed,
                                           [asyncio.wrap_future(f) for f in submitted])
             results = (await asyncio.gather(*map(asyncio.wrap_future, submitted)) if small
-                       else await _all_results(submitted))
+                       else await all_results(submitted))
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             await asyncio.shield(self._abort(engine_rids))
             raise
@@ -517,28 +301,28 @@ class GeneratorServer:
                 try:
                     outs = f.result()
                 except Exception as e:  # headers are sent: report in-band, as SGLang does
-                    await _sse(response, error_json(str(e), "internal_error", 500))
+                    await sse_event(response, error_json(str(e), "internal_error", 500))
                     continue
                 chunks = await asyncio.to_thread(
                     lambda: [self._answer(parsed, i, out) for out in outs])
                 for j, chunk in enumerate(chunks):
                     if parsed.as_list:
                         chunk["index"] = offsets[i] + j
-                    await _sse(response, chunk)
+                    await sse_event(response, chunk)
 
     # ---- control --------------------------------------------------------------------------------
 
     async def health(self, request):
         if not self.alive():
-            return _error("the engine's scheduler is not running", "unavailable", 503)
-        return _json_response({"status": "ok", "weight_version": self.engine.version,
+            return error_response("the engine's scheduler is not running", "unavailable", 503)
+        return json_response({"status": "ok", "weight_version": self.engine.version,
                                "paused": self.engine.paused})
 
     async def health_generate(self, request):
         """Generates one token unless the engine is paused or already busy (then its scheduler
         being alive is enough, as in SGLang)."""
         if not self.alive():
-            return _error("the engine's scheduler is not running", "unavailable", 503)
+            return error_response("the engine's scheduler is not running", "unavailable", 503)
         load = self.engine.load()
         if self.engine.paused or load["running"] or load["waiting"]:
             return await self.health(request)
@@ -547,7 +331,7 @@ class GeneratorServer:
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.engine.submit(probe)), 20)
         except (asyncio.TimeoutError, Overloaded, GeneratorError) as e:
-            return _error(f"health generation failed: {e!r}", "unavailable", 503)
+            return error_response(f"health generation failed: {e!r}", "unavailable", 503)
         return await self.health(request)
 
     def _model_info(self) -> dict[str, Any]:
@@ -560,12 +344,12 @@ class GeneratorServer:
                 "eos_token_ids": list(eos_ids(cfg))}
 
     async def model_info(self, request):
-        return _json_response(self._model_info())
+        return json_response(self._model_info())
 
     async def server_info(self, request):
         c = self.config
         load = self.engine.load()
-        return _json_response({
+        return json_response({
             **self._model_info(), "host": c.host, "port": request.url.port or c.port,
             "tp_size": c.tensor_parallel, "dp_size": c.data_parallel, "dtype": c.dtype,
             "num_continuous_decode_steps": c.decode_steps,
@@ -585,13 +369,13 @@ class GeneratorServer:
 
     async def get_load(self, request):
         load = self.engine.load()
-        return _json_response({"load": load["running"] + load["waiting"], **load})
+        return json_response({"load": load["running"] + load["waiting"], **load})
 
     async def weight_version(self, request):
-        return _json_response({"weight_version": self.engine.version})
+        return json_response({"weight_version": self.engine.version})
 
     async def models(self, request):
-        return _json_response({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": int(self.started),
             "owned_by": "rl_jax", "root": self.model_path,
             "max_model_len": self.config.max_seq_len}]})
@@ -599,8 +383,8 @@ class GeneratorServer:
     async def flush_cache(self, request):
         self._require_alive()
         if await asyncio.to_thread(self.engine.flush_cache):
-            return _json_response({"success": True, "message": "Cache flushed."})
-        return _json_response({"success": False, "message": "Cache not flushed: sequences are "
+            return json_response({"success": True, "message": "Cache flushed."})
+        return json_response({"success": False, "message": "Cache not flushed: sequences are "
                                "running (retry when idle)."}, status=400)
 
     async def abort_request(self, request):
@@ -618,7 +402,7 @@ class GeneratorServer:
             await self._abort(list(dict.fromkeys([rid, *self._groups.get(rid, ())])))
         else:
             raise ProtocolError("give rid or abort_all=true")
-        return _json_response({"success": True})
+        return json_response({"success": True})
 
     async def pause_generation(self, request):
         self._require_alive()
@@ -627,137 +411,14 @@ class GeneratorServer:
         if mode not in PAUSE_MODES:
             raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         await asyncio.to_thread(self.engine.pause, mode)
-        return _json_response({"message": "Generation paused successfully.", "status": "ok",
+        return json_response({"message": "Generation paused successfully.", "status": "ok",
                                "mode": mode})
 
     async def continue_generation(self, request):
         self._require_alive()
         await self._json_body(request, optional=True)
         await asyncio.to_thread(self.engine.resume)
-        return _json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def update_weights_from_disk(self, request):
-        """Loads an HF checkpoint of the same shape and swaps it in between two decode steps;
-        running sequences continue under the new version (no pause needed)."""
-        body = await self._json_body(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise ProtocolError("model_path (an HF checkpoint directory) is required")
-        load_format = body.get("load_format")
-        if load_format not in (None, "auto", "safetensors"):
-            raise ProtocolError(f"load_format={load_format!r} is not supported "
-                                f"(HF safetensors directories only: auto or safetensors)")
-        for name in ("abort_all_requests", "flush_cache", "allow_older"):
-            if body.get(name) is not None and not isinstance(body[name], bool):
-                raise ProtocolError(f"{name} must be true or false, got {body[name]!r:.60}")
-        self._require_alive()
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
-        async with self._update_lock:
-            version = parse_version(body.get("weight_version"), self.engine.version)
-            try:
-                check_update(self.engine.config, path)
-                _, params = await asyncio.to_thread(load_params, path, mesh=self.mesh,
-                                                    rules=self.rules, dtype=self.dtype)
-            except CheckpointError as e:
-                return _json_response({"success": False, "message": str(e),
-                                       **error_json(str(e), "invalid_request_error", 400)},
-                                      status=400)
-            start = time.perf_counter()
-            refused = await self._install(params, version, bool(body.get("allow_older")))
-            if refused is not None:
-                return refused
-            if body.get("abort_all_requests"):
-                await asyncio.to_thread(self.engine.abort, None)
-            swapped = await asyncio.to_thread(wait_for_swap, self.engine, params)
-            if not swapped:
-                return _error(f"the engine did not apply the new weights within "
-                              f"{SWAP_TIMEOUT_S:.0f} s", "internal_error", 500)
-            if body.get("flush_cache", True):
-                await asyncio.to_thread(self.engine.flush_cache)
-            self.model_path = path
-        return _json_response({
-            "success": True, "num_paused_requests": 0, "weight_version": version,
-            "message": f"Succeeded to update model weights from {path}; weight version "
-                       f"{version} (swapped in {1000 * (time.perf_counter() - start):.0f} ms)."})
-
-    async def update_weights_from_transfer(self, request):
-        """Pulls the newest weights from the trainer's publisher (rl_jax.transfer) straight into
-        the engine's shardings, verifies their checksums, and swaps them in between two decode
-        steps. Body: ``publisher_url`` (default: the server's), ``weight_version`` (pull at least
-        this version), ``wait_s`` (wait this long for a newer version), ``transport``."""
-        from rl_jax.transfer import GeneratorPuller, PublisherNotAllowed, TransferError
-        from rl_jax.transfer import pinned_publisher
-
-        body = await self._json_body(request, optional=True)
-        try:
-            url = pinned_publisher(body.get("publisher_url"), self.config.publisher_url,
-                                   self.config.allow_any_publisher or bool(self.config.keys))
-        except PublisherNotAllowed as e:
-            return _error(str(e), "forbidden", 403)
-        except ValueError as e:
-            raise ProtocolError(f"publisher_url: {e}") from None
-        wait_s = body.get("wait_s", 0.0)
-        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or wait_s < 0:
-            raise ProtocolError(f"wait_s must be a non-negative number, got {wait_s!r}")
-        if wait_s > 3600:
-            raise ProtocolError(f"wait_s must be at most 3600 s, got {wait_s!r:.60}")
-        transport = body.get("transport")
-        if transport is not None and not isinstance(transport, str):
-            raise ProtocolError(f"transport must be a string, got {transport!r:.60}")
-        allow_older = body.get("allow_older", False)
-        if not isinstance(allow_older, bool):
-            raise ProtocolError(f"allow_older must be true or false, got {allow_older!r:.60}")
-        min_version = body.get("weight_version")
-        if min_version is not None:
-            min_version = parse_version(min_version, self.engine.version)
-        self._require_alive()
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
-        async with self._update_lock:
-            if min_version is not None and self.engine.version >= min_version:
-                return _json_response({"success": True, "weight_version": self.engine.version,
-                                       "message": f"already at version {self.engine.version}"})
-            puller = self._pullers.setdefault(url, GeneratorPuller(url))
-            try:
-                update = await asyncio.to_thread(puller.pull_latest, self.engine,
-                                                 wait_s=float(wait_s), min_version=min_version,
-                                                 transport=transport)
-            except TransferError as e:
-                return _json_response({"success": False, "message": str(e),
-                                       "weight_version": self.engine.version,
-                                       **error_json(str(e), "transfer_error", 400)}, status=400)
-            if update is None:
-                return _json_response({"success": True, "weight_version": self.engine.version,
-                                       "message": "no newer version was published"})
-            start = time.perf_counter()
-            refused = await self._install(update.params, update.version, allow_older,
-                                          finite_checked=update.finite_checked)
-            if refused is not None:
-                return refused
-            if not await asyncio.to_thread(wait_for_swap, self.engine, update.params):
-                return _error(f"the engine did not apply the new weights within "
-                              f"{SWAP_TIMEOUT_S:.0f} s", "internal_error", 500)
-            swap_ms = 1000 * (time.perf_counter() - start)
-        return _json_response({"success": True, "weight_version": update.version,
-                               "swap_ms": swap_ms, "transfer": update.metrics.to_json(),
-                               "message": f"pulled weight version {update.version}"})
-
-    async def _install(self, params, version: int, allow_older: bool, *,
-                       finite_checked: bool = False) -> web.Response | None:
-        """Hands new weights to the engine, which checks them (off the event loop); the 400
-        answer saying why when it refuses them (the old weights keep serving), else None."""
-        try:
-            await asyncio.to_thread(self.engine.update_weights, params, version,
-                                    allow_older=allow_older, finite_checked=finite_checked)
-        except WeightsRefused as e:
-            log.warning("refused weight version %d (serving version %d): %s", version,
-                        self.engine.version, e)
-            return _json_response({"success": False, "message": str(e),
-                                   "weight_version": self.engine.version,
-                                   **error_json(str(e), "invalid_request_error", 400)},
-                                  status=400)
-        return None
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # ---- app ------------------------------------------------------------------------------------
 
@@ -767,7 +428,7 @@ class GeneratorServer:
             self.http_requests[request.path] += 1
             return await handler(request)
 
-        middlewares = [count, _errors_middleware]
+        middlewares = [count, errors_middleware]
         if self.config.keys:
             middlewares.insert(1, auth.aiohttp_middleware(self.config.keys, error_json))
         app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -813,7 +474,7 @@ class GeneratorServer:
               f"(model {self.model_path}, weight version {self.engine.version}, "
               f"max_slots {self.config.max_slots}, max_seq_len {self.config.max_seq_len})",
               flush=True)
-        watchdog = (asyncio.create_task(_exit_with_parent(self.config.parent_pid, stop))
+        watchdog = (asyncio.create_task(exit_with_parent(self.config.parent_pid, stop))
                     if self.config.parent_pid > 0 else None)
         try:
             await stop.wait()
@@ -831,143 +492,3 @@ def run(config: ServerConfig):
     # loading and compiling left (a long pause with the GIL held, decoding stopped; rl_jax.heap).
     freeze_long_lived()
     asyncio.run(server.serve())
-
-
-# ---- plumbing -----------------------------------------------------------------------------------
-
-async def _exit_with_parent(parent_pid: int, stop: asyncio.Event, interval: float = 1.0):
-    """Sets ``stop`` once process ``parent_pid`` is gone (a killed test run or launcher must not
-    leave servers behind). A direct parent is gone as soon as this process is re-parented."""
-    def alive():
-        if direct:
-            return os.getppid() == parent_pid
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
-    direct = os.getppid() == parent_pid
-    while alive():
-        await asyncio.sleep(interval)
-    log.warning("parent process %d is gone; shutting down", parent_pid)
-    stop.set()
-
-
-async def _all_results(futures: list[concurrent.futures.Future]) -> list:
-    """The results of the engine's ``futures``, in order, awaited as one: a single wake-up of
-    the event loop when the last is done (or the first fails), whatever their number."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def settle(result_or_error, failed: bool):
-        if done.done():
-            return
-        if failed:
-            done.set_exception(result_or_error)
-        else:
-            done.set_result(result_or_error)
-
-    def finished(future: concurrent.futures.Future):
-        error = None if future.cancelled() else future.exception()
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if error is not None:
-            loop.call_soon_threadsafe(settle, error, True)
-        elif last:
-            loop.call_soon_threadsafe(settle, None, False)
-
-    if not futures:
-        return []
-    for future in futures:
-        future.add_done_callback(finished)
-    await done
-    return [f.result() for f in futures]
-
-
-def wait_for_swap(engine: Engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while engine.params is not params:
-        if time.monotonic() > deadline or not engine.alive:
-            return False
-        time.sleep(0.002)
-    return True
-
-
-def _json_response(data: Any, status: int = 200, headers=None) -> web.Response:
-    return web.Response(text=json.dumps(data), status=status, headers=headers,
-                        content_type="application/json")
-
-
-def _error(message: str, kind: str, status: int, headers=None) -> web.Response:
-    return _json_response(error_json(message, kind, status), status=status, headers=headers)
-
-
-async def _sse(response: web.StreamResponse, data: Any):
-    await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-
-
-async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
-    """The request's body, refused (413) past ``limit`` bytes, announced or not, and (408) when
-    it takes longer than ``timeout`` seconds to arrive."""
-    size = request.content_length
-    if size is not None and size > limit:
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=limit, actual_size=size,
-            reason=f"the request body ({size} bytes) is larger than this server's limit of "
-                   f"{limit} bytes")
-    chunks, total = [], 0
-    try:
-        async with asyncio.timeout(timeout):
-            while chunk := await request.content.readany():
-                total += len(chunk)
-                if total > limit:
-                    raise web.HTTPRequestEntityTooLarge(
-                        max_size=limit, actual_size=total,
-                        reason=f"the request body is larger than this server's limit of "
-                               f"{limit} bytes")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise web.HTTPRequestTimeout(
-            reason=f"the request body did not arrive within {timeout:g} s") from None
-    return b"".join(chunks)
-
-
-def _refused(request: web.Request, status: int, message: str):
-    """One warning line for a refused request (no traceback: the client erred, not the
-    server)."""
-    log.warning("%d %s %s from %s: %.300s", status, request.method, request.path,
-                request.remote, message)
-
-
-@web.middleware
-async def _errors_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except Overloaded as e:
-        return _error(str(e), "overloaded", 503, headers={"Retry-After": "1"})
-    except EngineStopped as e:
-        return _error(str(e), "unavailable", 503)
-    except (GeneratorError, CheckpointError) as e:
-        _refused(request, 400, str(e))
-        return _error(str(e), "invalid_request_error", 400)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
-                413: "payload_too_large"}.get(e.status, "http_error")
-        message = {404: f"no endpoint {request.path}",
-                   405: f"{request.method} is not allowed on {request.path}"}.get(e.status,
-                                                                                  e.reason)
-        _refused(request, e.status, message)
-        return _error(message, kind, e.status)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.exception("error serving %s %s", request.method, request.path)
-        return _error(f"{type(e).__name__}: {e}", "internal_error", 500)

@@ -193,3 +193,10 @@ class ModelConfig:
             if self.family == "llama":
                 out["mlp_bias"] = False
         return out
+
+
+def eos_ids(config: ModelConfig) -> tuple[int, ...]:
+    """The end-of-sequence token ids of ``config`` (HF's ``eos_token_id``: none, one or a
+    list) as a tuple."""
+    eos = config.eos_token_id
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)

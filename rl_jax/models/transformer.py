@@ -185,9 +185,7 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Full ``[..., V]`` float32 logits. Prefer :meth:`token_logprobs` for training."""
-        out = jnp.einsum("...d,dv->...v", hidden, self.unembedding().astype(hidden.dtype),
-                         preferred_element_type=jnp.float32)
-        return out
+        return output_logits(hidden, self.unembedding())
 
     def token_logprobs(self, tokens: jax.Array, targets: jax.Array,
                        positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
@@ -213,6 +211,9 @@ class Transformer(nnx.Module):
 
 
 # ---- building blocks (pure functions, shared with the inference engine) ---------------------
+# The generator's decode path (rl_jax.generator.decode) builds its layer from these too; what it
+# computes differently (fused projection matrices over its own weight layout, attention over the
+# slot cache) is explained there.
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis in float32, cast back before scaling (as HF does)."""
@@ -301,10 +302,19 @@ def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: ja
         q = q + w["bq"].astype(dtype)
         k = k + w["bk"].astype(dtype)
         v = v + w["bv"].astype(dtype)
+    q, k = qk_norm(q, k, w, cfg)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def qk_norm(q: jax.Array, k: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig
+            ) -> tuple[jax.Array, jax.Array]:
+    """Projected queries and keys (``[..., Dh]``: any layout with the head dim last) with each
+    head RMS-normalised where the family has qk-norm (Qwen3); unchanged otherwise. The rotary
+    embedding (:func:`apply_rotary`) comes after it."""
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    return q, k
 
 
 def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, dtype):
@@ -317,10 +327,41 @@ def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig,
 def mlp(x: jax.Array, w: dict[str, jax.Array], dtype, constrain=None) -> jax.Array:
     gate = jnp.einsum("btd,df->btf", x, w["w_gate"].astype(dtype))
     up = jnp.einsum("btd,df->btf", x, w["w_up"].astype(dtype))
-    act = jax.nn.silu(gate) * up
+    act = mlp_activation(gate, up)
     if constrain is not None:
         act = constrain(act, ("act_batch", "act_seq", "act_mlp"))
     return jnp.einsum("btf,fd->btd", act, w["w_down"].astype(dtype))
+
+
+def mlp_activation(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated MLP's hidden activation from its gate and up projections (SwiGLU:
+    ``silu(gate) * up``), ``[..., F]``."""
+    return jax.nn.silu(gate) * up
+
+
+def unembedding(params: dict[str, Any], cfg: ModelConfig) -> jax.Array:
+    """The ``[D, V]`` output projection of a parameter dict (the transposed embedding when
+    tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def output_logits(hidden: jax.Array, unembed: jax.Array) -> jax.Array:
+    """Float32 logits ``[..., V]`` of final hidden states ``[..., D]`` (after the final norm)
+    and the output projection ``unembed [D, V]``."""
+    return jnp.einsum("...d,dv->...v", hidden, unembed.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def pre_norm_block(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, attention_block,
+                   mlp_block, constrain, axes: tuple[str, ...]):
+    """A decoder layer's residual structure around whatever computes its two parts:
+    ``h + attention_block(rms_norm(h))``, then that plus ``mlp_block(rms_norm(·))``, each sum
+    constrained to the logical ``axes`` of ``h``. ``attention_block(x)`` returns ``(out,
+    extra)``; the result is ``(h, extra)``."""
+    out, extra = attention_block(rms_norm(h, w["attn_norm"], cfg.rms_norm_eps))
+    h = constrain(h + out, axes)
+    h = h + mlp_block(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps))
+    return constrain(h, axes), extra
 
 
 def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -347,19 +388,22 @@ def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, co
     always runs on XLA.
     """
     constrain = constrain or (lambda x, axes: x)
-    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = project_qkv(x, w, cfg, cos, sin, dtype)
-    q = constrain(q, ("act_batch", "act_seq", "act_heads", "head_dim"))
-    k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
-    v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
-    if cache is not None:
-        k_cache, v_cache, start = cache
-        k = write_cache(k_cache, k, start)
-        v = write_cache(v_cache, v, start)
-    attn = attention(q, k.astype(dtype), v.astype(dtype), mask, implementation=attention_impl,
-                     segment_ids=segment_ids if cache is None else None,
-                     causal_self=cache is None, num_devices=num_devices)
-    h = h + attention_output(attn, w, cfg, dtype)
-    h = constrain(h, ("act_batch", "act_seq", "act_embed"))
-    h = h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w, dtype, constrain)
-    return constrain(h, ("act_batch", "act_seq", "act_embed")), (k, v)
+
+    def attention_block(x):
+        q, k, v = project_qkv(x, w, cfg, cos, sin, dtype)
+        q = constrain(q, ("act_batch", "act_seq", "act_heads", "head_dim"))
+        k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
+        v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
+        if cache is not None:
+            k_cache, v_cache, start = cache
+            k = write_cache(k_cache, k, start)
+            v = write_cache(v_cache, v, start)
+        attn = attention(q, k.astype(dtype), v.astype(dtype), mask,
+                         implementation=attention_impl,
+                         segment_ids=segment_ids if cache is None else None,
+                         causal_self=cache is None, num_devices=num_devices)
+        return attention_output(attn, w, cfg, dtype), (k, v)
+
+    return pre_norm_block(h, w, cfg, attention_block=attention_block,
+                          mlp_block=lambda x: mlp(x, w, dtype, constrain), constrain=constrain,
+                          axes=("act_batch", "act_seq", "act_embed"))

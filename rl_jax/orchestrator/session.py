@@ -24,7 +24,7 @@ from rl_jax import compile_cache, cpus, distributed, envs, heap
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
 from rl_jax.generator.client import ClientConfig, GeneratorClient, GeneratorUnavailable
-from rl_jax.generator.server import eos_ids
+from rl_jax.models.config import eos_ids
 from rl_jax.generator.types import SamplingParams
 from rl_jax.losses import finalize_metrics
 from rl_jax.metrics import MetricsWriter, plot_curves, write_json

@@ -6,7 +6,7 @@ together. It walks the slot's cache in blocks of ``block`` positions up to the s
 position only (a loop whose trip count is read from ``positions``), keeping a running maximum,
 sum and weighted value sum (online softmax), so a slot at position ``p`` reads
 ``ceil((p + 1) / block)`` blocks of its keys and values however long the cache is. XLA's form,
-:func:`rl_jax.generator.runner.attend`, reads the cache's whole length for every slot.
+:func:`rl_jax.generator.decode.attend`, reads the cache's whole length for every slot.
 
 Numerics follow ``attend``: the query is scaled by ``Dh ** -0.5`` in the computation dtype, the
 score product accumulates in float32, the softmax weights are cast to the computation dtype for
@@ -108,7 +108,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions
     """Attention of one query per slot over its cache: ``q [S, K, G, Dh]`` in the computation
     dtype, ``keys [S, K, Dh, T]`` and ``values [S, K, T, Dh]`` in the cache dtype; cache
     positions ``<= positions [S]`` are attended (all of them where a position is ``>= T``).
-    Returns ``[S, K, G, Dh]`` in ``q``'s dtype, as :func:`rl_jax.generator.runner.attend`.
+    Returns ``[S, K, G, Dh]`` in ``q``'s dtype, as :func:`rl_jax.generator.decode.attend`.
 
     ``interpret``: run the kernel in Pallas' interpreter (any backend, slow; for tests on
     CPU). ``block``: cache positions per loop step, a power of two. ``platform``: the backend

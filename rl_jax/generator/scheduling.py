@@ -1,0 +1,161 @@
+"""The engine's records and the host side of its admissions.
+
+A :class:`Request` is one ``GenerateRequest`` with its ``n`` :class:`Sequence` samples; a
+:class:`Replica` is one data-parallel copy of the model with its slots and running sequences; an
+:class:`InFlight` is device work whose tokens are not read yet. :func:`plan_admission` decides
+which waiting sequences a scheduler pass admits, where, and which share a prefill;
+:func:`prefill_batch` lays their prompts out for one prefill. All of it is host bookkeeping: the
+engine (:mod:`rl_jax.generator.engine`) owns the records and calls these under its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from rl_jax.generator.runner import ModelRunner
+from rl_jax.generator.types import SamplingParams
+
+
+@dataclasses.dataclass(slots=True)
+class Sequence:
+    """One sample of a request: its tokens so far and where it lives."""
+
+    request: "Request"
+    index: int  # sample index within the request (0..n-1)
+    seed: int
+    # Constant per request, kept here for the per-step loops over running sequences.
+    prompt_len: int = dataclasses.field(init=False)
+    max_new_tokens: int = dataclasses.field(init=False)
+    horizon: int = dataclasses.field(init=False)  # cache positions it may reach
+    filtered: bool = dataclasses.field(init=False)  # sampled with top-k/top-p/min-p
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    # Under the distribution before top-k/top-p/min-p (kept only when a filter is on).
+    unfiltered_logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1  # slot within its replica's cache (-1: none)
+    replica: int = -1
+    finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    # Tokens queued for sampling on the device (sampled or in flight): >= len(output_ids).
+    dispatched: int = 0
+
+    def __post_init__(self):
+        sampling = self.request.sampling
+        self.prompt_len = len(self.request.input_ids)
+        self.max_new_tokens = sampling.max_new_tokens
+        self.horizon = self.prompt_len + sampling.max_new_tokens
+        self.filtered = sampling.needs_filter
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.input_ids + self.output_ids
+
+
+@dataclasses.dataclass
+class InFlight:
+    """Device work whose tokens are not yet read, one part per replica: ``(out, seqs, columns)``
+    with ``out [3, n]`` (tokens, log-prob bits) holding sequence ``seqs[i]``'s token at column
+    ``columns[i]``; sampled by weights of ``version``."""
+
+    parts: list[tuple[Any, list[Sequence], list[int]]]
+    version: int
+
+
+class Replica:
+    """One data-parallel replica: a runner (KV cache and compiled steps on its own mesh), its
+    copy of the parameters and decode weights, and its slots."""
+
+    def __init__(self, index: int, runner: ModelRunner, params: dict[str, Any]):
+        self.index = index
+        self.runner = runner
+        self.params = self.place(params)
+        self.decode_weights = runner.prepare(self.params)
+        self.running: dict[int, Sequence] = {}
+        self.free_slots = list(range(runner.max_slots))  # a heap: lowest slot first
+
+    def place(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` (placed for the first replica's mesh) as this replica uses them: the
+        first replica's own, a copy with the same partition specs on another's mesh."""
+        if self.index == 0:
+            return params
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        def one(a):
+            spec = a.sharding.spec if isinstance(a.sharding, NamedSharding) else PartitionSpec()
+            return jax.device_put(a, NamedSharding(self.runner.mesh, spec))
+        return jax.tree.map(one, params)
+
+
+@dataclasses.dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    future: concurrent.futures.Future
+    start: float
+    sequences: list[Sequence] = dataclasses.field(default_factory=list)
+
+
+def pow2_bucket(n: int, minimum: int, maximum: int) -> int:
+    """The smallest power-of-two multiple of ``minimum`` that holds ``n``, at most
+    ``maximum``."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return min(size, maximum)
+
+
+def plan_admission(waiting: collections.deque[Sequence], free: list[int], budget: int
+                   ) -> list[tuple[int, list[Sequence]]]:
+    """Takes from the front of ``waiting`` the sequences one scheduler pass admits: a list of
+    ``(replica, sequences sharing a prefill)``. A new prefill goes to the replica with the most
+    free slots (``free``: per replica, decremented here) while its prompt fits the remaining
+    prefill ``budget`` (tokens; the first prefill always goes); it stops at the first sequence
+    that cannot be placed, so the queue keeps its order."""
+    groups: list[tuple[int, list[Sequence]]] = []
+    while waiting:
+        seq = waiting[0]
+        # Fresh samples waiting together share one prefill when they have the same prompt: the
+        # samples of one request, or requests for the same prompt sent together (e.g. a GRPO
+        # group sent as one request per sample, each with its own length or seed).
+        last = groups[-1] if groups else None
+        head = last[1][0] if last is not None else None
+        joins = (head is not None and free[last[0]] > 0 and not seq.output_ids
+                 and not head.output_ids
+                 and (head.request is seq.request
+                      or head.request.input_ids == seq.request.input_ids))
+        if not joins:
+            target = max(range(len(free)), key=free.__getitem__)
+            if not free[target]:
+                break
+            prefill_len = len(seq.request.input_ids) + max(len(seq.output_ids) - 1, 0)
+            if groups and prefill_len > budget:
+                break
+            budget -= prefill_len
+            groups.append((target, []))
+        waiting.popleft()
+        groups[-1][1].append(seq)
+        free[groups[-1][0]] -= 1
+    return groups
+
+
+def prefill_batch(prompts: list[list[int]], min_len: int, max_seq_len: int, max_slots: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``prompts`` as one prefill: ``tokens [B, P]`` int32, right-padded, and their ``lengths
+    [B]`` (padding rows of length 1), with ``P`` and ``B`` powers of two (``P >= min_len``,
+    at most ``max_seq_len``; ``B`` at most ``max_slots``) so that few shapes compile."""
+    p = pow2_bucket(max(map(len, prompts)), min_len, max_seq_len)
+    b = pow2_bucket(len(prompts), 1, max(max_slots, 1))
+    tokens = np.zeros((b, p), np.int32)
+    lengths = np.ones((b,), np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, :len(prompt)] = prompt
+        lengths[i] = len(prompt)
+    return tokens, lengths

@@ -1,0 +1,87 @@
+"""The generator server's settings (:class:`ServerConfig`, the flags of
+:mod:`rl_jax.generator.serve`) and how its automatic ones resolve for a backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rl_jax.generator import auth
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str  # HF checkpoint directory (config.json, *.safetensors, optional tokenizer.json)
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0 picks a free port (printed in the ready line)
+    max_slots: int = 32
+    max_seq_len: int = 512
+    max_waiting: int = 4096
+    max_prefill_tokens: int = 2048
+    # "auto": bfloat16 on accelerators, float32 on CPUs (see resolve_auto)
+    dtype: str = "auto"
+    tensor_parallel: int = 1
+    data_parallel: int = 1  # replicas of the model, each on tensor_parallel devices of its own
+    # decode steps run as one program, admissions between programs (SGLang's
+    # --num-continuous-decode-steps; see EngineConfig.decode_steps); 0: auto (resolve_auto)
+    decode_steps: int = 0
+    # decode attention (SGLang's --attention-backend): "auto" | "native" | "xla"
+    # (see EngineConfig.attention)
+    attention_backend: str = "auto"
+    weight_version: int = 0
+    strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
+    warmup: bool = True  # compile prefill/decode before reporting ready
+    warmup_shapes: bool = False  # ... every decode batch size and length (slower start)
+    served_model_name: str | None = None
+    parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
+    publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
+    # With a publisher_url: pull the newest published version (if any) before serving, so a
+    # server (re)started during a run never answers with weights older than the run's.
+    pull_on_start: bool = True
+    # API key and admin API key (rl_jax.generator.auth; never shown in a repr or a log)
+    keys: auth.Keys = auth.NO_KEYS
+    # /update_weights_from_transfer may name another publisher than publisher_url. A keyed
+    # server allows it too: the endpoint is an admin one, so its caller proved the key.
+    allow_any_publisher: bool = False
+    # Request bounds, checked before a request costs memory or time. Bodies larger than this
+    # are refused (413) before they are read in full.
+    max_request_bytes: int = 64 << 20
+    # Characters of one prompt text tokenised at most; 0: derived from the tokenizer, twice
+    # max_seq_len times its longest token (longer text could not fit max_seq_len).
+    max_text_chars: int = 0
+    # Seconds a connection may take to send a request's headers, and stay idle between
+    # requests (aiohttp's keep-alive timer covers both; uvicorn, in front of SGLang, closes
+    # idle ones after 5 s). Above the 15 s an aiohttp client keeps idle connections, so a
+    # client never reuses one the server is closing.
+    keepalive_timeout_s: float = 20.0
+    # Seconds a request's body may take to arrive.
+    body_timeout_s: float = 60.0
+
+
+ACCELERATOR_DECODE_STEPS = 8
+
+
+def resolve_auto(config: ServerConfig, backend: str | None = None) -> ServerConfig:
+    """``config`` with its automatic settings made concrete for ``backend`` (default: JAX's):
+    ``dtype="auto"`` is bfloat16 on accelerators and float32 on CPUs; ``decode_steps=0`` is
+    :data:`ACCELERATOR_DECODE_STEPS` on accelerators (the host would otherwise launch every
+    step's program and read its tokens back between steps) and 1 on CPUs (where a step is long
+    enough that per-step host work is a small share, and admissions wait for a program's end)."""
+    if config.dtype != "auto" and config.decode_steps != 0:
+        return config
+    import jax
+    accelerator = (backend or jax.default_backend()) != "cpu"
+    return dataclasses.replace(
+        config,
+        dtype=("bfloat16" if accelerator else "float32") if config.dtype == "auto"
+        else config.dtype,
+        decode_steps=(ACCELERATOR_DECODE_STEPS if accelerator else 1)
+        if config.decode_steps == 0 else config.decode_steps)
+
+
+def text_limit(tokenizer, max_seq_len: int) -> int | None:
+    """Characters of text that may be tokenised for one prompt: twice what ``max_seq_len``
+    tokens of the tokenizer's longest token could spell (None without a tokenizer)."""
+    if tokenizer is None:
+        return None
+    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return 2 * max_seq_len * max(longest, 1)

@@ -1,0 +1,73 @@
+"""Compiling an engine's programs before it serves, by serving short requests: the first decode
+and prefill, and optionally every decode and admission shape a run can meet, so that no request
+waits for a compilation later."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rl_jax.generator.engine import Engine
+from rl_jax.generator.kv_cache import MIN_ADMIT, kv_bucket
+from rl_jax.generator.types import GenerateRequest, SamplingParams
+
+log = logging.getLogger("rl_jax.generator.server")
+
+
+def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shapes: bool):
+    """Compiles prefill, decode and sampling with one short greedy request (per data-parallel
+    replica); with ``all_shapes`` (the server's ``warmup_shapes``), also every decode shape a
+    run can meet (each power-of-two batch up to a replica's slots, each grown to
+    ``max_seq_len``) and every admission shape of prompts up to the shortest prefill bucket, so
+    that no request waits for a compilation later (a second or more each on a CPU core).
+    ``max_slots``: the server's, over all replicas."""
+    steps = min(2, max_seq_len - 1)
+    if steps > 0:
+        _burst(engine, 1, 1, tag="first", max_new_tokens=steps, temperature=0.0)
+    if not all_shapes or max_seq_len < 3:
+        return
+    start = time.perf_counter()
+    slots = max_slots // engine.data_parallel  # per replica
+    sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
+    for n in sizes:
+        _burst(engine, 1, n, tag=f"batch-{n}", max_new_tokens=max_seq_len - 1)
+    # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
+    # both mixed): the first tokens of every power-of-two prompt count × sequence count,
+    # and installing every power-of-two sequence count at every cache length.
+    for prompts in sizes:
+        for n in sizes:
+            if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
+                _burst(engine, prompts, n, tag=f"{prompts}x{n}")
+    lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
+    for runner in engine.runners:
+        for length in lengths:  # moving sequences to lower slots (see Engine._compact)
+            runner.compile_move(length)
+        runner.compile_shrinks(lengths)  # the cache shrinking as long sequences finish
+    for length in lengths[1:]:
+        for n in sizes:
+            if n >= MIN_ADMIT or n == slots:
+                # The cache stays this long when idle.
+                _burst(engine, 1, 1, tag=f"grow-{length}", max_new_tokens=length - 1,
+                       temperature=0.0)
+                _burst(engine, 1, n, tag=f"{length}-{n}")
+    log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
+             max_seq_len, time.perf_counter() - start)
+
+
+def _burst(engine: Engine, prompts: int, n: int, tag: str, max_new_tokens: int = 2,
+           temperature: float = 1.0):
+    """``prompts`` one-token requests of ``n`` samples for each data-parallel replica, all
+    admitted in one scheduler pass (a new request goes to the replica with the most free
+    slots, so each replica gets the same)."""
+    engine.pause("in_place")
+    deadline = time.monotonic() + 60
+    while not engine.paused and time.monotonic() < deadline:
+        time.sleep(0.001)
+    futures = [engine.submit(GenerateRequest(
+        [i % engine.config.vocab_size], SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True, n=n,
+            seed=i),
+        rid=f"warmup-{tag}-{i}")) for i in range(prompts * engine.data_parallel)]
+    engine.resume()
+    for future in futures:
+        future.result(timeout=1800)
