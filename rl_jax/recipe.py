@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import types
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -82,12 +83,13 @@ def http_urls(v) -> str | None:
             return f"must be http(s) URLs, got {url!r}"
 
 
-def _f(default: Any, check: Check | None = None) -> Any:
-    """A field with its default and its own check."""
+def _f(default: Any, check: Check | None = None, *, kind: str = "") -> Any:
+    """A field with its default and its own check; ``kind`` names what a value of the wrong
+    type should have been (default: the field's type, "an integer")."""
+    metadata = {"check": check, "kind": kind}
     if isinstance(default, dict):
-        return dataclasses.field(default_factory=lambda: dict(default),
-                                 metadata={"check": check})
-    return dataclasses.field(default=default, metadata={"check": check})
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _section(cls: type) -> Any:
@@ -225,8 +227,8 @@ class Auth:
     environment (RL_JAX_API_KEY, RL_JAX_ADMIN_API_KEY); servers started here without either get
     random keys for the run when ``generate_keys``."""
 
-    api_key_file: str = _f("")
-    admin_api_key_file: str = _f("")
+    api_key_file: str = _f("", kind='a file path or ""')
+    admin_api_key_file: str = _f("", kind='a file path or ""')
     generate_keys: bool = _f(True)
 
 
@@ -423,7 +425,12 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, _plain(value), name + ".")
             continue
-        value = _coerce(name, hint, _plain(value))
+        try:
+            value = _coerce(name, hint, _plain(value))
+        except RLConfigError:
+            if not f.metadata.get("kind"):
+                raise
+            raise RLConfigError(f"{name} must be {f.metadata['kind']}, got {value!r}") from None
         check = f.metadata.get("check")
         complaint = check(value) if check is not None else None
         if complaint:
@@ -439,7 +446,7 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     """``value`` as the field's type (lists become tuples, integers floats), or an error
     naming the field."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         for option in args:
             try:
                 return _coerce(name, option, value)

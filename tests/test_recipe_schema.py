@@ -75,7 +75,7 @@ def _load(name: str) -> ConfigDict:
     return schema.load_recipe_file(ROOT / "configs" / f"{name}.py")
 
 
-# ---- the recipe files -----------------------------------------------------------------------------
+# ---- the recipe files ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", RL_RECIPES)
 def test_rl_recipes_derive_from_the_base_and_parse(name):
@@ -109,7 +109,7 @@ def test_the_base_holds_the_schema_defaults():
     assert RolloutConfig().groups_per_batch == defaults().rollout.groups_per_batch
 
 
-# ---- one check per field ---------------------------------------------------------------------------
+# ---- one check per field -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", field_names())
 def test_a_wrong_type_is_refused_naming_the_field(name):
@@ -231,7 +231,7 @@ def test_the_launcher_stops_with_one_line(tmp_path, flag, message):
     assert not (tmp_path / "bad" / "base").exists()  # refused before any work
 
 
-# ---- the base policy ------------------------------------------------------------------------------
+# ---- the base policy -----------------------------------------------------------------------------
 
 LM_SMALL = ("trainer.steps=4", "checkpoint.every=2", "logging.every=1", "logging.eval_every=2",
             "data.rows_per_batch=8", "data.eval_examples=16", "model.hidden_size=32",
@@ -289,3 +289,30 @@ def test_the_base_policy_trains_in_process_as_the_launcher_would(tmp_path, capsy
     # A second call finds the policy and trains nothing.
     assert ensure_base_checkpoint(c, tmp_path / "rl") == hf
     assert "training it" not in capsys.readouterr().out
+
+
+# ---- user errors ---------------------------------------------------------------------------------
+
+def test_user_errors_derive_from_one_leaf_base():
+    """rl_jax.errors imports no package; each package's user-facing errors derive from its
+    UserError, which is what the launchers catch."""
+    import ast
+
+    from rl_jax.compile_cache import CacheDirError
+    from rl_jax.errors import USER_ERRORS, UserError
+    from rl_jax.losses import GroupSizeError, LossConfigError
+    from rl_jax.models.config import ConfigError
+    from rl_jax.models.hf import CheckpointError
+    from rl_jax.sharding import ShardingError
+    from rl_jax.sysmodel import SysModelError
+    from rl_jax.trainer.checkpoint import CheckpointRestoreError
+    from rl_jax.trainer.lm import RecipeConfigError
+
+    tree = ast.parse((ROOT / "rl_jax/errors.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    for error in (ConfigError, CheckpointError, ShardingError, CheckpointRestoreError,
+                  RecipeConfigError, LossConfigError, GroupSizeError, RLConfigError,
+                  CacheDirError, SysModelError):
+        assert issubclass(error, USER_ERRORS) and issubclass(error, UserError), error
+    assert issubclass(RLConfigError, ValueError)  # callers catching ValueError still do
+    assert issubclass(CheckpointRestoreError, RuntimeError)
