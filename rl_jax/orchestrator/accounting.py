@@ -153,6 +153,7 @@ class RunAccounting:
                            if "generator/tokens_per_s" in record else {}),
                         refresh=False)
         bar.update(1)
+
     def _generator_readings(self) -> dict[str, dict[str, Any]]:
         """Each generator server's CPU seconds per thread so far and its engine counters (this
         project's servers report them in ``/get_server_info``; SGLang's do not, and give nothing
@@ -213,6 +214,7 @@ class RunAccounting:
         if others:
             out["generator_counters"] = dict(sorted(others.items()))
         return out
+
     def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval,
                 cpu_before):
         c = self.c
@@ -306,4 +308,3 @@ class RunAccounting:
             ("staleness (steps)", [("batch max", *by_wall("staleness/batch_max")),
                                    ("batch mean", *by_wall("staleness/batch_mean"))]),
         ], title=f"{self.c.env.name}, mode {self.settings.mode}", xlabel="wall time (s)")
-

@@ -283,4 +283,3 @@ class SessionSetup:
                                       power_of_two=not c.trainer.micro_batch_rows,
                                       share_prompts=r.share_prompts)
         self.to_batch.warm(r.groups_per_batch, r.group_size)
-
