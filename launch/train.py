@@ -40,7 +40,8 @@ def main(argv):
             lm.run(config, _WORKDIR.value)
         elif config.recipe == "rl":
             from rl_jax.orchestrator import rl
-            rl.run(config, _WORKDIR.value)
+            from rl_jax.recipe import parse
+            rl.run(parse(config), _WORKDIR.value)
         else:
             raise app.UsageError(f"unknown recipe {config.recipe!r}")
     except USER_ERRORS as e:

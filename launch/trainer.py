@@ -37,24 +37,24 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from rl_jax.errors import USER_ERRORS
     from rl_jax.orchestrator import rl
+    from rl_jax.recipe import parse
 
     config = _CONFIG.value
     if config.recipe != "rl":
         print(f"error: launch.trainer runs recipe 'rl', the config has {config.recipe!r}",
               file=sys.stderr)
         sys.exit(2)
-    with config.unlocked():
-        config.distributed.coordinator = _COORDINATOR.value
-        config.distributed.num_processes = _NUM_PROCESSES.value
-        config.distributed.process_id = _PROCESS_ID.value
-        if _URLS.value:
-            config.generator.urls = tuple(_URLS.value)
-        if _PUBLISHER_HOST.value:
-            config.transfer.host = _PUBLISHER_HOST.value
     logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("rl_jax").setLevel(std_logging.INFO)
     try:
-        rl.run(config, _WORKDIR.value)
+        changes = {"distributed.coordinator": _COORDINATOR.value,
+                   "distributed.num_processes": _NUM_PROCESSES.value,
+                   "distributed.process_id": _PROCESS_ID.value}
+        if _URLS.value:
+            changes["generator.urls"] = tuple(_URLS.value)
+        if _PUBLISHER_HOST.value:
+            changes["transfer.host"] = _PUBLISHER_HOST.value
+        rl.run(parse(config).replace(**changes), _WORKDIR.value)
     except USER_ERRORS as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)

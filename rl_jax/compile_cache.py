@@ -13,8 +13,10 @@ import os
 import stat
 from pathlib import Path
 
+from rl_jax.errors import UserError
 
-class CacheDirError(ValueError):
+
+class CacheDirError(UserError, ValueError):
     """A compilation cache directory that cannot be used safely."""
 
 

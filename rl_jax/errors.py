@@ -1,16 +1,18 @@
-"""Error types that describe bad user input (configs, checkpoints, meshes).
+"""The root of the error types that describe bad user input (configs, checkpoints, meshes).
 
-Entry points print these as one line instead of a traceback.
+A leaf module: each package defines its own errors where they belong and derives the
+user-facing ones from :class:`UserError`, so entry points catch ``USER_ERRORS`` and print one
+line instead of a traceback without this module importing any package.
 """
 
-from rl_jax.compile_cache import CacheDirError
-from rl_jax.losses import GroupSizeError, LossConfigError
-from rl_jax.models.config import ConfigError
-from rl_jax.models.hf import CheckpointError
-from rl_jax.orchestrator.config import RLConfigError
-from rl_jax.sharding import ShardingError
-from rl_jax.trainer.checkpoint import CheckpointRestoreError
-from rl_jax.trainer.lm import RecipeConfigError
 
-USER_ERRORS = (ConfigError, CheckpointError, ShardingError, CheckpointRestoreError,
-               RecipeConfigError, LossConfigError, GroupSizeError, RLConfigError, CacheDirError)
+class RLJaxError(Exception):
+    """Base of the errors this library raises on purpose."""
+
+
+class UserError(RLJaxError):
+    """Bad user input (a config, a checkpoint, a mesh, a file): the message names the problem
+    and an entry point prints it as one line."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from rl_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 MeshAxes = str | tuple[str, ...] | None
@@ -47,7 +49,7 @@ KNOWN_AXIS_GROUPS: tuple[tuple[str, ...], ...] = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(UserError, ValueError):
     """A sharding rule or a mesh that cannot shard an array."""
 
 

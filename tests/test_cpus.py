@@ -144,14 +144,15 @@ def test_cpu_placement_is_switched_off_on_accelerator_backends(caplog):
     from configs.tiny_rl import get_config
     from rl_jax.orchestrator.rl import cpu_placement_off_cpu
 
-    c = get_config()
-    placed = dict(c.cpus)
-    assert placed["trainer"] and placed["generators"] and placed["generators_nice"]
-    assert not cpu_placement_off_cpu(c, backend="cpu")
-    assert dict(c.cpus) == placed  # CPU pools keep their cores and priority
+    from rl_jax.recipe import parse
+
+    c = parse(get_config())
+    assert c.cpus.trainer and c.cpus.generators and c.cpus.generators_nice
+    assert cpu_placement_off_cpu(c, backend="cpu") is c  # CPU pools keep cores and priority
     with caplog.at_level("WARNING"):
-        assert cpu_placement_off_cpu(c, backend="gpu")
-    assert (c.cpus.trainer, c.cpus.generators, c.cpus.rollout, c.cpus.generators_nice) == (
-        "", "", "", 0)
+        off = cpu_placement_off_cpu(c, backend="gpu")
+    assert (off.cpus.trainer, off.cpus.generators, off.cpus.rollout,
+            off.cpus.generators_nice) == ("", "", "", 0)
+    assert off.rollout == c.rollout  # nothing else changes
     assert "cpus.trainer='0'" in caplog.text and "runs on gpu" in caplog.text
-    assert not cpu_placement_off_cpu(c, backend="tpu")  # nothing left to switch off
+    assert cpu_placement_off_cpu(off, backend="tpu") is off  # nothing left to switch off

@@ -36,14 +36,15 @@ PACKAGE = "rl_jax"
 # completions of data's prompts; the orchestrator wires the roles; ``errors`` gathers the
 # user-facing error types of every layer for the entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),  # the base error types every package's user errors derive from
     ("compile_cache", "cpus", "heap", "metrics", "native"),
     ("distributed", "sharding"),
     ("data",),
     ("envs", "losses", "models"),
     ("generator", "trainer", "transfer"),
+    ("recipe",),  # checks names against the registries below it
     ("rollout",),
     ("orchestrator", "sysmodel"),
-    ("errors",),
 )
 
 _MODULE_STRING = re.compile(rf"^({PACKAGE}(?:\.\w+)+)(?::\w+)?$")

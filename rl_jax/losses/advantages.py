@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from rl_jax.errors import UserError
 from rl_jax.losses.configs import LossConfigError
 from rl_jax.losses.core import safe_divide
 
 
-class GroupSizeError(ValueError):
+class GroupSizeError(UserError, ValueError):
     """A group with a single member, or a group id outside ``[0, num_groups)``."""
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from rl_jax.errors import UserError
+
 LOG_RATIO_CLAMP = 20.0
 NORMALIZATIONS = ("token", "sequence", "sequence_sum", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -17,7 +19,7 @@ CORRECTIONS = ("none", "tis", "mis")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 
-class LossConfigError(ValueError):
+class LossConfigError(UserError, ValueError):
     """A loss configuration or a loss input that cannot be used."""
 
 

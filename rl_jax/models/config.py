@@ -8,6 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from rl_jax.errors import UserError
+
 # HF architecture name → family. The family decides defaults the HF classes hard-code.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -21,7 +23,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A model configuration that this library cannot build."""
 
 

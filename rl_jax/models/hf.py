@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from rl_jax.errors import UserError
 from rl_jax.models.build import abstract_model, iter_params, param_shardings
 from rl_jax.models.config import ConfigError, ModelConfig
 from rl_jax.models.transformer import Transformer
@@ -35,7 +36,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """An HF checkpoint directory that cannot be read into (or written from) this model."""
 
 

@@ -30,6 +30,7 @@ from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigErr
 from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
 from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
 from rl_jax.orchestrator.config import RLConfigError
+from rl_jax.recipe import Generator
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +59,18 @@ class BackgroundLoop:
             self.loop.close()
 
 
-def generator_keys(block: Any, *, environ: Mapping[str, str] | None = None) -> Keys:
+def generator_keys(block: Generator, *, environ: Mapping[str, str] | None = None) -> Keys:
     """The API keys of a run's generator servers (see the module docstring); raises
     :class:`RLConfigError` naming the setting whose key cannot be used."""
-    auth = block.get("auth") or {}
-    files = {name: auth.get(name) or None for name in ("api_key_file", "admin_api_key_file")}
+    auth = block.auth
+    files = {"api_key_file": auth.api_key_file or None,
+             "admin_api_key_file": auth.admin_api_key_file or None}
     try:
         keys = load_keys(api_key_file=files["api_key_file"],
                          admin_api_key_file=files["admin_api_key_file"], environ=environ)
     except AuthConfigError as e:
         raise RLConfigError(f"generator.auth: {e}") from None
-    if keys or block.urls or not auth.get("generate_keys", False):
+    if keys or block.urls or not auth.generate_keys:
         return keys
     return Keys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
 
@@ -106,7 +108,7 @@ class GeneratorPool:
         (:mod:`rl_jax.compile_cache`; "" = none).
     """
 
-    def __init__(self, block: Any, *, model_dir: str | Path, publisher_url: str,
+    def __init__(self, block: Generator, *, model_dir: str | Path, publisher_url: str,
                  cpu_cores: str = "", nice: int = 0, log_dir: str | Path,
                  keys: Keys | None = None, compilation_cache_dir: str = ""):
         self.block = block
@@ -121,14 +123,14 @@ class GeneratorPool:
                 model=str(model_dir), kind=block.kind, ports=(0,) * int(block.num_servers),
                 max_slots=int(block.max_slots), max_seq_len=int(block.max_seq_len),
                 dtype=block.dtype, tensor_parallel=int(block.tensor_parallel),
-                data_parallel=int(block.get("data_parallel", 1)),
-                decode_steps=int(block.get("decode_steps", 1)),
+                data_parallel=int(block.data_parallel), decode_steps=int(block.decode_steps),
                 startup_timeout=float(block.startup_timeout_s), log_dir=str(log_dir),
                 cpu_cores=cpu_cores, nice=nice,
-                env=tuple(tuple(kv) for kv in block.get("env", ())) + tuple(
+                env=tuple(tuple(kv) for kv in block.env) + tuple(
                     compile_cache.environment(compilation_cache_dir).items()),
-                extra_args=tuple(block.get("extra_args", ())) + (
-                    ("--warmup_shapes",) if block.kind == "rl_jax" and block.get("warmup_shapes", False) else ()),
+                extra_args=tuple(block.extra_args) + (
+                    ("--warmup_shapes",) if block.kind == "rl_jax" and block.warmup_shapes
+                    else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else "",
                 keys=self.keys))
 

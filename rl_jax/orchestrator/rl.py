@@ -18,15 +18,11 @@ the same command again), ``metrics.jsonl``, ``tb/`` (TensorBoard), ``summary.jso
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import ml_collections
-
-from rl_jax.orchestrator.config import RLConfigError, validate
+from rl_jax.orchestrator.config import RLConfigError, mode_settings
+from rl_jax.recipe import RLRecipe, apply_overrides, load_recipe_file, parse
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +50,10 @@ def random_base(name: str, workdir: Path, *, dtype: str = "float32") -> Path:
     return hf
 
 
-def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
-    """The HF directory of the starting policy, training it first when the config says so."""
+def ensure_base_checkpoint(c: Any, workdir: Path) -> Path:
+    """The HF directory of the starting policy, training it first when the recipe ``c`` (an
+    :class:`RLRecipe` or its ConfigDict) says so."""
+    c = parse(c)
     if c.distributed.num_processes > 1 and not c.base.checkpoint:
         raise RLConfigError("a multi-process trainer needs base.checkpoint (an HF directory "
                             "every process can read)")
@@ -65,56 +63,65 @@ def ensure_base_checkpoint(c: ml_collections.ConfigDict, workdir: Path) -> Path:
             raise RLConfigError(f"base.checkpoint={c.base.checkpoint} is not an HF checkpoint "
                                 "directory (no config.json)")
         return path.absolute()
-    named = c.get("model", {}).get("shape")
-    if isinstance(named, str) and named:
-        return random_base(named, workdir, dtype=c.model.get("param_dtype", "float32"))
+    if isinstance(c.model.shape, str) and c.model.shape:
+        return random_base(c.model.shape, workdir, dtype=c.model.param_dtype)
     if not c.base.lm_config:
         raise RLConfigError("set base.checkpoint (an HF directory) or base.lm_config")
     base = workdir / "base"
     hf = base / "hf"
     if (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file():
         return hf
-    lm_config = Path(c.base.lm_config)
-    if not lm_config.is_file():
-        raise RLConfigError(f"base.lm_config={c.base.lm_config} does not exist")
-    cmd = [sys.executable, "-m", "launch.train", f"--config={lm_config}", f"--workdir={base}",
-           *(f"--config.{o}" for o in c.base.lm_overrides)]
-    print(f"no base policy yet: training it with {lm_config} into {base}", flush=True)
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run(cmd, env=env)
-    if result.returncode != 0 or not (hf / "config.json").is_file():
-        raise RLConfigError(f"training the base policy failed ({' '.join(cmd)} exited with "
-                            f"{result.returncode})")
+    train_base_policy(c.base.lm_config, c.base.lm_overrides, base)
+    if not (hf / "config.json").is_file():
+        raise RLConfigError(f"training the base policy with {c.base.lm_config} wrote no "
+                            f"{hf / 'config.json'}")
     return hf
 
 
-def cpu_placement_off_cpu(c: ml_collections.ConfigDict, backend: str | None = None) -> bool:
+def train_base_policy(lm_config: str, overrides: tuple[str, ...], workdir: Path) -> None:
+    """Trains the supervised recipe file ``lm_config`` with ``overrides`` (``"key=value"``, as
+    ``--config.key=value`` would set them) into ``workdir``, in this process: the function
+    ``python -m launch.train`` calls for recipe "lm" (:func:`rl_jax.trainer.lm.run`). It runs
+    before this process joins a multi-process mesh or pins its cores, on the same devices."""
+    path = Path(lm_config)
+    if not path.is_file():
+        raise RLConfigError(f"base.lm_config={lm_config} does not exist")
+    config = load_recipe_file(path)
+    apply_overrides(config, overrides, what="base.lm_overrides")
+    if config.get("recipe") != "lm":
+        raise RLConfigError(f"base.lm_config={lm_config} is not a supervised (recipe 'lm') "
+                            f"recipe, it has recipe {config.get('recipe')!r}")
+    print(f"no base policy yet: training it with {path} into {workdir}", flush=True)
+    from rl_jax.trainer import lm
+    lm.run(config, str(workdir))
+
+
+def cpu_placement_off_cpu(c: RLRecipe, backend: str | None = None) -> RLRecipe:
     """Core pinning and the servers' nice level (``c.cpus``) place CPU pools: on an
     accelerator backend they would only confine the host threads that feed the chips, so they
-    are switched off there (one warning names them). Returns whether anything was switched off.
-    """
+    are switched off there (one warning names them). Returns the recipe with them off (``c``
+    itself when nothing was switched off)."""
     import jax
     backend = backend or jax.default_backend()
     if backend == "cpu":
-        return False
-    placed = {k: c.cpus[k] for k in ("trainer", "generators", "rollout", "generators_nice")
-              if c.cpus.get(k)}
+        return c
+    placed = {k: getattr(c.cpus, k) for k in ("trainer", "generators", "rollout",
+                                               "generators_nice") if getattr(c.cpus, k)}
     if not placed:
-        return False
+        return c
     log.warning("cpus.%s apply to pools on CPUs; the trainer runs on %s, so they are ignored",
                 ", cpus.".join(f"{k}={v!r}" for k, v in placed.items()), backend)
-    for key in placed:
-        c.cpus[key] = 0 if key == "generators_nice" else ""
-    return True
+    return c.replace(**{f"cpus.{key}": 0 if key == "generators_nice" else ""
+                        for key in placed})
 
 
 # ---- the run ------------------------------------------------------------------------------------
 
-def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Runs (or resumes) the RL recipe ``c`` in ``workdir``; returns the summary it writes."""
-    settings = validate(c)
+def run(c: Any, workdir: str) -> dict[str, Any]:
+    """Runs (or resumes) the RL recipe ``c`` (an :class:`RLRecipe` or its ConfigDict, checked
+    here) in ``workdir``; returns the summary it writes."""
+    c = parse(c)
+    settings = mode_settings(c)
     workdir_path = Path(workdir).absolute()
     workdir_path.mkdir(parents=True, exist_ok=True)
     base_dir = ensure_base_checkpoint(c, workdir_path)
@@ -122,7 +129,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     from rl_jax import distributed
     distributed.initialize(c.distributed.coordinator, c.distributed.num_processes,
                            c.distributed.process_id)
-    cpu_placement_off_cpu(c)
+    c = cpu_placement_off_cpu(c)
     if c.cpus.trainer:
         from rl_jax import cpus
         try:
@@ -135,7 +142,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             cpus.parse_cores(c.cpus.generators)
         except ValueError as e:
             raise RLConfigError(f"cpus.generators={c.cpus.generators!r}: {e}") from None
-    if c.cpus.get("rollout"):
+    if c.cpus.rollout:
         from rl_jax import cpus
         try:
             cpus.existing_cores(c.cpus.rollout)

@@ -42,6 +42,7 @@ from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
 from rl_jax.generator.client import GeneratorUnavailable
 from rl_jax.generator.types import GenerateRequest, SamplingParams
+from rl_jax.recipe import Rollout as RecipeRollout
 from rl_jax.rollout.batching import GroupsToBatch
 from rl_jax.rollout.records import Group, Sample
 from rl_jax.rollout.request_plan import (LognormalLengths, mask_after_stop, prompt_seed,
@@ -53,13 +54,19 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    group_size: int = 8  # samples per prompt
-    groups_per_batch: int = 16
-    max_lag: int = 1
-    staleness_policy: str = "prevent"
+    """The pipeline's settings. The group shape, staleness bound and retries default to the
+    recipe's defaults (:class:`rl_jax.recipe.Rollout`); a run sets every field from its recipe
+    (:func:`rl_jax.orchestrator.setup.rollout_config`), so the others' defaults serve library
+    users only."""
+
+    group_size: int = RecipeRollout.group_size  # samples per prompt
+    groups_per_batch: int = RecipeRollout.groups_per_batch
+    max_lag: int = RecipeRollout.max_lag
+    staleness_policy: str = RecipeRollout.staleness_policy
     max_in_flight_groups: int | None = None
     sampling: SamplingParams = SamplingParams(max_new_tokens=32)
-    max_retries: int = 3  # generation/scoring failures of one prompt before it is skipped
+    # generation/scoring failures of one prompt before it is skipped
+    max_retries: int = RecipeRollout.max_retries
     shaping: RewardShaping | None = None  # length penalties on top of the environment's reward
     # DAPO-style dynamic sampling: a group whose rewards are all equal (no learning signal) is
     # discarded and another prompt takes its place.

@@ -39,7 +39,9 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-POLICIES = ("prevent", "drop")
+from rl_jax.recipe import STALENESS_POLICIES
+
+POLICIES = STALENESS_POLICIES
 
 
 class StalenessConfigError(ValueError):

@@ -14,7 +14,7 @@ from rl_jax.sysmodel.invariants import Workload
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
 from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNormalLengths
 from rl_jax.sysmodel.memory import GiB, generator_memory, trainer_memory
-from rl_jax.sysmodel.recipe import get, model_shape, rollout_settings
+from rl_jax.sysmodel.recipe import model_shape, recipe_value, rollout_settings
 from rl_jax.sysmodel.simulator import MODES
 from rl_jax.sysmodel.sweep import SweepOptions, SweepResult, format_table, sweep
 from rl_jax.sysmodel.weightsync import PATHS, WeightSync, transfer_breakdown
@@ -165,9 +165,9 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         transfer_bandwidth=req.transfer_gbps * 1e9 if req.transfer_gbps else None,
         weight_sync=WeightSync(path=req.transfer_path),
         trainer_tokens_per_s_per_chip=req.trainer_tokens_per_s, measured_latency=measured,
-        remat=str(get(config, "model.remat", "full")),
-        micro_batch_rows=int(get(config, "trainer.micro_batch_rows", 0)) or None,
-        logits_block=int(get(config, "trainer.logits_block_size", 4096)),
+        remat=str(recipe_value(config, "model.remat")),
+        micro_batch_rows=int(recipe_value(config, "trainer.micro_batch_rows")) or None,
+        logits_block=int(recipe_value(config, "trainer.logits_block_size")),
         num_steps=req.steps, simulate_top=req.simulate_top, split_points=req.split_points,
         seed=req.seed)
     result = sweep(shape, accelerator, req.num_accelerators, workload, options)

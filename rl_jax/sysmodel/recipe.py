@@ -10,9 +10,12 @@ The model shape is found, in order, in
    of the synthetic task's character tokenizer unless ``model.vocab_size`` is given.
 
 Rollout settings come from ``config.rollout`` (``group_size``, ``groups_per_batch``,
-``max_new_tokens``, ``max_lag``, ``prompt_len``), ``config.mode`` and ``config.generator``; any
-missing field takes the default in :data:`ROLLOUT_DEFAULTS`. Heavy imports (the model config
-reader, the tokenizer) happen only on the branch that needs them.
+``max_new_tokens``, ``max_lag``), ``config.mode`` and ``config.generator``. An RL recipe
+(``recipe = "rl"``) is read through its schema (:func:`rl_jax.recipe.parse`, which refuses a bad
+field); any other config (a supervised recipe, a partial one written for planning) takes every
+missing recipe field from the schema's defaults (:func:`recipe_value`). ``rollout.prompt_len``
+(prompt tokens per sample) is the planner's own setting, default :data:`PROMPT_LEN`. Heavy
+imports (the model config reader, the tokenizer) happen only on the branch that needs them.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rl_jax import recipe as schema
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.shape import ModelShape
 
-ROLLOUT_DEFAULTS = {"group_size": 8, "groups_per_batch": 32, "max_new_tokens": 1024,
-                    "max_lag": 4, "prompt_len": 256, "mode": "async"}
+PROMPT_LEN = 256  # prompt tokens per sample when the config does not say
+ROLLOUT_FIELDS = ("group_size", "groups_per_batch", "max_new_tokens", "max_lag")
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias")
 
@@ -112,17 +116,41 @@ def _task_vocab_size() -> int:
     return build_char_tokenizer(ArithmeticTask.ALPHABET).get_vocab_size()
 
 
+def recipe_value(config: Any, dotted: str) -> Any:
+    """``config``'s value of the recipe field ``dotted`` (``"trainer.logits_block_size"``), or
+    the schema's default when the config does not set it."""
+    value = get(config, dotted)
+    if value is not None:
+        return value
+    node: Any = schema.defaults()
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def rollout_settings(config: Any) -> dict[str, Any]:
     """Rollout shape, staleness bound, mode and generator settings, with defaults filled in;
     ``defaulted`` lists the fields the config did not set."""
-    out, defaulted = {}, []
-    for key, default in ROLLOUT_DEFAULTS.items():
-        value = get(config, key) if key == "mode" else get(config, f"rollout.{key}")
-        if key == "prompt_len" and value is None:
-            value = get(config, "rollout.max_prompt_tokens")
-        if value is None:
-            value, _ = default, defaulted.append(key)
-        out[key] = value
+    if get(config, "recipe") == "rl":
+        try:
+            recipe = schema.parse(config, registries=False)
+        except schema.RLConfigError as e:
+            raise SysModelError(str(e)) from None
+        out: dict[str, Any] = {k: getattr(recipe.rollout, k) for k in ROLLOUT_FIELDS}
+        out["mode"] = recipe.mode
+        defaulted = [k for k in (*ROLLOUT_FIELDS, "mode")
+                     if get(config, k if k == "mode" else f"rollout.{k}") is None]
+    else:
+        out, defaulted = {}, []
+        for key in (*ROLLOUT_FIELDS, "mode"):
+            dotted = key if key == "mode" else f"rollout.{key}"
+            if get(config, dotted) is None:
+                defaulted.append(key)
+            out[key] = recipe_value(config, dotted)
+    out["prompt_len"] = get(config, "rollout.prompt_len") or get(config,
+                                                                "rollout.max_prompt_tokens")
+    if out["prompt_len"] is None:
+        out["prompt_len"], _ = PROMPT_LEN, defaulted.append("prompt_len")
     out["dtype"] = get(config, "generator.dtype") or get(config, "model.dtype")
     out["param_dtype"] = get(config, "model.param_dtype")
     out["defaulted"] = defaulted

@@ -10,12 +10,13 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from rl_jax.errors import UserError
 from rl_jax.trainer.state import TrainState
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointRestoreError(RuntimeError):
+class CheckpointRestoreError(UserError, RuntimeError):
     """No checkpoint in a directory could be restored."""
 
 

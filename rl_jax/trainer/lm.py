@@ -23,6 +23,7 @@ from rl_jax import distributed
 from rl_jax.data.arithmetic import ArithmeticTask
 from rl_jax.data.lm import eval_arrays, examples_per_row, exact_match, lm_batches
 from rl_jax.data.tokenizer import build_char_tokenizer, special_token_ids
+from rl_jax.errors import UserError
 from rl_jax.metrics import MetricsWriter, plot_curves, write_json
 from rl_jax.models.config import DTYPES, ModelConfig
 from rl_jax.models.hf import load_pretrained, read_config, save_pretrained
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
 
-class RecipeConfigError(ValueError):
+class RecipeConfigError(UserError, ValueError):
     """A recipe config that cannot run."""
 
 

@@ -1,0 +1,285 @@
+"""Setup of an RL run: the model and train step, the generator pool and weight sync, the
+rollout pipeline (see :mod:`rl_jax.orchestrator.session`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax import distributed, envs
+from rl_jax.data import sources
+from rl_jax.data.sources import env_source, prompt_dataset
+from rl_jax.generator.client import ClientConfig, GeneratorClient
+from rl_jax.generator.launcher import PoolConfig
+from rl_jax.generator.types import SamplingParams
+from rl_jax.models.config import DTYPES
+from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config
+from rl_jax.orchestrator.accounting import PoolSampler
+from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
+                                        max_sample_tokens, rows_per_batch)
+from rl_jax.orchestrator.evaluation import held_out_prompts
+from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
+from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool, check_keys
+from rl_jax.orchestrator.weights import WeightSync
+from rl_jax.recipe import RLRecipe, to_dict
+from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
+                                     RolloutDataset)
+from rl_jax.sharding import make_mesh
+from rl_jax.trainer.checkpoint import Checkpointer
+from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
+                                  learning_rate_schedule, make_optimizer)
+from rl_jax.trainer.step import StreamingTrainStep, default_batch_sharding, ess_update_scale, \
+    make_train_step
+from rl_jax.transfer import Publisher, PublisherConfig
+
+log = logging.getLogger(__name__)
+
+
+class Codec:
+    """Text ↔ token ids for prompts and completions: the prompt is put into ``template``
+    (``"{prompt}"`` marks it), and ``<bos>`` goes first when the model has one."""
+
+    def __init__(self, tokenizer, bos_id: int | None, template: str = "{prompt}"):
+        self.tokenizer, self.bos_id, self.template = tokenizer, bos_id, template
+
+    def encode(self, text: str) -> list[int]:
+        text = self.template.replace("{prompt}", text)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def prompt_source(c: RLRecipe, env, path: str | None = None) -> Any:
+    """Prompts of ``path`` (default ``data.path``; JSONL, Parquet or ArrayRecord), or the
+    environment's train split when there is no path."""
+    d = c.data
+    name = d.path if path is None else path
+    if not name:
+        return env_source(env, "train")
+    path = Path(name)
+    if not path.exists():
+        raise RLConfigError(f"{name} does not exist (data.path / eval.path)")
+    kwargs = dict(text_key=d.text_key, answer_key=d.answer_key or None)
+    try:
+        if path.suffix == ".jsonl":
+            return sources.jsonl_source(path, **kwargs)
+        if path.suffix == ".parquet":
+            return sources.parquet_source(path, **kwargs)
+        if path.suffix in (".array_record", ".arrayrecord"):
+            return sources.array_record_source(path, **kwargs)
+    except sources.SourceError as e:
+        raise RLConfigError(f"{name}: {e}") from None
+    raise RLConfigError(f"{name}: use a .jsonl, .parquet or .array_record file")
+
+
+def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = None
+                   ) -> RolloutConfig:
+    """The rollout pipeline's settings from the recipe and its mode (the mode's staleness
+    bound, not ``rollout.max_lag``, outside async mode)."""
+    r = c.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos,
+                              seed=c.seed)
+    # This project's servers started here queue at most PoolConfig.max_waiting sequences
+    # each: admitting more groups than fit gets requests refused as overloaded. A quarter
+    # of the queue stays free for evaluations and retries.
+    in_flight_cap = None
+    if c.generator.kind == "rl_jax" and not c.generator.urls:
+        in_flight_cap = (PoolConfig.max_waiting * 3 // 4) * int(c.generator.num_servers) \
+            // r.group_size
+        if in_flight_cap < r.groups_per_batch:
+            raise RLConfigError(
+                f"rollout.groups_per_batch={r.groups_per_batch} groups of {r.group_size} "
+                f"exceed what {c.generator.num_servers} server(s) queue "
+                f"({PoolConfig.max_waiting} sequences each)")
+    return RolloutConfig(group_size=r.group_size, groups_per_batch=r.groups_per_batch,
+                         max_in_flight_groups=in_flight_cap, max_lag=settings.max_lag,
+                         staleness_policy=r.staleness_policy, sampling=sampling,
+                         max_retries=r.max_retries, filter_zero_signal=r.filter_zero_signal,
+                         length_of=None if not r.lengths.sigma else LognormalLengths(
+                             r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed),
+                         per_sample_lengths=r.lengths.per_sample, score_until=score_until)
+
+
+class SessionSetup:
+    """The setup steps of :class:`rl_jax.orchestrator.session.Session` (a mixin: each step
+    sets the roles it builds on the session)."""
+
+    def _setup_model(self):
+        c = self.c
+        distributed.initialize(c.distributed.coordinator, c.distributed.num_processes,
+                               c.distributed.process_id)
+        self.model_config = read_config(self.base_dir)
+        self.tokenizer = load_tokenizer(self.base_dir)
+        self.codec = Codec(self.tokenizer, self.model_config.bos_token_id, c.data.template)
+        self.mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        self.spec = ModelSpec(self.model_config, mesh=self.mesh, dtype=DTYPES[c.model.dtype],
+                              param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat,
+                              scan_layers=c.model.scan_layers)
+        self.env = envs.get(c.env.name, **c.env.kwargs)
+        self.prompt_source = prompt_source(c, self.env)
+        if c.eval.path:
+            held_out = prompt_source(c, self.env, path=c.eval.path)
+            self.eval_prompts = [held_out[i] for i in range(min(c.eval.examples,
+                                                                 len(held_out)))]
+        else:
+            self.eval_prompts = held_out_prompts(self.env, c.eval.examples)
+        sample_prompts = [self.prompt_source[i] for i in
+                          range(min(256, len(self.prompt_source)))] + self.eval_prompts
+        self.max_prompt_tokens = max(len(self.codec.encode(p.text)) for p in sample_prompts)
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        micro_rows = int(c.trainer.micro_batch_rows)
+        if micro_rows and micro_rows % shards:
+            raise RLConfigError(f"trainer.micro_batch_rows={micro_rows} is not divisible by the "
+                                f"mesh's {shards} batch shards (data × fsdp)")
+        self.row_multiple = micro_rows or shards * c.trainer.num_microbatches
+        self.rows = rows_per_batch(c, self.max_prompt_tokens, self.row_multiple)
+        if max_sample_tokens(self.max_prompt_tokens, c) > c.generator.max_seq_len:
+            raise RLConfigError(
+                f"generator.max_seq_len={c.generator.max_seq_len} is shorter than a prompt "
+                f"({self.max_prompt_tokens} tokens) plus the completion limit "
+                f"({max_new_tokens(c)} tokens)")
+        opt = OptimizerConfig(total_steps=c.trainer.steps, **to_dict(c.optimizer))
+        self.optimizer_config = opt
+        # Compiled once and called here: evaluated eagerly, the schedule's first call dispatches
+        # (and compiles) a few dozen small operations on the trainer's thread.
+        self.schedule = jax.jit(learning_rate_schedule(opt))
+        jax.block_until_ready(self.schedule(0))
+        self.tx = make_optimizer(opt)
+        self.batch_sharding = default_batch_sharding(self.spec)
+        loss_fn = make_policy_loss(c.loss.name, dict(c.loss.options),
+                                   block_size=c.trainer.logits_block_size,
+                                   temperature=c.rollout.temperature)
+        power = c.trainer.ess_lr_power
+        update_scale = ess_update_scale(power) if power else None
+        if micro_rows:
+            # Batches of any size run as fixed-shape micro-batches: compiled once, here.
+            self.train_step = StreamingTrainStep(self.spec, self.tx, loss_fn,
+                                                 micro_rows=micro_rows,
+                                                 batch_sharding=self.batch_sharding,
+                                                 update_scale=update_scale)
+            seconds = self.train_step.compile(PolicyBatch.abstract(micro_rows,
+                                                                   c.rollout.seq_len))
+            log.info("train step compiled for micro-batches of %d x %d in %.1f s", micro_rows,
+                     c.rollout.seq_len, seconds)
+        else:
+            self.train_step = make_train_step(self.spec, self.tx, loss_fn,
+                                              num_microbatches=c.trainer.num_microbatches,
+                                              batch_sharding=self.batch_sharding,
+                                              update_scale=update_scale)
+        self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
+                                         every=c.checkpoint.every,
+                                         use_async=c.checkpoint.use_async)
+        self._closers.append(self.checkpointer.close)
+        self.meta: dict[str, Any] = {}
+        if self.checkpointer.latest_step() is not None:
+            self.state, self.meta, _ = self.checkpointer.restore(
+                abstract_state(self.tx, self.spec))
+            log.info("resumed from %s at policy version %d", self.checkpointer.directory,
+                     int(self.state.step))
+        else:
+            params = self.spec.split(load_pretrained(
+                self.base_dir, self.mesh, self.spec.dtype, param_dtype=self.spec.param_dtype,
+                rules=self.spec.rules))
+            self.state = init_state(self.tx, self.spec, params)
+        self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        # An exponential moving average of the parameters, exported and evaluated at the end in
+        # place of the last step's (the generators always sample from the trained policy).
+        # It lives beside the train state, not in its checkpoints: a resumed run restarts it.
+        self.ema_decay = c.trainer.ema_decay
+        self.ema, self.ema_updates = None, 0
+        if self.ema_decay:
+            self.ema = jax.tree.map(jnp.copy, self.state.params)
+            if self.meta:
+                log.info("parameter average restarts from the resumed parameters")
+        if micro_rows:
+            seconds = self.train_step.warm(self.state.params,
+                                           PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
+            log.info("train step warmed up in %.2f s", seconds)
+
+    def _setup_generators(self):
+        c = self.c
+        method = "disk" if (c.generator.kind == "sglang" or tuple(c.transfer.transports) ==
+                            ("disk",)) else "transfer"
+        transports = ("disk",) if method == "disk" else tuple(c.transfer.transports)
+        self.publisher = Publisher(PublisherConfig(
+            host=c.transfer.host, port=c.transfer.port, transports=transports,
+            disk_dir=str(self.workdir / "weights") if method == "disk" else None),
+            spec=self.spec)
+        self._closers.append(self.publisher.close)
+        self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
+                                  publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
+                                  nice=c.cpus.generators_nice,
+                                  log_dir=self.workdir / "generators",
+                                  compilation_cache_dir=self.compilation_cache_dir)
+        self._closers.append(self.pool.stop)
+        started = time.perf_counter()
+        self.pool.start()
+        log.info("generator pool up in %.1f s: %s", time.perf_counter() - started, self.pool.urls)
+        client_config = ClientConfig(request_timeout=c.generator.request_timeout_s,
+                                     control_timeout=max(c.transfer.timeout_s, 60.0))
+        self.control_loop = BackgroundLoop("generator-control")
+        self._closers.append(self.control_loop.close)
+        self.control = GeneratorClient(self.pool.urls, client_config, keys=self.pool.keys)
+        self._closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
+        if c.generator.urls:
+            health = self.control_loop.run(self.control.check_health(), timeout=60)
+            down = sorted(url for url, ok in health.items() if not ok)
+            if down:
+                raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
+                                    "answer at /health)")
+        self.control_loop.run(check_keys(self.control), timeout=60)
+        self.rollout_client = GeneratorClient(self.pool.urls, client_config,
+                                              keys=self.pool.keys)
+        self.sampler = PoolSampler([self.rollout_client, self.control])
+        self._closers.append(self.sampler.close)
+        self.weights = WeightSync(
+            self.publisher, self.control, self.control_loop, method=method,
+            update_when_idle=self.settings.update_when_idle,
+            generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
+            on_applied=self._on_applied, timeout_s=c.transfer.timeout_s)
+        self._closers.append(self.weights.close)
+        if method == "transfer" and not c.generator.urls:
+            if not self.publisher.wait_for_layouts(1, timeout=60):
+                raise RLConfigError("no generator server registered with the weight publisher")
+        # Bring every server to the trainer's version before any rollout.
+        version = int(self.state.step)
+        versions = self.control_loop.run(self.control.weight_versions(), timeout=60)
+        if version == 0 and versions and all(v == 0 for v in versions.values()):
+            self.weights.published = self.weights.applied = 0
+        else:
+            self.weights.publish(self.state.params, version)
+            self.weights.wait_applied(version)
+
+    def _on_applied(self, version: int):
+        if self.rollout is not None:
+            self.rollout.set_generator_version(version)
+
+    def _setup_rollout(self):
+        c, r = self.c, self.c.rollout
+        config = rollout_config(c, self.settings, score_until=self.score_until())
+        version = int(self.state.step)
+        state = dict(self.meta.get("rollout") or {})
+        state.update(trainer_version=version, generator_version=self.weights.applied)
+        prompts = prompt_dataset(self.prompt_source, seed=c.seed,
+                                 shuffle=bool(c.data.path) and c.data.shuffle,
+                                 num_epochs=None if not c.data.epochs or not c.data.path
+                                 else int(c.data.epochs))
+        dataset = RolloutDataset(prompts, self.env, self.rollout_client,
+                                 encode=self.codec.encode, decode=self.codec.decode,
+                                 config=config, state=state, close_generator=True)
+        self.rollout = iter(dataset)
+        self._closers.append(self.rollout.close)
+        self.to_batch = GroupsToBatch(seq_len=r.seq_len, rows=self.rows, advantage=r.advantage,
+                                      pad_id=self.model_config.pad_token_id or 0,
+                                      row_multiple=self.row_multiple,
+                                      power_of_two=not c.trainer.micro_batch_rows,
+                                      share_prompts=r.share_prompts)
+        self.to_batch.warm(r.groups_per_batch, r.group_size)
