@@ -4,7 +4,7 @@ The generator samples in bfloat16 (what a run on an accelerator uses); the train
 the sampled tokens' log-probs with float32 weights, in float32 or in bfloat16 compute. The
 mismatch is the k3 estimate of KL(μ ‖ π) over the sampled tokens, ``exp(r) - 1 - r`` with
 ``r = log π - log μ`` (the loss's ``behaviour_kl``, logged per step as ``behaviour_kl_mean``),
-and the largest ``|r|``. Documented bounds (WORKSPACE.md, "Numerics"), for this model shape
+and the largest ``|r|``. Documented bounds (WORKSPACE.md, "Conventions", Numerics), for this model shape
 (vocabulary 1024, hidden 128, 2 layers, random weights at the initialiser's scale):
 
 - float32 generator against the float32 trainer: mean k3 below 1e-8 (the same computation);
