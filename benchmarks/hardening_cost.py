@@ -97,51 +97,6 @@ def ratio_summary(on: list[float], off: list[float], *, higher_is_better: bool =
 
 # ---- 1. weight updates: the generator worker ---------------------------------------------------
 
-def trainer_main():
-    """The trainer worker: ``transfer_throughput``'s, with the publisher's finiteness check
-    switched per version."""
-    import dataclasses
-
-    import jax
-    import numpy as np
-
-    from rl_jax.sharding import make_mesh
-    from rl_jax.trainer.state import ModelSpec
-    from rl_jax.transfer import Publisher, PublisherConfig
-
-    reply = transfer_throughput.reply
-    publisher = None
-    bump = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["cmd"] == "setup":
-            if publisher is not None:
-                publisher.close()
-            spec = ModelSpec(transfer_throughput.model_config(cmd["size"]),
-                             mesh=make_mesh(data=1, fsdp=8))
-            rng = np.random.default_rng(0)
-            params = jax.tree.map(
-                lambda a, s: jax.device_put(rng.standard_normal(a.shape, np.float32), s),
-                spec.abstract_params, spec.param_shardings)
-            publisher = Publisher(PublisherConfig(transports=("shm",)), spec=spec)
-            reply(url=publisher.url)
-        elif cmd["cmd"] == "wait":
-            reply(ok=publisher.wait_for_layouts(1, 120))
-        elif cmd["cmd"] == "publish":
-            publisher.config = dataclasses.replace(publisher.config, check_finite=cmd["check"])
-            start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
-            stats = publisher.publish(params, cmd["version"])
-            params = bump(params)  # the next "train step" donates the published parameters
-            jax.block_until_ready(params)
-            reply(seconds=stats.seconds, errors=dict(stats.errors),
-                  nonfinite=list(stats.nonfinite), start=start)
-        elif cmd["cmd"] == "quit":
-            if publisher is not None:
-                publisher.close()
-            reply(ok=True)
-            return
-
-
 def generator_main():
     """Commands on stdin, replies on stdout (``transfer_throughput``'s protocol)."""
     reply = transfer_throughput.reply
@@ -263,13 +218,14 @@ class Worker(transfer_throughput.Proc):
 
 def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: float) -> list:
     os.environ.setdefault("RL_JAX_TRANSFER_TOKEN", secrets.token_urlsafe(32))
-    trainer = Worker(Path(__file__), "trainer", 8)
+    trainer = Worker(Path(transfer_throughput.__file__), "trainer", 8)
     generator = Worker(Path(__file__), "generator", 1)
     rows, version = [], 0
     try:
         for size in sizes:
             for dtype in dtypes:
-                setup = trainer.ask(cmd="setup", size=size)
+                setup = trainer.ask(cmd="setup", size=size, transport="shm", disk_dir="",
+                                    threads=0)
                 # the tokens/s window: the generator's sampler and the trainer share the clock
                 gen = generator.ask(cmd="setup", size=size, dtype=dtype, url=setup["url"])
                 trainer.ask(cmd="wait")
@@ -455,8 +411,6 @@ def main(argv):
     del argv
     if _ROLE.value == "generator":
         return generator_main()
-    if _ROLE.value == "trainer":
-        return trainer_main()
     import jax
 
     unknown = [s for s in _SIZES.value if s not in transfer_throughput.SIZES]

@@ -42,6 +42,7 @@ Writes benchmarks/results/transfer_throughput.json and transfer_throughput.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -132,12 +133,15 @@ def trainer_main():
         elif cmd["cmd"] == "wait":
             reply(ok=publisher.wait_for_layouts(1, 120))
         elif cmd["cmd"] == "publish":
+            if "check" in cmd:  # the staging copies' finiteness check (hardening_cost.py)
+                publisher.config = dataclasses.replace(publisher.config,
+                                                       check_finite=cmd["check"])
             start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
             stats = publisher.publish(params, cmd["version"])
             params = bump(params)  # the next "train step" donates the published parameters
             jax.block_until_ready(params)
             reply(seconds=stats.seconds, bytes=dict(stats.bytes), errors=dict(stats.errors),
-                  start=start)
+                  nonfinite=list(stats.nonfinite), start=start)
         elif cmd["cmd"] == "quit":
             if publisher is not None:
                 publisher.close()
