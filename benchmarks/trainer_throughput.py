@@ -101,7 +101,7 @@ def bench_torch_train_step(cfg: ModelConfig, batch: int, seq: int, repeats: int)
         hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                          torch_dtype=torch.float32)
+                                                          dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = np.random.RandomState(0)
@@ -159,6 +159,8 @@ def main():
     parser.add_argument("--torch", action="store_true",
                         help="time the same architecture's step in PyTorch beside it")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of a named shape")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="the named shape's layers unrolled instead of a lax.scan")
     parser.add_argument("--out", default=str(RESULTS / "trainer_throughput.json"))
     args = parser.parse_args()
 
@@ -218,6 +220,7 @@ def main_shape(args, ceiling: float) -> None:
     for spec in args.shape_batches.split(","):
         batch, seq = (int(v) for v in spec.lower().split("x"))
         row = {"model": args.shape, "jax": bench_train_step(cfg, batch, seq,
+                                                             scan_layers=not args.unrolled,
                                                              repeats=args.repeats)}
         row["jax"]["mfu_vs_matmul_ceiling"] = row["jax"]["flops_per_s"] / ceiling
         print(f"train step {args.shape} B={batch} T={seq} jax: {row['jax']['step_s']:.2f} s, "
