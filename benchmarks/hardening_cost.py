@@ -19,12 +19,14 @@ r"""What the security checks cost the normal path, measured side by side in one 
    returned: every check is done) and to the new version serving (``wait_for_version``: adds
    the layout and the wait for a decode-step boundary, the same in every arm). The engine's
    decode tokens/s over a fixed window from the publish call (``--window_s``) shows what the
-   check takes from decoding.
+   check takes from decoding, and the trainer process's CPU time over the ``publish`` call
+   (every staging thread) what the check adds to the staging work.
 2. Serving: tokens/s of this project's generator server (``launch.generator_server``, a real
    process on loopback, started by ``ServerPool``) with an API key and an admin key against
    one without keys, the same requests, both servers up the whole time and taking turns; and
-   the server's CPU seconds per thousand tokens (what a check adds to the work, less noisy than
-   wall time on a shared machine).
+   the server's CPU seconds per thousand tokens (its threads' scheduler run time: what a check
+   adds to the work, less noisy than wall time on a shared machine). With ``--control``, two
+   open servers are compared the same way: the noise floor of this comparison.
 3. Request checks alone: per-request CPU time of what the server does to an incoming
    ``/generate`` beyond a plain ``json.loads`` (the bounded JSON parser, the field checks of
    ``parse_generate`` and the key check), against the server's CPU time per request measured
@@ -36,7 +38,7 @@ machine's load changes from second to second. ``within_2pct`` says whether the c
 normal path at most 2%.
 
     python benchmarks/hardening_cost.py [--sizes=100MB,300MB] [--dtypes=float32,bfloat16]
-        [--rounds=15] [--http_rounds=15]
+        [--rounds=15] [--http_rounds=15] [--requests=96] [--parts=updates,serving]
 
 Writes ``benchmarks/results/hardening_cost.json``.
 """
@@ -75,6 +77,11 @@ _HTTP_ROUNDS = flags.DEFINE_integer("http_rounds", 15, "Interleaved pairs of ser
 _REQUESTS = flags.DEFINE_integer("requests", 96, "Requests per serving round.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 8, "Requests in flight at once.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per request.")
+_CONTROL = flags.DEFINE_bool("control", True, "Also compare two open servers the same way "
+                              "(the noise floor of the keyed-vs-open comparison).")
+_PARTS = flags.DEFINE_list("parts", ["updates", "serving"], "Parts to measure (updates, "
+                          "serving: serving includes the request checks alone); a subset "
+                          "replaces those parts of an existing results file.")
 _OUT = flags.DEFINE_string("out", str(RESULTS / "hardening_cost.json"), "Results file.")
 _ROLE = flags.DEFINE_string("role", None, "Worker role (internal).")
 
@@ -230,7 +237,8 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                 gen = generator.ask(cmd="setup", size=size, dtype=dtype, url=setup["url"])
                 trainer.ask(cmd="wait")
                 runs = {arm: {"accepted_s": [], "served_s": [], "decode_tok_s": [],
-                              "engine_check_cpu_s": []} for arm in ARMS}
+                              "engine_check_cpu_s": [], "publish_s": [], "publish_cpu_s": []}
+                        for arm in ARMS}
                 for r in range(rounds + 1):  # round 0 warms every arm up (not recorded)
                     order = ARMS[r % 3:] + ARMS[:r % 3]
                     for arm in order:
@@ -252,6 +260,8 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                         runs[arm]["served_s"].append(got["served"] - pub["start"])
                         runs[arm]["decode_tok_s"].append(tokens / window_s)
                         runs[arm]["engine_check_cpu_s"].append(got["engine_check_cpu_s"])
+                        runs[arm]["publish_s"].append(pub["seconds"])
+                        runs[arm]["publish_cpu_s"].append(pub["cpu_s"])
                         time.sleep(0.2)
                 row = {"size": size, "dtype": dtype, "model_bytes": gen["nbytes"],
                        "rounds": rounds, "runs": runs}
@@ -260,6 +270,10 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                         "accepted": ratio_summary(runs[arm]["accepted_s"],
                                                   runs["off"]["accepted_s"]),
                         "served": ratio_summary(runs[arm]["served_s"], runs["off"]["served_s"]),
+                        "publish": ratio_summary(runs[arm]["publish_s"],
+                                                 runs["off"]["publish_s"]),
+                        "publish_cpu": ratio_summary(runs[arm]["publish_cpu_s"],
+                                                     runs["off"]["publish_cpu_s"]),
                         "decode_tok_s": ratio_summary(runs[arm]["decode_tok_s"],
                                                       runs["off"]["decode_tok_s"],
                                                       higher_is_better=True)}
@@ -271,7 +285,9 @@ def time_updates(sizes: list[str], dtypes: list[str], rounds: int, window_s: flo
                       f"{p['accepted']['cost']:+.1%}, the engine's {e['accepted']['cost']:+.1%};"
                       f" publish -> serving {p['served']['cost']:+.1%} / "
                       f"{e['served']['cost']:+.1%}; decode tok/s {p['decode_tok_s']['cost']:+.1%}"
-                      f" / {e['decode_tok_s']['cost']:+.1%}", flush=True)
+                      f" / {e['decode_tok_s']['cost']:+.1%}; the publisher's CPU per version "
+                      f"{1e3 * p['publish_cpu']['off_median']:.1f} ms off, "
+                      f"{p['publish_cpu']['cost']:+.1%} checked", flush=True)
     finally:
         for proc in (generator, trainer):
             try:
@@ -302,7 +318,19 @@ def write_checkpoint(root: Path) -> Path:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    """CPU seconds of process ``pid``'s live threads so far, to the nanosecond (the scheduler's
+    run time of each, ``/proc/PID/task/*/schedstat``: a round's few hundred milliseconds in
+    clock ticks would be resolved to 4% only); from ``/proc/PID/stat``'s ticks where schedstat
+    is missing."""
+    total, found = 0, False
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+            found = True
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+    if found:
+        return total / 1e9
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -332,7 +360,10 @@ def serving_round(url: str, headers: dict[str, str], requests: int, concurrency:
     return tokens / (time.perf_counter() - start), 1000 * used / tokens, used / requests
 
 
-def time_serving(rounds: int, requests: int, concurrency: int, new_tokens: int) -> dict:
+def time_serving(rounds: int, requests: int, concurrency: int, new_tokens: int,
+                 control: bool = False) -> dict:
+    """Keyed against open servers; with ``control``, two open servers the same way (what two
+    identical server processes differ by here: the noise floor of the comparison)."""
     from rl_jax.generator.auth import Keys
     from rl_jax.generator.launcher import PoolConfig, ServerPool
 
@@ -342,8 +373,9 @@ def time_serving(rounds: int, requests: int, concurrency: int, new_tokens: int) 
         pools = {keyed: ServerPool(PoolConfig(
             model=str(model), ports=(0,), max_slots=concurrency, max_seq_len=128, env=env,
             startup_timeout=600, log_dir=str(Path(tmp) / ("keyed" if keyed else "open")),
-            keys=Keys(API, ADMIN) if keyed else Keys())) for keyed in (True, False)}
-        headers = {True: {"Authorization": f"Bearer {API}"}, False: {}}
+            keys=Keys(API, ADMIN) if keyed and not control else Keys()))
+            for keyed in (True, False)}
+        headers = {True: {} if control else {"Authorization": f"Bearer {API}"}, False: {}}
         try:
             for pool in pools.values():
                 pool.start(wait=False)
@@ -417,29 +449,50 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--sizes: unknown {unknown}; known "
                              f"{sorted(transfer_throughput.SIZES)}")
-    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "jax": jax.__version__, "load_avg_start": os.getloadavg()},
-              "statistic": "interleaved arms; the median over rounds of each round's ratio "
-                           "(checked / unchecked) is judged, the ratio of the bests beside it",
-              "limit": LIMIT}
-    result["updates"] = time_updates(_SIZES.value, _DTYPES.value, _ROUNDS.value, _WINDOW.value)
-    serving = time_serving(_HTTP_ROUNDS.value, _REQUESTS.value, _CONCURRENCY.value,
-                           _NEW_TOKENS.value)
-    t, c = serving["tok_s"], serving["server_cpu_s_per_1k_tokens"]
-    print(f"serving: keyed vs open tokens/s {t['cost']:+.1%} (median of rounds; bests "
-          f"{t['on_best']:.0f} / {t['off_best']:.0f}), server CPU per token {c['cost']:+.1%}",
-          flush=True)
-    result["serving"] = serving
-    checks = time_request_checks(_NEW_TOKENS.value)
-    checks["server_cpu_s_per_request"] = serving["server_cpu_s_per_request"]
-    checks["cost"] = checks["extra_s"] / serving["server_cpu_s_per_request"]
-    checks["within_2pct"] = bool(checks["cost"] <= LIMIT - 1)
-    print(f"request checks: {1e6 * checks['checked_s']:.1f} us per request against "
-          f"{1e6 * checks['plain_s']:.1f} us for json.loads: {1e6 * checks['extra_s']:.1f} us "
-          f"more, {checks['cost']:.2%} of the server's CPU per request "
-          f"({1e3 * checks['server_cpu_s_per_request']:.2f} ms)", flush=True)
-    result["request_checks"] = checks
-    result["machine"]["load_avg_end"] = os.getloadavg()
+    unknown = sorted(set(_PARTS.value) - {"updates", "serving"})
+    if unknown:
+        raise app.UsageError(f"--parts: unknown {unknown}; known: updates, serving")
+    out = Path(_OUT.value)
+    result = {}
+    if set(_PARTS.value) != {"updates", "serving"} and out.is_file():
+        result = json.loads(out.read_text())  # the other parts as last measured
+    result.update({
+        "statistic": "interleaved arms; the median over rounds of each round's ratio "
+                     "(checked / unchecked) is judged, the ratio of the bests beside it",
+        "limit": LIMIT})
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+               "load_avg_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    if "updates" in _PARTS.value:
+        result["updates"] = time_updates(_SIZES.value, _DTYPES.value, _ROUNDS.value,
+                                         _WINDOW.value)
+        result["updates_machine"] = {**machine, "load_avg_end": os.getloadavg()}
+    if "serving" in _PARTS.value:
+        serving = time_serving(_HTTP_ROUNDS.value, _REQUESTS.value, _CONCURRENCY.value,
+                               _NEW_TOKENS.value)
+        t, c = serving["tok_s"], serving["server_cpu_s_per_1k_tokens"]
+        print(f"serving: keyed vs open tokens/s {t['cost']:+.1%} (median of rounds; bests "
+              f"{t['on_best']:.0f} / {t['off_best']:.0f}), server CPU per token "
+              f"{c['cost']:+.1%}", flush=True)
+        result["serving"] = serving
+        if _CONTROL.value:
+            same = time_serving(_HTTP_ROUNDS.value, _REQUESTS.value, _CONCURRENCY.value,
+                                _NEW_TOKENS.value, control=True)
+            t, c = same["tok_s"], same["server_cpu_s_per_1k_tokens"]
+            print(f"control, open vs open: tokens/s {t['cost']:+.1%}, server CPU per token "
+                  f"{c['cost']:+.1%}", flush=True)
+            result["serving_control"] = same
+        checks = time_request_checks(_NEW_TOKENS.value)
+        checks["server_cpu_s_per_request"] = serving["server_cpu_s_per_request"]
+        checks["cost"] = checks["extra_s"] / serving["server_cpu_s_per_request"]
+        checks["within_2pct"] = bool(checks["cost"] <= LIMIT - 1)
+        print(f"request checks: {1e6 * checks['checked_s']:.1f} us per request against "
+              f"{1e6 * checks['plain_s']:.1f} us for json.loads: "
+              f"{1e6 * checks['extra_s']:.1f} us more, {checks['cost']:.2%} of the server's "
+              f"CPU per request ({1e3 * checks['server_cpu_s_per_request']:.2f} ms)",
+              flush=True)
+        result["request_checks"] = checks
+        result["serving_machine"] = {**machine, "load_avg_end": os.getloadavg()}
+    result.pop("machine", None)
     out = Path(_OUT.value)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

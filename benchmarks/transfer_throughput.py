@@ -137,11 +137,13 @@ def trainer_main():
                 publisher.config = dataclasses.replace(publisher.config,
                                                        check_finite=cmd["check"])
             start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            cpu = time.process_time()  # every thread of this process: the staging's work
             stats = publisher.publish(params, cmd["version"])
+            cpu = time.process_time() - cpu
             params = bump(params)  # the next "train step" donates the published parameters
             jax.block_until_ready(params)
             reply(seconds=stats.seconds, bytes=dict(stats.bytes), errors=dict(stats.errors),
-                  nonfinite=list(stats.nonfinite), start=start)
+                  nonfinite=list(stats.nonfinite), start=start, cpu_s=cpu)
         elif cmd["cmd"] == "quit":
             if publisher is not None:
                 publisher.close()

@@ -1,12 +1,13 @@
-"""Whether weights hold only finite values, checked on the host at the speed of a read.
+"""Whether weights hold only finite values, found by the copies that stage them.
 
-The puller checks every version it pulls over a host transport (``shm``, ``socket``, ``disk``)
-on the very bytes it verifies against their digests, and a streamed ``shm`` version block by
-block right after each block is hashed, while it is still in the core's cache, in the shadow
-of the publisher's copy: the check adds no pass over memory of its own. The generator's
-engine then skips its own device-side check of those weights (``Engine.update_weights(...,
-finite_checked=True)``); versions pulled device to device (``jax_transfer``) are checked by the
-engine.
+The publisher stages every version through :func:`copy_finite` (or the per-layout
+:func:`rows_copier` / :func:`plan_rows` plans of the same kernel): a copy that also says whether
+the values it copied are finite. Its findings travel with the digests (per tensor in the
+manifest, per block in a streamed version's progress table): a puller refuses a version with a
+non-finite value without reading it again, and the generator's engine then skips its own
+device-side check (``Engine.update_weights(..., finite_checked=True)``). Only what no publisher
+staged is read again here (:func:`all_finite`: a ``disk`` checkpoint); versions pulled device to
+device (``jax_transfer``) and through SGLang's protocol are checked by the engine.
 
 For the IEEE formats (float16, bfloat16, float32, float64) a value is non-finite exactly when
 its bits with the sign cleared are at least those of the largest finite value plus one (the
@@ -16,15 +17,11 @@ threshold with the sign bit set, and every other value is below it. So two integ
 the same bytes (SIMD reductions, no temporary array) decide it exactly. Other floating formats
 (the float8 families) use ``np.isfinite``.
 
-The publisher stages every version through :func:`copy_finite`: a copy that says whether the
-values it copied are finite, from a small C kernel (``finite.c``, built on first use by
-:mod:`rl_jax.native`) whose loop keeps the check in the registers the copy loads anyway, so it
-costs the copy nothing measurable; where the kernel cannot run (no C compiler, a cast, a layout
-that is not rows of contiguous values, ``RL_JAX_NATIVE_FINITE=0``), numpy copies and
-:func:`all_finite` checks the destination. The publisher's findings travel with the digests
-(per tensor in the manifest, per block in a streamed version's progress table), so the
-puller, which trusts the digests of its authenticated publisher, trusts them too and reads
-the values again only where no publisher staged them (``disk``).
+The kernel is a small C loop (``finite.c``, built on first use by :mod:`rl_jax.native`) that keeps
+the check in the registers the copy loads anyway: no pass over memory of its own (what it costs is
+measured by ``benchmarks/hardening_cost.py``). Where it cannot run (no C compiler, a cast other
+than float32 -> bfloat16, a layout that is not rows of contiguous values,
+``RL_JAX_NATIVE_FINITE=0``), numpy copies and :func:`all_finite` checks the destination.
 """
 
 from __future__ import annotations
@@ -192,6 +189,16 @@ def rows_copier(dtype, src_dtype=None) -> Callable[..., bool] | None:
     library = _library()
     if library is None:
         return None
+    key = (id(library), dtype, src_dtype)  # made once: staging asks per run, per version
+    if key not in _copiers:
+        _copiers[key] = _rows_copier(library, dtype, src_dtype)
+    return _copiers[key]
+
+
+_copiers: dict[tuple, Callable[..., bool] | None] = {}
+
+
+def _rows_copier(library, dtype: np.dtype, src_dtype: np.dtype) -> Callable[..., bool] | None:
     if src_dtype == dtype and (fast := _thresholds(dtype)) is not None:
         fn, width, exponent = library.rl_jax_copy_finite, dtype.itemsize, fast[2]
 
@@ -272,10 +279,12 @@ def raw_copier(dtype, src_dtype=None) -> Callable[[int, int, int], bool] | None:
     copier = rows_copier(dtype, src_dtype)
     if copier is None:
         return None
-
-    def copy(dst: int, src: int, count: int) -> bool:
-        return copier(dst, 0, src, 0, 1, count)
-    return copy
+    key = ("raw", copier)
+    if key not in _copiers:
+        def copy(dst: int, src: int, count: int) -> bool:
+            return copier(dst, 0, src, 0, 1, count)
+        _copiers[key] = copy
+    return _copiers[key]
 
 
 def copy_finite(dst: np.ndarray, src: np.ndarray, dtype=None) -> bool:

@@ -262,11 +262,15 @@ class _ShardJob:
         else None), for :func:`_copy_hash_blocks`."""
         if self._addresses is None:
             out: list = [self.dst.ctypes.data]
+            aligned = out[0] % self.dst.itemsize == 0
+            sources: dict[int, Any] = {}  # many runs share a source (its rows, cut)
             for _, _, src, _ in self.runs:
-                address, copier = src.ctypes.data, None
-                if not (address % src.itemsize or out[0] % self.dst.itemsize):
-                    copier = finite.raw_copier(self.dst.dtype, src.dtype)
-                out.append(None if copier is None else (address, src.itemsize, copier))
+                if id(src) not in sources:
+                    address, width, copier = src.ctypes.data, src.itemsize, None
+                    if aligned and not address % width:
+                        copier = finite.raw_copier(self.dst.dtype, src.dtype)
+                    sources[id(src)] = None if copier is None else (address, width, copier)
+                out.append(sources[id(src)])
             self._addresses = out
         return self._addresses
 
