@@ -183,6 +183,10 @@ class Engine:
         """One runner per data-parallel replica."""
         return [r.runner for r in self._replicas]
 
+    def decode_weights(self) -> list[dict[str, Any]]:
+        """Each replica's decode weights (what its runner's decode programs take)."""
+        return [r.decode_weights for r in self._replicas]
+
     @property
     def data_parallel(self) -> int:
         return len(self._replicas)

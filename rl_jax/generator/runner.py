@@ -75,6 +75,7 @@ class ModelRunner:
         self._resizers: dict[int, Any] = {}
         # decode programs (batch, length, filtered, steps) compiled or under way
         self._compiled: set[tuple[int, int, bool, int]] = set()
+        self._compile_lock = threading.Lock()  # the warm-up compiles beside the scheduler
         self._compiling: dict[tuple[int, int, bool, int], threading.Event] = {}  # ahead
         self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, max_seq_len))
         self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
@@ -282,14 +283,33 @@ class ModelRunner:
         """The jitted decode of ``steps`` steps and its extra static arguments."""
         return (self._decode, {}) if steps == 1 else (self._decode_many, {"steps": steps})
 
+    def compile_decode(self, weights, batch: int, length: int, filtered: bool,
+                       steps: int = 1) -> bool:
+        """Compiles, in the calling thread, the decode program of ``steps`` steps for
+        ``batch`` slots over caches of ``length`` positions, without running it (JAX's
+        compilation cache then serves its first call); False when it was compiled or under way
+        already."""
+        key = (batch, length, filtered, steps)
+        with self._compile_lock:
+            if key in self._compiled:
+                return False
+            self._compiled.add(key)
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
+        program, static = self._decode_program(steps)
+        program.lower(jax.tree.map(abstract, weights), *self._cache_structs(length),
+                      jax.tree.map(abstract, self.state), batch=batch, filtered=filtered,
+                      **static).compile()
+        return True
+
     def _compile_ahead(self, weights, batch: int, length: int, filtered: bool, steps: int = 1):
         """Compiles, in a background thread, the decode step (of ``steps`` steps) for caches of
         ``length`` positions and the resize to it (JAX's compilation cache then serves the
         first real call)."""
         key = (batch, length, filtered, steps)
-        if key in self._compiled:
-            return
-        self._compiled.add(key)
+        with self._compile_lock:
+            if key in self._compiled:
+                return
+            self._compiled.add(key)
         done = self._compiling[key] = threading.Event()
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
         current = jax.tree.map(abstract, (self.k_cache, self.v_cache))

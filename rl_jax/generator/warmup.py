@@ -5,10 +5,11 @@ waits for a compilation later."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from rl_jax.generator.engine import Engine
-from rl_jax.generator.kv_cache import MIN_ADMIT, kv_bucket
+from rl_jax.generator.kv_cache import MIN_ADMIT, batch_bucket, kv_bucket
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger("rl_jax.generator.server")
@@ -29,6 +30,39 @@ def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shap
     start = time.perf_counter()
     slots = max_slots // engine.data_parallel  # per replica
     sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
+    lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
+    # The decode programs compile in a second thread meanwhile (XLA compiles outside the GIL),
+    # from the largest batch and longest cache down while the requests below meet them from
+    # the smallest up: each is compiled once, by whichever gets to it first.
+    batches = sorted({batch_bucket(n, slots) for n in sizes})  # what decode steps cover
+    ahead = threading.Thread(target=_compile_decode, args=(engine, batches, lengths),
+                             name="warmup-compile")
+    ahead.start()
+    try:
+        _compile_by_serving(engine, max_seq_len, slots, sizes, lengths)
+    finally:
+        ahead.join()
+    log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
+             max_seq_len, time.perf_counter() - start)
+
+
+def _compile_decode(engine: Engine, batches: list[int], lengths: list[int]):
+    """Compiles each replica's unfiltered decode program for every batch in ``batches`` and cache
+    length in ``lengths``, largest first, without running them."""
+    steps = engine.engine_config.decode_steps
+    try:
+        for runner, weights in zip(engine.runners, engine.decode_weights()):
+            for batch in reversed(batches):
+                for length in reversed(lengths):
+                    runner.compile_decode(weights, batch, length, False, steps)
+    except Exception:  # what is missed here is compiled by the requests
+        log.debug("compiling decode programs ahead failed", exc_info=True)
+
+
+def _compile_by_serving(engine: Engine, max_seq_len: int, slots: int, sizes: list[int],
+                        lengths: list[int]):
+    """Every decode batch grown to ``max_seq_len``, every admission shape, cache moves and
+    resizes, by serving short requests (see :func:`compile_engine`)."""
     for n in sizes:
         _burst(engine, 1, n, tag=f"batch-{n}", max_new_tokens=max_seq_len - 1)
     # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
@@ -38,7 +72,6 @@ def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shap
         for n in sizes:
             if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
                 _burst(engine, prompts, n, tag=f"{prompts}x{n}")
-    lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
     for runner in engine.runners:
         for length in lengths:  # moving sequences to lower slots (see Engine._compact)
             runner.compile_move(length)
@@ -50,8 +83,6 @@ def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shap
                 _burst(engine, 1, 1, tag=f"grow-{length}", max_new_tokens=length - 1,
                        temperature=0.0)
                 _burst(engine, 1, n, tag=f"{length}-{n}")
-    log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
-             max_seq_len, time.perf_counter() - start)
 
 
 def _burst(engine: Engine, prompts: int, n: int, tag: str, max_new_tokens: int = 2,

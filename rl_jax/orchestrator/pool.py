@@ -147,10 +147,19 @@ class GeneratorPool:
     def log_dir(self) -> Path | None:
         return None if self._servers is None else self._servers.log_dir
 
-    def start(self) -> "GeneratorPool":
-        """Starts the servers (waits until every one answers /health) and the watchdog."""
+    def start(self, wait: bool = True) -> "GeneratorPool":
+        """Starts the servers; with ``wait``, also :meth:`wait_started`."""
         if self._servers is not None:
-            self._servers.start(wait=True)
+            self._servers.start(wait=False)
+        if wait:
+            self.wait_started()
+        return self
+
+    def wait_started(self) -> "GeneratorPool":
+        """Waits until every server answers /health (raises ``LaunchError`` naming the one
+        that exited or timed out, with its log's tail), then starts the watchdog."""
+        if self._servers is not None and self._watchdog is None:
+            self._servers.wait_healthy()
             if self.block.restart_dead:
                 self._watchdog = threading.Thread(target=self._watch, name="generator-watchdog",
                                                   daemon=True)

@@ -96,6 +96,9 @@ class Session(SessionSetup, RunAccounting):
         self._setup_model()
         self.primary = jax.process_index() == 0
         if self.primary:  # the other trainer processes only train (batches are broadcast)
+            self._start_generators()  # their start-up overlaps the trainer's
+        self._setup_trainer()
+        if self.primary:
             self._setup_generators()
             self._setup_rollout()
         writer = MetricsWriter(self.workdir)

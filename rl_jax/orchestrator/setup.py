@@ -157,6 +157,14 @@ class SessionSetup:
         loss_fn = make_policy_loss(c.loss.name, dict(c.loss.options),
                                    block_size=c.trainer.logits_block_size,
                                    temperature=c.rollout.temperature)
+        self._loss_fn = loss_fn
+
+    def _setup_trainer(self):
+        """The heavy part of the trainer's setup (what the generator servers' start-up
+        overlaps): the compiled train step, the train state (restored or from the base
+        policy) and its warm-up."""
+        c, loss_fn = self.c, self._loss_fn
+        micro_rows = int(c.trainer.micro_batch_rows)
         power = c.trainer.ess_lr_power
         update_scale = ess_update_scale(power) if power else None
         if micro_rows:
@@ -204,14 +212,18 @@ class SessionSetup:
                                            PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
             log.info("train step warmed up in %.2f s", seconds)
 
-    def _setup_generators(self):
+    def _start_generators(self):
+        """The weight publisher, and the generator servers started without waiting for them:
+        their start-up (loading, compiling every decode shape) runs beside the trainer's
+        (:meth:`_setup_trainer`); :meth:`_setup_generators` waits for them."""
         c = self.c
-        method = "disk" if (c.generator.kind == "sglang" or tuple(c.transfer.transports) ==
-                            ("disk",)) else "transfer"
-        transports = ("disk",) if method == "disk" else tuple(c.transfer.transports)
+        self._weight_method = "disk" if (c.generator.kind == "sglang" or tuple(
+            c.transfer.transports) == ("disk",)) else "transfer"
+        transports = (("disk",) if self._weight_method == "disk"
+                      else tuple(c.transfer.transports))
         self.publisher = Publisher(PublisherConfig(
             host=c.transfer.host, port=c.transfer.port, transports=transports,
-            disk_dir=str(self.workdir / "weights") if method == "disk" else None),
+            disk_dir=str(self.workdir / "weights") if self._weight_method == "disk" else None),
             spec=self.spec)
         self._closers.append(self.publisher.close)
         self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
@@ -220,9 +232,15 @@ class SessionSetup:
                                   log_dir=self.workdir / "generators",
                                   compilation_cache_dir=self.compilation_cache_dir)
         self._closers.append(self.pool.stop)
-        started = time.perf_counter()
-        self.pool.start()
-        log.info("generator pool up in %.1f s: %s", time.perf_counter() - started, self.pool.urls)
+        self._pool_started = time.perf_counter()
+        self.pool.start(wait=False)
+
+    def _setup_generators(self):
+        c = self.c
+        method = self._weight_method
+        self.pool.wait_started()
+        log.info("generator pool up %.1f s after its start: %s",
+                 time.perf_counter() - self._pool_started, self.pool.urls)
         client_config = ClientConfig(request_timeout=c.generator.request_timeout_s,
                                      control_timeout=max(c.transfer.timeout_s, 60.0))
         self.control_loop = BackgroundLoop("generator-control")
