@@ -152,6 +152,8 @@ def test_the_message_of_a_bad_staleness_bound():
     ("export.dtype", "int4", "export.dtype: unknown dtype 'int4'"),
     ("optimizer.schedule_on", "moon", "optimizer.schedule_on must be one of"),
     ("cpus.generators_nice", 20, "cpus.generators_nice must be an integer from 0"),
+    ("transfer.transports", ("shm", "pigeon"), "transfer.transports must name one or more of"),
+    ("transfer.transport", "pigeon", "transfer.transport must be 'auto' or one of"),
 ])
 def test_registered_names_are_checked(name, value, message):
     tree = _with(to_dict(defaults()), name, value)

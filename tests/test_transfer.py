@@ -712,7 +712,8 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
     equals the digest of those bytes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from rl_jax.transfer.staging import HostStaging, _host_shards, _plan_job
+    from rl_jax.transfer.shard_copy import host_shards, plan_job
+    from rl_jax.transfer.staging import HostStaging
     devices = np.array(jax.devices()[:8])
     src_mesh = jax.sharding.Mesh(devices.reshape(8, 1), ("fsdp", "tp"))
     rng = np.random.default_rng(3)
@@ -752,20 +753,20 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
     # Which path each took: rows as one run per overlapping source, stacked (cut along its
     # middle axis) as one run per layer and source, cols (512-byte pieces) in one strided copy.
     dst = np.empty((512, 1030), np.float32)
-    assert len(_plan_job(dst, ((0, 512), (0, 1030)), _host_shards(flat["rows"])).runs) == 4
+    assert len(plan_job(dst, ((0, 512), (0, 1030)), host_shards(flat["rows"])).runs) == 4
     dst = np.empty((4, 2048, 128), np.float32)
-    assert len(_plan_job(dst, ((0, 4), (0, 2048), (0, 128)),
-                         _host_shards(flat["stacked"])).runs) == 32
-    cols = _plan_job(np.empty((256, 1024), np.float32), ((0, 256), (0, 1024)),
-                     _host_shards(flat["cols"]))
+    assert len(plan_job(dst, ((0, 4), (0, 2048), (0, 128)),
+                        host_shards(flat["stacked"])).runs) == 32
+    cols = plan_job(np.empty((256, 1024), np.float32), ((0, 256), (0, 1024)),
+                    host_shards(flat["cols"]))
     assert cols.runs is None
     # Its 512-byte column blocks are copied as one void element per row (the last box field);
     # a cast, or blocks under 64 bytes, keep the element-wise strided copy.
     assert {box[-1].itemsize for box in cols.boxes} == {512}
-    cast = _plan_job(np.empty((256, 512), ml_dtypes.bfloat16), ((0, 256), (0, 512)),
-                     _host_shards(flat["cast_cols"]))
-    narrow = _plan_job(np.empty((64, 64), np.float32), ((0, 64), (0, 64)),
-                       _host_shards(flat["narrow"]))
+    cast = plan_job(np.empty((256, 512), ml_dtypes.bfloat16), ((0, 256), (0, 512)),
+                    host_shards(flat["cast_cols"]))
+    narrow = plan_job(np.empty((64, 64), np.float32), ((0, 64), (0, 64)),
+                      host_shards(flat["narrow"]))
     assert {box[-1] for box in cast.boxes + narrow.boxes} == {None}
 
 
@@ -856,13 +857,13 @@ def test_streamed_version_is_verified_while_written_and_arrives_bit_exact(stream
     started = threading.Event()
     events = []
     puller.hooks["stream_start"] = lambda: (events.append("verify"), started.set())
-    lay_out = puller._arrays_from_chunks
+    lay_out = puller.arrays_from_chunks
 
     def arrays_from_chunks(*args, **kw):
         events.append("arrays")
         return lay_out(*args, **kw)
 
-    puller._arrays_from_chunks = arrays_from_chunks
+    puller.arrays_from_chunks = arrays_from_chunks
     seen = []
 
     def after_announce(version):  # its checksums are not in the manifest yet

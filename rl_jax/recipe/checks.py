@@ -151,6 +151,7 @@ def _check_registries(r: RLRecipe) -> None:
     from rl_jax.losses import ADVANTAGE_ESTIMATORS, LossConfigError, make_config, names
     from rl_jax.models.config import DTYPES
     from rl_jax.trainer.state import SCHEDULE_CLOCKS
+    from rl_jax.transfer import transports
 
     for name in ("model.dtype", "model.param_dtype", "export.dtype"):
         section, field = name.split(".")
@@ -175,6 +176,14 @@ def _check_registries(r: RLRecipe) -> None:
                             f"{sorted(ADVANTAGE_ESTIMATORS)}, got {r.rollout.advantage!r}")
     if r.env.name not in envs.names():
         raise RLConfigError(f"env.name must be one of {envs.names()}, got {r.env.name!r}")
+    known = transports.names()
+    if not r.transfer.transports or any(t not in known for t in r.transfer.transports):
+        raise RLConfigError(f"transfer.transports must name one or more of {list(known)}, got "
+                            f"{list(r.transfer.transports)!r}")
+    if r.transfer.transport != "auto" and r.transfer.transport not in known:
+        raise RLConfigError(f"transfer.transport must be 'auto' or one of {list(known)}, got "
+                            f"{r.transfer.transport!r}")
+
 
 def apply_overrides(config: Any, overrides: tuple[str, ...] | list[str], *, what: str) -> None:
     """Sets ``"a.b=value"`` overrides on a ConfigDict the way absl's ``--config.a.b=value``

@@ -8,13 +8,7 @@ import os
 import secrets
 import tempfile
 
-# Transports, fastest first on one host (see benchmarks/transfer_throughput.py):
-#   shm           staging buffers in shared memory, read by pullers on the same host
-#   socket        the same safetensors-format chunks streamed over HTTP (sendfile)
-#   jax_transfer  device-to-device through jax.experimental.transfer
-#   disk          an HF safetensors directory (the fallback; also what SGLang servers load)
-TRANSPORTS = ("shm", "socket", "jax_transfer", "disk")
-HOST_TRANSPORTS = ("shm", "socket")  # both read the publisher's staging buffers
+STAGING_PREFIX = "rl_jax-transfer-"  # the name of a publisher's staging directory
 
 # The shared secret of a publisher and its pullers when their configs name none.
 TOKEN_ENV = "RL_JAX_TRANSFER_TOKEN"
@@ -65,7 +59,8 @@ class PublisherConfig:
     Attributes:
       host, port: where the HTTP control channel (and the socket transport) listens; port 0
         picks a free port (``Publisher.url`` tells which).
-      transports: what the publisher prepares for each version (a subset of ``TRANSPORTS``).
+      transports: what the publisher prepares for each version (a subset of ``TRANSPORTS``,
+        the names in :mod:`rl_jax.transfer.transports`).
         Each layout is prepared only for the transports its pullers asked for.
       staging_dir: parent directory of the host staging buffers (shm/socket). Shared memory
         by default.
@@ -132,7 +127,8 @@ class PullerConfig:
 
     Attributes:
       transport: one of ``TRANSPORTS`` or ``"auto"`` (the first the publisher offers, in the
-        order of ``TRANSPORTS``, skipping ``shm`` when the publisher is on another host).
+        order of ``TRANSPORTS``, skipping those usable only on the publisher's host, ``shm``,
+        when the publisher is on another host).
       timeout_s: deadline of one whole pull (registration, manifest, data, verification; a
         long-poll's ``wait_s`` comes on top); past it the pull is abandoned with
         :class:`TransferTimeout` and the generator keeps its weights. Default:

@@ -44,6 +44,8 @@ from rl_jax.transfer.errors import AuthenticationError, PublisherUnavailable, Tr
 
 log = logging.getLogger(__name__)
 
+MAX_ID_CHARS = 200  # of a puller id or a layout key in a request
+
 
 @functools.cache
 def host_id() -> str:

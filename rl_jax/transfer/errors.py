@@ -37,6 +37,10 @@ class TransportUnavailable(TransferError):
     example shared memory across hosts, or torch missing for SGLang's distributed protocol)."""
 
 
+class UnknownTransport(TransportUnavailable):
+    """A transport name that no module registers (:mod:`rl_jax.transfer.transports`)."""
+
+
 class LayoutError(TransferError):
     """A generator's layout cannot be produced (unknown tensors, mesh that does not fit)."""
 

@@ -5,7 +5,9 @@ array) and one ``PartitionSpec`` per tensor. The publisher rebuilds the same lay
 devices (for ``jax.experimental.transfer``, whose puller must ask for exactly the layout the
 publisher offers) or only uses it to cut the tensors into the generator's shards (host
 transports). Shards are identified by their index (``((start, stop), ...)`` per dimension), which
-is the same on both sides whatever the devices are.
+is the same on both sides whatever the devices are. :func:`check_layout` and
+:func:`target_dtype` say whether, and in which dtypes, a layout can be made of the published
+tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from rl_jax.transfer.chunks import numpy_dtype
 from rl_jax.transfer.errors import LayoutError
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension
@@ -222,3 +225,44 @@ class Layout:
         for options in per_dim:
             out = [prefix + (o,) for prefix in out for o in options]
         return sorted(out)
+
+
+def flat_signature(flat: Mapping[str, Any]) -> tuple:
+    """Names, shapes and dtypes of the published tensors: what a layout's plan depends on."""
+    return tuple((name, tuple(flat[name].shape), str(flat[name].dtype)) for name in sorted(flat))
+
+
+_CHECKED: dict[tuple, None] = {}  # (layout key, flat signature) pairs already checked
+
+
+def check_layout(layout: Layout, flat: Mapping[str, Any], signature: tuple | None = None
+                 ) -> None:
+    """Raises :class:`LayoutError` unless ``layout`` names exactly the published tensors and
+    cuts each into whole shards (checked once per layout and set of tensor shapes)."""
+    key = (layout.key, signature if signature is not None else flat_signature(flat))
+    if key in _CHECKED:
+        return
+    _check_layout(layout, flat)
+    if len(_CHECKED) >= 256:
+        _CHECKED.clear()
+    _CHECKED[key] = None
+
+
+def _check_layout(layout: Layout, flat: Mapping[str, Any]) -> None:
+    missing = sorted(set(flat) - set(layout.specs))
+    extra = sorted(set(layout.specs) - set(flat))
+    if missing or extra:
+        raise LayoutError(f"layout does not match the published tensors: missing {missing[:5]}, "
+                          f"unknown {extra[:5]}")
+    for name, value in flat.items():
+        layout.indices(name, value.shape)
+        if layout.dtypes is not None:
+            numpy_dtype(layout.dtypes.get(name, np.dtype(value.dtype).name))
+
+
+def target_dtype(layout: Layout, name: str, value: Any) -> np.dtype:
+    """The dtype ``layout`` asks for tensor ``name`` (``value``'s own when it names none)."""
+    if layout.dtypes is not None and name in layout.dtypes:
+        return numpy_dtype(layout.dtypes[name])
+    return np.dtype(value.dtype)
+
