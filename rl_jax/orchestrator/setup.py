@@ -31,8 +31,8 @@ from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutCon
                                      RolloutDataset)
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
-from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
-                                  learning_rate_schedule, make_optimizer)
+from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, ema_update,
+                                  init_state, learning_rate_schedule, make_optimizer)
 from rl_jax.trainer.step import StreamingTrainStep, default_batch_sharding, ess_update_scale, \
     make_train_step
 from rl_jax.transfer import Publisher, PublisherConfig
@@ -207,6 +207,8 @@ class SessionSetup:
             self.ema = jax.tree.map(jnp.copy, self.state.params)
             if self.meta:
                 log.info("parameter average restarts from the resumed parameters")
+            # Compiled here, not after the first step (JAX's cache serves the first call).
+            ema_update.lower(self.ema, self.state.params, jnp.float32(0.0)).compile()
         if micro_rows:
             seconds = self.train_step.warm(self.state.params,
                                            PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
