@@ -22,7 +22,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (r
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (shared by the trainer hosts).")
 _COORDINATOR = flags.DEFINE_string("coordinator", "", "host:port of process 0 for "
-                                   "jax.distributed (empty: a single trainer process).")
+                                   "jax.distributed, or 'auto' (JAX's cluster detection: "
+                                   "Slurm, Open MPI, Kubernetes, Cloud TPU, which also give "
+                                   "the process count and index); empty: a single trainer "
+                                   "process.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Trainer processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index.")
 _URLS = flags.DEFINE_list("generator_urls", [], "Generator servers (default: the config's "

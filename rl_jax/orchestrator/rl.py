@@ -124,11 +124,18 @@ def run(c: Any, workdir: str) -> dict[str, Any]:
     settings = mode_settings(c)
     workdir_path = Path(workdir).absolute()
     workdir_path.mkdir(parents=True, exist_ok=True)
-    base_dir = ensure_base_checkpoint(c, workdir_path)
-    # Joined before anything asks JAX for its backend (cpu_placement_off_cpu does).
+    # Joined before anything asks JAX for its backend (cpu_placement_off_cpu, a base policy's
+    # training do); what JAX's cluster detection found becomes the recipe's.
     from rl_jax import distributed
-    distributed.initialize(c.distributed.coordinator, c.distributed.num_processes,
-                           c.distributed.process_id)
+    d = c.distributed
+    distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+    if d.coordinator == distributed.AUTO:
+        import jax
+        c = c.replace(**{"distributed.num_processes": jax.process_count(),
+                         "distributed.process_id": jax.process_index()})
+        distributed.remember(c.distributed.coordinator, c.distributed.num_processes,
+                             c.distributed.process_id)
+    base_dir = ensure_base_checkpoint(c, workdir_path)
     c = cpu_placement_off_cpu(c)
     if c.cpus.trainer:
         from rl_jax import cpus
