@@ -567,6 +567,37 @@ def test_the_bfloat16_cast_is_ml_dtypes_bit_for_bit(native, monkeypatch):
 
 
 @NO_C_COMPILER
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_streaming_copies_are_exact_and_find_non_finite_values_anywhere(dtype):
+    """``finite.stream_copier`` (non-temporal stores where the CPU has them, the plain loop
+    elsewhere): bit-exact at every destination offset within a cache line and at lengths around
+    the vector loop's 128-byte steps, a non-finite value found in the unaligned head, the
+    vector body and the tail, nothing written beyond the run."""
+    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    copy = finite.stream_copier(dtype)
+    assert copy is not None
+    width = dtype.itemsize
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal(4096).astype(dtype)
+    for offset in range(0, 64, width):  # the destination's misalignment, in bytes
+        for count in (0, 1, 63 // width, 128 // width, 128 // width + 1, 1000, 4000):
+            for where in (None, 0, count // 2, count - 1):
+                if where is not None and not 0 <= where < count:
+                    continue
+                src = values[:count].copy()
+                if where is not None:
+                    src[where] = [np.nan, np.inf, -np.inf][where % 3]
+                buffer = np.full(count * width + 192, 0xA5, np.uint8)
+                start = (-buffer.ctypes.data) % 64 + offset
+                dst = buffer[start:start + count * width].view(dtype)
+                assert copy(dst.ctypes.data, src.ctypes.data, count) == (where is None), \
+                    (offset, count, where)
+                assert np.array_equal(dst.view(np.uint8), src.view(np.uint8))
+                assert (buffer[:start] == 0xA5).all()
+                assert (buffer[start + count * width:] == 0xA5).all()
+
+
+@NO_C_COMPILER
 def test_finiteness_without_the_native_kernel_gives_the_same_answers(monkeypatch):
     """Where the C kernel cannot be built (no compiler, RL_JAX_NATIVE_FINITE=0) numpy copies
     and checks, with the same results."""

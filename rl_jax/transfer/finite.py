@@ -90,8 +90,10 @@ def _library():
                                                     ctypes.c_int, ctypes.c_uint64]
                 lib.rl_jax_cast_bf16_finite.argtypes = [ptr, ctypes.c_ssize_t, ptr,
                                                         ctypes.c_ssize_t, size, size]
+                lib.rl_jax_copy_finite_stream.argtypes = [ptr, ptr, size, ctypes.c_int,
+                                                          ctypes.c_uint64]
                 for fn in (lib.rl_jax_copy_finite, lib.rl_jax_check_finite,
-                           lib.rl_jax_cast_bf16_finite):
+                           lib.rl_jax_cast_bf16_finite, lib.rl_jax_copy_finite_stream):
                     fn.restype = ctypes.c_int
                 library = lib
             except Exception as e:  # noqa: BLE001 - any failure means "use numpy"
@@ -283,6 +285,26 @@ def raw_copier(dtype, src_dtype=None) -> Callable[[int, int, int], bool] | None:
     if key not in _copiers:
         def copy(dst: int, src: int, count: int) -> bool:
             return copier(dst, 0, src, 0, 1, count)
+        _copiers[key] = copy
+    return _copiers[key]
+
+
+def stream_copier(dtype) -> Callable[[int, int, int], bool] | None:
+    """:func:`raw_copier` for values copied as they are (no cast), with non-temporal stores
+    where the CPU has them (``rl_jax_copy_finite_stream``): the destination goes to memory
+    without being read into the cache first, and is not left there, so a caller that hashes
+    the copy hashes the source. None where the kernel cannot run for ``dtype``."""
+    dtype = np.dtype(dtype)
+    library = _library()
+    fast = _thresholds(dtype)
+    if library is None or fast is None:
+        return None
+    key = ("stream", id(library), dtype)
+    if key not in _copiers:
+        fn, width, exponent = library.rl_jax_copy_finite_stream, dtype.itemsize, fast[2]
+
+        def copy(dst: int, src: int, count: int) -> bool:
+            return fn(dst, src, count, width, exponent) == 1
         _copiers[key] = copy
     return _copiers[key]
 

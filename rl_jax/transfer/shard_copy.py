@@ -179,9 +179,11 @@ class ShardJob:
             self.progress[k, 1] = self.stamp()  # makes it valid
 
     def run_addresses(self) -> list:
-        """The address of ``dst``, then ``(address, item size, copier)`` of each run's source
-        where the C kernel can copy it (``finite.raw_copier``: aligned, dtypes it handles;
-        else None), for :func:`_copy_hash_blocks`."""
+        """The address of ``dst``, then ``(address, item size, copier, streams)`` of each run's
+        source where the C kernel can copy it (aligned, dtypes it handles; else None), for
+        :func:`_copy_hash_blocks`: values copied as they are go through
+        ``finite.stream_copier`` (``streams``: the copy is hashed from the source), casts
+        through ``finite.raw_copier``."""
         if self._addresses is None:
             out: list = [self.dst.ctypes.data]
             aligned = out[0] % self.dst.itemsize == 0
@@ -189,9 +191,12 @@ class ShardJob:
             for _, _, src, _ in self.runs:
                 if id(src) not in sources:
                     address, width, copier = src.ctypes.data, src.itemsize, None
+                    streams = src.dtype == self.dst.dtype
                     if aligned and not address % width:
-                        copier = finite.raw_copier(self.dst.dtype, src.dtype)
-                    sources[id(src)] = None if copier is None else (address, width, copier)
+                        copier = (finite.stream_copier(src.dtype) if streams
+                                  else finite.raw_copier(self.dst.dtype, src.dtype))
+                    sources[id(src)] = None if copier is None else (address, width, copier,
+                                                                    streams)
                 out.append(sources[id(src)])
             self._addresses = out
         return self._addresses
@@ -342,7 +347,9 @@ def _copy_hash_blocks(job: ShardJob, first: int, stop: int) -> np.ndarray:
     """Copies blocks ``[first, stop)`` of ``job.dst`` from the source runs and hashes them as
     they go, :data:`SUB_BLOCK_BYTES` at a time (a whole 1 MiB block, once copied, is no longer
     in a 1 MiB L2 cache: hashing it would read it back from memory); returns their ``uint64``
-    digests."""
+    digests. A stretch whose pieces were all copied as they are with streaming stores (see
+    ``finite.stream_copier``) is hashed from its sources, in order: the same bytes, still in
+    the cache where the copy read them."""
     flat = job.dst.reshape(-1)
     raw = flat.view(np.uint8)
     item = flat.itemsize
@@ -357,19 +364,30 @@ def _copy_hash_blocks(job: ShardJob, first: int, stop: int) -> np.ndarray:
         for a0 in range(k * per_block, e1, per_sub):
             a1 = min(e1, a0 + per_sub)
             i = max(bisect.bisect_right(job.starts, a0) - 1, 0)
+            streamed: list | None = []  # the source pieces, while every piece streams
             while i < len(job.runs) and job.runs[i][0] < a1:
                 start, end, src, src_start = job.runs[i]
                 a, b = max(a0, start), min(a1, end)
                 if a < b:
+                    piece = src[src_start + a - start:src_start + b - start]
                     if addresses is not None and addresses[i + 1] is not None:
-                        address, width, copier = addresses[i + 1]
+                        address, width, copier, streams = addresses[i + 1]
                         if not copier(addresses[0] + a * item,
                                       address + (src_start + a - start) * width, b - a):
                             job.finite = False
+                        if streamed is not None and streams:
+                            streamed.append(piece)
+                        else:
+                            streamed = None
                     else:
-                        job.copy(flat[a:b], src[src_start + a - start:src_start + b - start])
+                        job.copy(flat[a:b], piece)
+                        streamed = None
                 i += 1
-            hasher.update(memoryview(raw[a0 * item:a1 * item]))
+            if streamed:
+                for piece in streamed:
+                    hasher.update(memoryview(piece.view(np.uint8)))
+            else:
+                hasher.update(memoryview(raw[a0 * item:a1 * item]))
         out[k - first] = digest = hasher.intdigest()
         job.done(k, digest)
     return out
