@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "seed_oss")
 
 
 def write_hf_checkpoint(family: str, path: Path, *, tie: bool = False, seed: int = 0,
@@ -27,6 +27,11 @@ def write_hf_checkpoint(family: str, path: Path, *, tie: bool = False, seed: int
     elif family == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
         cls = transformers.Qwen3ForCausalLM
+    elif family == "seed_oss":
+        # Both biases on (the released models have q/k/v biases only) so that parity covers both.
+        cfg = transformers.SeedOssConfig(**common, head_dim=16, rope_theta=10000000.0,
+                                         attention_bias=True, attention_out_bias=True)
+        cls = transformers.SeedOssForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)

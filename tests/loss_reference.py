@@ -102,6 +102,16 @@ def ref_loss(name, cfg, d, lp=None, weight_lp=None):
             pg = np.full(len(ts), max(-a_seq * s, -a_seq * min(max(s, lo), hi)))
             clipped = np.full(len(ts), (a_seq > 0 and s > hi) or (a_seq < 0 and s < lo))
             r = np.full(len(ts), s)
+        elif name == "gmpo":
+            # J_i = sgn(A) · (Π_t |min(r_t A, clip(r_t, e^−ε_low, e^ε_high) A)|)^(1/|o_i|)
+            a_seq = np.sum(m * a) / m.sum()
+            tr = np.exp(np.clip(lp[b, ts] - old[b, ts], -CLAMP, CLAMP))
+            lo, hi = np.exp(-cfg.epsilon_low), np.exp(cfg.epsilon_high)
+            term = np.abs(np.minimum(tr * a_seq, np.clip(tr, lo, hi) * a_seq))
+            g = np.exp(np.sum(m * np.log(term)) / m.sum()) if a_seq != 0 else 0.0
+            pg = np.full(len(ts), -np.sign(a_seq) * g)
+            clipped = ((a_seq > 0) & (tr > hi)) | ((a_seq < 0) & (tr < lo))
+            r = np.full(len(ts), g / abs(a_seq) if a_seq != 0 else 1.0)
         else:
             lo, hi = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high
             pg = np.maximum(-a * r, -a * np.clip(r, lo, hi))

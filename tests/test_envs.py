@@ -19,6 +19,8 @@ from rl_jax.envs.math import (LinearEquationTask, answers_match, check_math, ext
 from rl_jax.envs.shaping import (RewardShaping, SolveRateTracker, drop_zero_signal_groups,
                                  group_statistics, linear_length_penalty, overlong_penalty,
                                  zero_signal)
+from rl_jax.envs.sorting import MAX_COMPLETION_CHARS, SortingTask
+from rl_jax.envs.sorting import parse_prompt as parse_sorting_prompt
 
 run = asyncio.run
 
@@ -59,7 +61,7 @@ class _GuessEnv(Environment):
 
 
 def test_registry():
-    assert {"arithmetic", "countdown", "math", "code"} <= set(envs.names())
+    assert {"arithmetic", "countdown", "math", "code", "sorting"} <= set(envs.names())
     assert isinstance(envs.get("arithmetic", num_digits=2), envs.arithmetic.ArithmeticEnv)
     with pytest.raises(EnvError, match="unknown environment 'nope'.*arithmetic"):
         envs.get("nope")
@@ -259,6 +261,86 @@ def test_countdown_env_and_prompt_styles():
     assert run(instruct.score(q.text, f"so... <answer>{q.answer}</answer>"))[0] == 1.0
     with pytest.raises(EnvError, match="not a countdown prompt"):
         run(env.score("what?", "1"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sorting.
+
+@pytest.mark.parametrize("num_items, max_value, descending", [(2, 9, False), (5, 99, True),
+                                                              (12, 10**9, False)])
+def test_sorting_generator_deterministic_in_range_and_split(num_items, max_value, descending):
+    env = envs.get("sorting", num_items=num_items, max_value=max_value, descending=descending,
+                   seed=3)
+    for split in ("train", "eval"):
+        for i in range(25):
+            p = env.prompt(i, split)
+            assert env.prompt(i, split) == p
+            numbers = p.info["numbers"]
+            assert len(numbers) == num_items and all(0 <= n <= max_value for n in numbers)
+            assert parse_sorting_prompt(p.text) == (numbers, descending)
+            assert set(p.text) <= set(SortingTask.ALPHABET)
+            assert p.answer == ",".join(map(str, sorted(numbers, reverse=descending)))
+            assert run(env.score(p, p.answer)) == (1.0, {"expected": p.answer, "correct": True,
+                                                        "reason": "correct"})
+            assert run(env.score(p.text, p.answer + "<eos>"))[0] == 1.0  # parsed from the text
+    other = envs.get("sorting", num_items=num_items, max_value=max_value, seed=4)
+    assert other.prompt(0).info["numbers"] != env.prompt(0).info["numbers"]
+    train = {tuple(sorted(env.prompt(i).info["numbers"])) for i in range(300)}
+    held = {tuple(sorted(env.prompt(i, "eval").info["numbers"])) for i in range(50)}
+    assert not train & held
+
+
+def test_sorting_rewards_and_prompt_styles():
+    env = envs.get("sorting", format_reward=0.1)
+    assert run(env.score("31,7,19,7=", "7,7,19,31"))[0] == 1.0
+    assert run(env.score("31,7,19,7=", "7, 7 ,19,  31<eos>"))[0] == 1.0  # spaces around commas
+    assert run(env.score("31,7,19,7>", "31,19,7,7"))[0] == 1.0           # descending
+    for completion, reason in [("7,19,31", "wrong_numbers"),          # a repeat dropped
+                               ("7,7,7,19,31", "wrong_numbers"),      # one added
+                               ("7,7,19,30", "wrong_numbers"),
+                               ("31,19,7,7", "not_sorted"),           # the other order
+                               ("31,7,19,7", "not_sorted")]:          # the prompt echoed
+        assert run(env.score("31,7,19,7=", completion)) == (
+            0.1, {"expected": "7,7,19,31", "correct": False, "reason": reason})
+    instruct = envs.get("sorting", style="instruct", descending=True, seed=2)
+    q = instruct.prompt(4)
+    assert "descending" in q.text
+    assert parse_sorting_prompt(q.text) == (q.info["numbers"], True)
+    listed = ", ".join(q.answer.split(","))
+    assert run(instruct.score(q.text, f"Sorted:\n<answer>{listed}</answer>"))[0] == 1.0
+    assert run(instruct.score(q, f"<answer>{listed}</answer> <answer>1</answer>"))[0] == 0.0
+    with pytest.raises(EnvError, match="not a sorting prompt"):
+        run(env.score("sort these please", "1,2"))
+    for bad, field in [(dict(num_items=1), "num_items"), (dict(max_value=0), "max_value"),
+                       (dict(max_value=10**10), "max_value"), (dict(style="chat"), "style"),
+                       (dict(eval_fraction=1.0), "eval_fraction"), (dict(seed=-1), "seed"),
+                       (dict(format_reward=1.0), "format_reward")]:
+        with pytest.raises(EnvError, match=field):
+            envs.get("sorting", **bad)
+    with pytest.raises(EnvError, match="split"):
+        env.prompt(0, "test")
+
+
+@pytest.mark.parametrize("completion, reason", [
+    ("", "no_answer"), ("  \n\t\n", "no_answer"), ("<answer>  </answer>", "no_answer"),
+    ("-7,7,19,31", "bad_format"),            # a sign
+    ("07,7,19,31", "bad_format"),            # a leading zero
+    ("7,7,19,31,", "bad_format"),            # an empty item
+    ("7;7;19;31", "bad_format"), ("7 7 19 31", "bad_format"), ("7.0,7,19,31", "bad_format"),
+    ("1e1,7,19,31", "bad_format"), ("\u0667,7,19,31", "bad_format"),  # Arabic-Indic 7
+    ("7,7,19,31\x00", "bad_format"), ("[7, 7, 19, 31]", "bad_format"),
+    ("31,7,19,7=", "bad_format"),            # the prompt echoed with its '='
+    ("9" * 5000, "bad_format"),              # beyond Python's int() digit limit
+    ("1," * (MAX_COMPLETION_CHARS // 2) + "1", "too_long"),
+    ("<answer>7,7,19,31</answer>" * 5000, "too_long"),
+    ("7,7,19,31\nno, wait", "bad_format"),   # the last line is the answer
+])
+def test_sorting_hostile_answers_score_zero_quickly(completion, reason):
+    env = envs.get("sorting", format_reward=0.1)
+    start = time.perf_counter()
+    reward, info = run(env.score("31,7,19,7=", completion))
+    assert (reward, info["correct"], info["reason"]) == (0.0, False, reason)
+    assert time.perf_counter() - start < 0.5
 
 
 # ---------------------------------------------------------------------------------------------

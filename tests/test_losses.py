@@ -17,7 +17,7 @@ from rl_jax.losses import (GroupSizeError, LossConfigError, check_groups, dr_grp
                            finalize_metrics, get, grpo_advantages, make_config, rloo_advantages)
 from rl_jax.trainer.step import split_microbatches
 
-ALL_LOSSES = ("reinforce_tis", "ppo_clip", "grpo", "dapo", "dr_grpo", "gspo", "cispo",
+ALL_LOSSES = ("reinforce_tis", "ppo_clip", "grpo", "dapo", "dr_grpo", "gspo", "gmpo", "cispo",
               "decoupled_ppo", "m2po")
 
 # ----------------------------------------------------------------------------------------------
@@ -112,6 +112,9 @@ CASES = [
     ("decoupled_ppo", dict(behaviour_weight_mode="tis", dual_clip=True), dict(spread=1.5)),
     ("m2po", {}, dict(spread=0.5)),
     ("m2po", dict(m2_threshold=0.2, kl_coef=0.1, correction="tis"), dict(packed=True)),
+    ("gmpo", {}, {}),
+    ("gmpo", dict(epsilon_low=0.2, epsilon_high=0.3, kl_coef=0.1, correction="mis",
+                  correction_level="geometric"), dict(packed=True, spread=1.5)),
 ]
 CASE_IDS = [f"{n}-{i}" for i, (n, _, _) in enumerate(CASES)]
 
@@ -180,7 +183,8 @@ def microbatched(name, cfg, d, num_micro):
 # full batch only where the bound does not bind (test_m2po_mask_* cover the mask itself).
 MICRO_CASES = [CASES[i] for i in (0, 1, 3, 5, 6, 8, 12, 14)] + [
     ("gspo", dict(epsilon_low=0.2, epsilon_high=0.2, correction="mis"), dict(packed=True)),
-    ("m2po", dict(m2_threshold=1e6), dict(packed=True))]
+    ("m2po", dict(m2_threshold=1e6), dict(packed=True)),
+    ("gmpo", dict(epsilon_low=0.2, epsilon_high=0.3, correction="tis"), dict(packed=True))]
 
 
 @pytest.mark.parametrize("name,overrides,options", MICRO_CASES,
@@ -219,7 +223,7 @@ def unpack(d):
 
 
 @pytest.mark.parametrize("name,overrides", [
-    ("grpo", {}), ("gspo", dict(epsilon_low=0.2, epsilon_high=0.2)),
+    ("grpo", {}), ("gspo", dict(epsilon_low=0.2, epsilon_high=0.2)), ("gmpo", {}),
     ("dr_grpo", dict(max_tokens=16)), ("reinforce_tis", dict(correction="mis",
                                                              correction_level="sequence")),
     ("decoupled_ppo", {})])
@@ -372,11 +376,12 @@ def test_published_defaults():
     assert not make_config("ppo_clip").dual_clip and make_config("ppo_clip").dual_clip_c == 3.0
     assert (make_config("dapo").epsilon_low, make_config("dapo").epsilon_high) == (0.2, 0.28)
     assert (make_config("gspo").epsilon_low, make_config("gspo").epsilon_high) == (3e-4, 4e-4)
+    assert make_config("gmpo").epsilon_low == make_config("gmpo").epsilon_high == 0.4
     assert make_config("reinforce_tis").truncation == 5.0
     assert make_config("cispo").epsilon_low is None
     norms = {n: make_config(n).normalization for n in ALL_LOSSES}
     assert norms == {"reinforce_tis": "sequence_sum", "ppo_clip": "token", "grpo": "sequence",
-                     "dapo": "token", "dr_grpo": "constant", "gspo": "sequence",
+                     "dapo": "token", "dr_grpo": "constant", "gspo": "sequence", "gmpo": "sequence",
                      "cispo": "token", "decoupled_ppo": "token", "m2po": "token"}
     for name in ALL_LOSSES:
         assert make_config(name).kl_coef == 0.0 and make_config(name).entropy_coef == 0.0
@@ -391,6 +396,7 @@ def test_published_defaults():
     ("decoupled_ppo", dict(correction="tis"), "correction"),
     ("dr_grpo", dict(max_tokens=0), "max_tokens"),
     ("m2po", dict(m2_threshold=0.0), "m2_threshold"),
+    ("gmpo", dict(epsilon_low=-0.1), "epsilon_low"),
     ("grpo", dict(epsilon=0.2), "no field"),
 ])
 def test_bad_configs_are_refused(name, overrides, match):
@@ -469,6 +475,22 @@ def test_missing_inputs_are_refused():
         get("grpo")(d["lp"], d["blp"], d["adv"][:3], d["mask"])
     with pytest.raises(LossConfigError, match="gspo got a GRPOConfig"):
         get("gspo")(*args, config=make_config("grpo"))
+
+
+def test_gmpo_clips_each_token_on_the_pessimistic_side():
+    """log r = (0.6, −0.6): with A > 0 only the high side clips (0.4, −0.6), ℓ = −A·e^−0.1; with
+    A < 0 only the low side (0.6, −0.4), ℓ = −A·e^0.1; the clipped token has no gradient."""
+    lp = jnp.array([[-1.0, -1.0]])
+    blp = lp - jnp.array([[0.6, -0.6]])
+    mask = jnp.ones((1, 2))
+    for adv, mean_log_ratio, clipped in ((2.0, -0.1, 0), (-2.0, 0.1, 1)):
+        def loss(logprobs):
+            return get("gmpo")(logprobs, blp, jnp.array([adv]), mask).mean()
+        value, grad = jax.value_and_grad(loss)(lp)
+        np.testing.assert_allclose(float(value), -adv * math.exp(mean_log_ratio), rtol=1e-6)
+        assert float(grad[0, clipped]) == 0.0
+        np.testing.assert_allclose(float(grad[0, 1 - clipped]),
+                                   -adv * math.exp(mean_log_ratio) / 2, rtol=1e-6)
 
 
 def test_finalize_metrics_formulas():

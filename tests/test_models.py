@@ -295,6 +295,16 @@ def test_from_hf_reads_transformers5_rope_parameters():
     cfg = ModelConfig.from_hf(transformers.Qwen2Config(**common).to_dict())
     assert cfg.family == "qwen2" and cfg.attention_bias and not cfg.output_bias
 
+    # Seed-OSS: q/k/v biases unless switched off, the output bias a separate option.
+    hf = transformers.SeedOssConfig(**common, head_dim=16).to_dict()
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.family == "seed_oss" and cfg.attention_bias and not cfg.output_bias
+    for key in ("attention_bias", "attention_out_bias"):
+        hf.pop(key)
+    assert ModelConfig.from_hf(hf) == cfg  # the class's defaults
+    cfg = ModelConfig.from_hf({**hf, "attention_bias": False, "attention_out_bias": True})
+    assert not cfg.attention_bias and cfg.output_bias
+
 
 @pytest.mark.parametrize("cfg", [
     ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=2,
@@ -311,7 +321,11 @@ def test_from_hf_reads_transformers5_rope_parameters():
     ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=2,
                 num_kv_heads=2, head_dim=6, architecture="Qwen3ForCausalLM", qk_norm=True,
                 rms_norm_eps=1e-5, max_position_embeddings=128),
-], ids=["llama", "qwen2", "qwen3"])
+    ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=2,
+                num_kv_heads=1, head_dim=4, architecture="SeedOssForCausalLM",
+                attention_bias=True, output_bias=False, rope_theta=1e7, bos_token_id=0,
+                eos_token_id=2, pad_token_id=1),
+], ids=["llama", "qwen2", "qwen3", "seed_oss"])
 def test_config_hf_round_trip(cfg):
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
@@ -324,6 +338,8 @@ def test_config_hf_round_trip(cfg):
     (dict(architectures=["MistralForCausalLM"], sliding_window=4096), "sliding-window"),
     (dict(num_key_value_heads=3), "not a multiple of num_kv_heads=3"),
     (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(mlp_bias=True), "mlp_bias"),
 ])
 def test_from_hf_refusals(change, message):
     # Qwen configs carry a window that `use_sliding_window: false` switches off: accepted.

@@ -18,7 +18,9 @@ from rl_jax.sysmodel import ModelShape
 PUBLISHED_PARAMS = {
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-14b": 14_770_033_664, "qwen2.5-32b": 32_763_876_352,
-    "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+    "qwen2.5-3b": 3_085_938_688,
+    "qwen3-0.6b": 596_049_920, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264,
     "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
 }
@@ -30,6 +32,23 @@ def test_named_shapes_have_the_published_parameter_counts(name):
     assert cfg.num_params() == PUBLISHED_PARAMS[name]
     # the systems model counts the same parameters
     assert ModelShape.from_model_config(cfg).params == PUBLISHED_PARAMS[name]
+
+
+# The model cards' rounded totals and non-embedding counts, in billions: a check of the counts
+# above that does not go through the same arithmetic.
+MODEL_CARD_BILLIONS = {"qwen2.5-3b": (3.09, 2.77), "qwen3-4b": (4.0, 3.6), "qwen3-8b": (8.2, 6.95),
+                       "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2)}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CARD_BILLIONS))
+def test_parameter_counts_round_to_the_model_cards(name):
+    cfg = shape(name)
+    total, non_embedding = MODEL_CARD_BILLIONS[name]
+    embedding = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    digits = len(str(total).split(".")[1])
+    assert round(PUBLISHED_PARAMS[name] / 1e9, digits) == total
+    digits = len(str(non_embedding).split(".")[1])
+    assert round((PUBLISHED_PARAMS[name] - embedding) / 1e9, digits) == non_embedding
 
 
 def test_shape_lookup_is_case_insensitive_takes_aliases_and_overrides():

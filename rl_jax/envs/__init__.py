@@ -5,6 +5,7 @@ Built in, by name (``rl_jax.envs.get(name, **kwargs)``):
 ==============  ==================================================================
 ``arithmetic``  multi-digit addition (:class:`rl_jax.envs.arithmetic.ArithmeticEnv`)
 ``countdown``   reach a target with + − × ÷ (:class:`rl_jax.envs.countdown.CountdownEnv`)
+``sorting``     sort a list of integers (:class:`rl_jax.envs.sorting.SortingEnv`)
 ``math``        final-answer checking (:class:`rl_jax.envs.math.MathEnv`)
 ``code``        programs run against tests in a sandbox (:class:`rl_jax.envs.code.CodeEnv`)
 ==============  ==================================================================
@@ -25,6 +26,7 @@ from rl_jax.envs.base import (EnvError, Environment, EpisodeState, EpisodeTokens
 _BUILTIN = {
     "arithmetic": "rl_jax.envs.arithmetic:ArithmeticEnv",
     "countdown": "rl_jax.envs.countdown:CountdownEnv",
+    "sorting": "rl_jax.envs.sorting:SortingEnv",
     "math": "rl_jax.envs.math:MathEnv",
     "code": "rl_jax.envs.code:CodeEnv",
 }

@@ -11,8 +11,8 @@ normalisations and :mod:`rl_jax.losses.policy` for the common signature, and ``d
 for each loss's and normalisation's name in verl, tunix, TRL and AReaL.
 
 Registered policy losses: ``reinforce_tis``, ``ppo_clip``, ``grpo``, ``dapo``, ``dr_grpo``,
-``gspo``, ``cispo``, ``decoupled_ppo``, ``m2po``. Advantage estimators (:func:`get_advantage_estimator`):
-``grpo``, ``rloo``, ``dr_grpo``.
+``gspo``, ``gmpo``, ``cispo``, ``decoupled_ppo``, ``m2po``. Advantage estimators
+(:func:`get_advantage_estimator`): ``grpo``, ``rloo``, ``dr_grpo``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from rl_jax.losses.advantages import (ADVANTAGE_ESTIMATORS, GroupSizeError, chec
                                       dr_grpo_advantages, get_advantage_estimator,
                                       grpo_advantages, rloo_advantages)
 from rl_jax.losses.configs import (LOG_RATIO_CLAMP, NORMALIZATIONS, CISPOConfig, DAPOConfig,
-                                   DecoupledPPOConfig, DrGRPOConfig, GRPOConfig, GSPOConfig,
-                                   LossConfigError, M2POConfig, PolicyLossConfig, PPOClipConfig,
-                                   ReinforceTISConfig)
+                                   DecoupledPPOConfig, DrGRPOConfig, GMPOConfig, GRPOConfig,
+                                   GSPOConfig, LossConfigError, M2POConfig, PolicyLossConfig,
+                                   PPOClipConfig, ReinforceTISConfig)
 from rl_jax.losses.core import (LossOutput, count_sequences, finalize_metrics, per_sequence_sum,
                                safe_mean)
-from rl_jax.losses.policy import (cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, grpo,
-                                  gspo, m2po, ppo_clip, reinforce_tis,
+from rl_jax.losses.policy import (cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, gmpo,
+                                  grpo, gspo, m2po, ppo_clip, reinforce_tis,
                                   second_moment_mask)
 from rl_jax.losses.regularizers import importance_weights, kl_penalty
 
@@ -53,6 +53,7 @@ _REGISTRY: dict[str, RegisteredLoss] = {
     "dapo": RegisteredLoss(dapo, DAPOConfig),
     "dr_grpo": RegisteredLoss(dr_grpo, DrGRPOConfig),
     "gspo": RegisteredLoss(gspo, GSPOConfig),
+    "gmpo": RegisteredLoss(gmpo, GMPOConfig),
     "cispo": RegisteredLoss(cispo, CISPOConfig),
     "decoupled_ppo": RegisteredLoss(decoupled_ppo, DecoupledPPOConfig),
     "m2po": RegisteredLoss(m2po, M2POConfig),
@@ -100,11 +101,12 @@ def register(name: str, fn: PolicyLoss, config_cls: type[PolicyLossConfig]) -> N
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CISPOConfig", "DAPOConfig", "DecoupledPPOConfig", "DrGRPOConfig",
-    "GRPOConfig", "GSPOConfig", "GroupSizeError", "LOG_RATIO_CLAMP", "LossConfigError",
-    "LossOutput", "M2POConfig", "NORMALIZATIONS", "PPOClipConfig", "PolicyLoss", "PolicyLossConfig",
-    "RegisteredLoss", "ReinforceTISConfig", "check_groups", "cispo", "clipped_surrogate",
-    "config_class", "count_sequences", "dapo", "decoupled_ppo", "dr_grpo", "dr_grpo_advantages",
-    "finalize_metrics", "get", "get_advantage_estimator", "grpo", "grpo_advantages", "gspo",
-    "importance_weights", "kl_penalty", "m2po", "make_config", "names", "per_sequence_sum", "ppo_clip",
-    "register", "reinforce_tis", "rloo_advantages", "safe_mean", "second_moment_mask",
+    "GMPOConfig", "GRPOConfig", "GSPOConfig", "GroupSizeError", "LOG_RATIO_CLAMP",
+    "LossConfigError", "LossOutput", "M2POConfig", "NORMALIZATIONS", "PPOClipConfig",
+    "PolicyLoss", "PolicyLossConfig", "RegisteredLoss", "ReinforceTISConfig", "check_groups",
+    "cispo", "clipped_surrogate", "config_class", "count_sequences", "dapo", "decoupled_ppo",
+    "dr_grpo", "dr_grpo_advantages", "finalize_metrics", "get", "get_advantage_estimator",
+    "gmpo", "grpo", "grpo_advantages", "gspo", "importance_weights", "kl_penalty", "m2po",
+    "make_config", "names", "per_sequence_sum", "ppo_clip", "register", "reinforce_tis",
+    "rloo_advantages", "safe_mean", "second_moment_mask",
 ]

@@ -195,6 +195,23 @@ class GSPOConfig(PolicyLossConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GMPOConfig(PolicyLossConfig):
+    """``gmpo``: token log-ratios clipped to ``[−ε_low, ε_high]`` on the side the advantage's sign
+    makes pessimistic; ``ε = 0.4``, the ratio range ``(e^−0.4, e^0.4)`` of the paper."""
+
+    loss: ClassVar[str | None] = "gmpo"
+
+    normalization: str = "sequence"
+    epsilon_low: float = 0.4
+    epsilon_high: float = 0.4
+
+    def _check(self) -> None:
+        super()._check()
+        _nonnegative("epsilon_low", self.epsilon_low)
+        _nonnegative("epsilon_high", self.epsilon_high)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CISPOConfig(PolicyLossConfig):
     """``cispo``: weight ``clip(r, 1 − ε_low, 1 + ε_high)``; ``epsilon_low=None`` means no lower
     bound (as in the paper). ``ε_high = 4`` caps the weight at 5."""

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from rl_jax.losses.configs import (CISPOConfig, DAPOConfig, DecoupledPPOConfig, DrGRPOConfig,
-                                   GRPOConfig, GSPOConfig, LossConfigError, M2POConfig,
-                                   PolicyLossConfig, PPOClipConfig, ReinforceTISConfig)
+                                   GMPOConfig, GRPOConfig, GSPOConfig, LossConfigError,
+                                   M2POConfig, PolicyLossConfig, PPOClipConfig,
+                                   ReinforceTISConfig)
 from rl_jax.losses.core import (LossOutput, TokenInputs, clamped_log_ratio, masked_sum,
                                 normalization_weights, per_sequence_sum, prepare_inputs,
                                 ratio_metrics, safe_divide)
@@ -328,6 +329,47 @@ def gspo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLi
                                 x.sequence_tokens)
     pg, clipped, _ = clipped_surrogate(seq_ratio, seq_advantage, config.epsilon_low,
                                        config.epsilon_high)
+    metrics = {"clipped_tokens": _count(clipped, x)}
+    return _finish(x, config, pg, log_ratio, seq_ratio, metrics)
+
+
+def gmpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLike,
+         loss_mask: ArrayLike, *, config: GMPOConfig | None = None,
+         proximal_logprobs: ArrayLike | None = None,
+         ref_logprobs: ArrayLike | None = None, entropy: ArrayLike | None = None,
+         segment_ids: ArrayLike | None = None) -> LossOutput:
+    """Geometric-Mean Policy Optimization: the geometric mean of token-clipped ratios.
+
+    ``J_i = sgn(A_i) · (Π_t |min(r_t · A_i, clip(r_t, e^−ε_low, e^ε_high) · A_i)|)^(1/|o_i|)``,
+    i.e. ``ℓ_i = −A_i · exp((1/|o_i|) Σ_t c_t)`` with ``c_t = min(log r_t, ε_high)`` for
+    ``A_i > 0`` and ``max(log r_t, −ε_low)`` for ``A_i < 0`` (the pessimistic side, as PPO's
+    clip; clipped tokens get no gradient), ``ε_low = ε_high = 0.4``, and ``loss = (1/G) Σ_i ℓ_i``
+    (normalisation ``"sequence"``). The geometric mean is less sensitive than GRPO's arithmetic
+    mean to tokens with outlier ratios, so the ratios stay in a narrower range. ``A_i`` is the
+    sequence's advantage (the token mean of ``advantages`` over the sequence); every token
+    carries its sequence's ``ℓ_i``, as in :func:`gspo`.
+
+    Y. Zhao, Y. Liu, J. Liu, J. Chen, X. Wu, et al., "Geometric-Mean Policy Optimization"
+    (2025), arXiv:2507.20673.
+
+    Arguments and return value: see the module docstring. Metrics: ``clipped_tokens`` counts the
+    clipped token log-ratios; ``ratio_*`` describe the sequence's geometric-mean ratio per token.
+    """
+    config = _config(config, GMPOConfig)
+    x = prepare_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
+                       proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                       entropy=entropy, segment_ids=segment_ids)
+    log_ratio = clamped_log_ratio(x.logprobs, x.old_logprobs, x.valid, config.log_ratio_clamp)
+    seq_advantage = safe_divide(per_sequence_sum(x.advantages * x.mask, x.segment_ids),
+                                x.sequence_tokens)
+    clipped = (((seq_advantage > 0) & (log_ratio > config.epsilon_high))
+               | ((seq_advantage < 0) & (log_ratio < -config.epsilon_low)))
+    clipped_log_ratio = jnp.where(
+        clipped, jnp.where(seq_advantage > 0, config.epsilon_high, -config.epsilon_low), log_ratio)
+    seq_log_ratio = safe_divide(per_sequence_sum(clipped_log_ratio * x.mask, x.segment_ids),
+                                x.sequence_tokens)
+    seq_ratio = jnp.exp(jnp.where(x.valid, seq_log_ratio, 0.0))
+    pg = -seq_advantage * seq_ratio
     metrics = {"clipped_tokens": _count(clipped, x)}
     return _finish(x, config, pg, log_ratio, seq_ratio, metrics)
 

@@ -1,5 +1,5 @@
-"""Model configuration for the Llama / Qwen2 / Qwen3 decoder families, read from and written to
-Hugging Face ``config.json``."""
+"""Model configuration for the Llama / Qwen2 / Qwen3 / Seed-OSS decoder families, read from and
+written to Hugging Face ``config.json``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Llama with q/k/v biases by default and the output projection's bias a separate option
+    # (``attention_out_bias``).
+    "SeedOssForCausalLM": "seed_oss",
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "seed_oss": "SeedOssForCausalLM"}
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,8 +36,9 @@ class ModelConfig:
     """Shape and numerics of a decoder-only transformer.
 
     ``attention_bias`` adds biases to the q/k/v projections (Qwen2 always, Llama/Qwen3 when their
-    config says so); ``output_bias`` adds one to the output projection (Llama/Qwen3 with
-    ``attention_bias``); ``qk_norm`` applies RMSNorm over ``head_dim`` to q and k (Qwen3).
+    config says so, Seed-OSS unless it says not); ``output_bias`` adds one to the output
+    projection (Llama/Qwen3 with ``attention_bias``, Seed-OSS with ``attention_out_bias``);
+    ``qk_norm`` applies RMSNorm over ``head_dim`` to q and k (Qwen3).
     """
 
     vocab_size: int
@@ -138,7 +143,16 @@ class ModelConfig:
                                             and hf.get("use_sliding_window", True)):
             raise ConfigError(f"sliding-window attention (sliding_window="
                               f"{hf.get('sliding_window')}) is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+        if hf.get("mlp_bias"):
+            raise ConfigError("MLP biases (mlp_bias=true) are not supported")
+        # (q/k/v bias, output bias): what each family's HF class builds.
         bias = bool(hf.get("attention_bias", False))
+        biases = {"qwen2": (True, False),
+                  "seed_oss": (bool(hf.get("attention_bias", True)),
+                               bool(hf.get("attention_out_bias", False)))
+                  }.get(family, (bias, bias))
         eos = hf.get("eos_token_id")
         return cls(
             vocab_size=need("vocab_size"),
@@ -153,8 +167,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=True if family == "qwen2" else bias,
-            output_bias=False if family == "qwen2" else bias,
+            attention_bias=biases[0],
+            output_bias=biases[1],
             qk_norm=family == "qwen3",
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             bos_token_id=hf.get("bos_token_id"),
@@ -190,6 +204,10 @@ class ModelConfig:
             out["rope_scaling"] = dict(self.rope_scaling)
         if self.family == "qwen2":
             out["use_sliding_window"] = False
+        elif self.family == "seed_oss":
+            # This model has no dropout; SeedOssConfig's defaults are 0.1.
+            out.update(attention_bias=self.attention_bias, attention_out_bias=self.output_bias,
+                       mlp_bias=False, attention_dropout=0.0, residual_dropout=0.0)
         else:
             out["attention_bias"] = self.attention_bias
             if self.family == "llama":

@@ -118,8 +118,6 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
     try:
-        if isinstance(raw, dict) and raw.get("mlp_bias"):
-            raise ConfigError("MLP biases (mlp_bias=true) are not supported")
         return ModelConfig.from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{config_file}: {e}") from e

@@ -70,6 +70,8 @@ SHAPES: dict[str, ModelConfig] = {
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, tied=True),
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, tied=True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, tied=False),
     # Llama 3.x
     "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 8, 64, tied=True, rope=_LLAMA32_ROPE),
     "llama-3.2-3b": _llama3(3072, 8192, 28, 24, 8, 128, tied=True, rope=_LLAMA32_ROPE),

@@ -100,7 +100,8 @@ def model_shape(config: Any, *, base_dir: str | Path = ".", _depth: int = 0) -> 
     if model is not None and get(model, "hidden_size"):
         values = {k: get(model, k) for k in _SHAPE_FIELDS if get(model, k) is not None}
         if "attention_bias" not in values:
-            values["attention_bias"] = get(model, "architecture") == "Qwen2ForCausalLM"
+            values["attention_bias"] = get(model, "architecture") in ("Qwen2ForCausalLM",
+                                                                      "SeedOssForCausalLM")
         vocab = values.get("vocab_size") or _task_vocab_size()
         name = f"{get(model, 'architecture', 'decoder')} (config model)"
         return ModelShape.from_mapping(values, vocab_size=vocab, name=name)

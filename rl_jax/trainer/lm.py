@@ -57,7 +57,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int,
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim, architecture=m.architecture, rope_theta=m.rope_theta,
         tie_word_embeddings=m.tie_word_embeddings,
-        attention_bias=m.architecture == "Qwen2ForCausalLM",
+        attention_bias=m.architecture in ("Qwen2ForCausalLM", "SeedOssForCausalLM"),
         qk_norm=m.architecture == "Qwen3ForCausalLM",
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"])
 
