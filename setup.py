@@ -25,6 +25,8 @@ INSTALL_REQUIRES = [
     "aiohttp>=3.9,<4",
     # Per-tensor checksums of transferred weights (rl_jax.transfer).
     "xxhash==4.1.0",
+    # Compressed weight deltas for slow links (rl_jax.transfer.transports.delta).
+    "zstandard==0.25.0",
     # TensorBoard event files of RL runs (rl_jax.orchestrator).
     "tensorboardX==2.6.4",
 ]

@@ -29,12 +29,12 @@ def test_the_registry_lists_every_transport_module_in_preference_order():
     registered = {transports.get(name).__module__.rpartition(".")[2] + ":"
                   + transports.get(name).__name__ for name in transports.names()}
     assert registered == found
-    assert transports.names() == TRANSPORTS == ("shm", "socket", "jax_transfer", "disk")
+    assert transports.names() == TRANSPORTS == ("shm", "socket", "jax_transfer", "disk", "delta")
     for name in transports.names():
         cls = transports.get(name)
         assert issubclass(cls, Transport) and cls.name == name and cls.staging in STAGINGS
         assert not cls.streams or cls.staging == "host"  # streaming reads the staging slot
-    assert transports.staged_on("host") == ("shm", "socket")
+    assert transports.staged_on("host") == ("shm", "socket", "delta")
     assert [n for n in TRANSPORTS if not transports.get(n).checks_values] == ["jax_transfer"]
     assert [n for n in TRANSPORTS if transports.get(n).same_host] == ["shm"]
 

@@ -203,6 +203,12 @@ class ControlServer:
                     self.end_headers()
                 elif isinstance(result, FileSlice):
                     self._file(result)
+                elif isinstance(result, bytes):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Content-Length", str(len(result)))
+                    self.end_headers()
+                    self.wfile.write(result)
                 else:
                     self._json(200, result)
 

@@ -190,6 +190,7 @@ class HostStaging:
         self._plans: dict[tuple, _LayoutPlan] = {}
         self.current_slot: int | None = None
         self._staged_slot: int | None = None
+        self._whole: dict[int, int] = {}  # slot -> the version it holds whole (see slot_of)
 
     def slot_path(self, slot: int) -> Path:
         return self.dir / f"slot{slot}.safetensors"
@@ -274,6 +275,21 @@ class HostStaging:
     def stamp(self, slot: int) -> int:
         return int(self._slots[slot].stamp[0])
 
+    def slot_of(self, version: int) -> int | None:
+        """The slot that holds ``version`` whole (staged to the end, current or superseded
+        since, not yet taken for another version), or None. A reader re-checks
+        :meth:`whole_version` once it holds the slot's shared lock: a slot may be taken for
+        another version meanwhile."""
+        for slot, held in sorted(self._whole.items()):
+            if held == version:
+                return slot
+        return None
+
+    def whole_version(self, slot: int) -> int | None:
+        """The version ``slot`` holds whole, or None while it is written or after a failed
+        write."""
+        return self._whole.get(slot)
+
     def stage(self, version: int, flat: Mapping[str, jax.Array], layout: Layout,
               chunk_bytes: int, algorithm: str, threads: int = 0, *,
               check_finite: bool = True) -> tuple[list[TensorInfo], dict[str, Any], int]:
@@ -299,6 +315,7 @@ class HostStaging:
         """
         plan = self._layout_plan(flat, layout, chunk_bytes)
         slot = self._acquire()
+        self._whole.pop(slot, None)  # rewritten from now on
         entry = self._slots[slot]
         try:
             entry.stamp[:] = (STAMP_WRITING, version)
@@ -430,6 +447,7 @@ class HostStaging:
                 held[key].rows[:, 0] = values
                 held[key].rows[:, 1] = held[key].stamp()
             entry.stamp[0] = staged.version  # every byte is in place: pullers may finish
+            self._whole[staged.slot] = staged.version
             infos = []
             for name, shape, dtype, indices in staged.tensors:
                 shards = tuple(ShardInfo(index, digests[name, k], *staged.placed[name, k])

@@ -12,6 +12,9 @@ the pullers' preference under ``PullerConfig.transport="auto"``:
                   (:class:`rl_jax.transfer.transports.jax_transfer.JaxTransferTransport`)
 ``disk``          an HF safetensors directory (the fallback; also what SGLang servers load)
                   (:class:`rl_jax.transfer.transports.disk.DiskTransport`)
+``delta``         the staging chunks as compressed XORs against the version the puller holds,
+                  for slow links; never chosen by ``"auto"`` before the others
+                  (:class:`rl_jax.transfer.transports.delta.DeltaTransport`)
 ================  =============================================================================
 
 A transport is one module here with a :class:`~rl_jax.transfer.transports.base.Transport`
@@ -33,6 +36,7 @@ _REGISTRY: dict[str, str] = {
     "socket": "rl_jax.transfer.transports.sockets:SocketTransport",
     "jax_transfer": "rl_jax.transfer.transports.jax_transfer:JaxTransferTransport",
     "disk": "rl_jax.transfer.transports.disk:DiskTransport",
+    "delta": "rl_jax.transfer.transports.delta:DeltaTransport",
 }
 TRANSPORTS: tuple[str, ...] = tuple(_REGISTRY)
 
