@@ -44,7 +44,7 @@ def publisher(checkpoints, tmp_path_factory):
     import jax
     new_model = load_pretrained(checkpoints["b"])
     spec = ModelSpec(new_model.config, mesh=make_mesh(data=1, fsdp=4, tensor=2))
-    publisher = Publisher(PublisherConfig(transports=("shm", "socket"),
+    publisher = Publisher(PublisherConfig(transports=("shm", "socket", "delta"),
                                           staging_dir=str(tmp_path_factory.mktemp("staging"))),
                           spec=spec)
     publisher.model = new_model
@@ -133,6 +133,32 @@ def test_pull_from_publisher_swaps_verified_weights(server, publisher):
     status, body, _ = http(server, "/update_weights_from_transfer",
                            {"publisher_url": publisher.url.split("//")[1]})
     assert status == 200 and body["weight_version"] == 7, body
+
+
+def test_a_server_asked_for_the_delta_transport_pulls_changed_bytes(server, publisher):
+    """``transport="delta"`` (the recipe's ``transfer.transport``): the server's puller
+    registers with it; its first version comes whole, the next as compressed XORs of what
+    changed (here one tensor of the model), rebuilt exactly."""
+    import jax
+    params = publisher.params
+    bodies = []
+    for version, scale in ((20, 0.0), (21, 1e-3)):
+        flat = dict(params)
+        flat["embed"] = jax.tree.map(lambda x: x + scale, params["embed"])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(http, server, "/update_weights_from_transfer",
+                                  {"publisher_url": publisher.url, "wait_s": 60,
+                                   "transport": "delta"})
+            time.sleep(0.5)  # registered and waiting
+            publisher.publish(flat, version)
+            status, body, _ = pending.result(timeout=120)
+        assert status == 200 and body["success"] and body["weight_version"] == version, body
+        assert body["transfer"]["transport"] == "delta"
+        bodies.append(body)
+    assert bodies[1]["transfer"]["bytes"] < 0.5 * bodies[0]["transfer"]["bytes"], bodies
+    status, body, _ = http(server, "/update_weights_from_transfer",
+                           {"publisher_url": publisher.url, "transport": "pigeon"})
+    assert status == 400 and "unknown transport 'pigeon'" in body["message"], body
 
 
 def test_transfer_errors_keep_the_old_version(server, publisher):

@@ -154,6 +154,7 @@ def test_the_message_of_a_bad_staleness_bound():
     ("cpus.generators_nice", 20, "cpus.generators_nice must be an integer from 0"),
     ("transfer.transports", ("shm", "pigeon"), "transfer.transports must name one or more of"),
     ("transfer.transport", "pigeon", "transfer.transport must be 'auto' or one of"),
+    ("transfer.transport", "delta", "transfer.transport='delta' is not offered"),
 ])
 def test_registered_names_are_checked(name, value, message):
     tree = _with(to_dict(defaults()), name, value)

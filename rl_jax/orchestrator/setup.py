@@ -264,7 +264,8 @@ class SessionSetup:
             self.publisher, self.control, self.control_loop, method=method,
             update_when_idle=self.settings.update_when_idle,
             generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
-            on_applied=self._on_applied, timeout_s=c.transfer.timeout_s)
+            on_applied=self._on_applied, timeout_s=c.transfer.timeout_s,
+            transport=c.transfer.transport)
         self._closers.append(self.weights.close)
         if method == "transfer" and not c.generator.urls:
             if not self.publisher.wait_for_layouts(1, timeout=60):

@@ -52,7 +52,8 @@ class WeightSync:
     def __init__(self, publisher: Publisher, client: Any, loop: Any, *, method: str = "transfer",
                  update_when_idle: bool = False,
                  generation_idle: Callable[[], bool] = lambda: True,
-                 on_applied: Callable[[int], None] = lambda v: None, timeout_s: float = 300.0):
+                 on_applied: Callable[[int], None] = lambda v: None, timeout_s: float = 300.0,
+                 transport: str = "auto"):
         if method not in ("transfer", "disk"):
             raise ValueError(f"method must be 'transfer' or 'disk', got {method!r}")
         self.publisher, self.client, self.loop = publisher, client, loop
@@ -61,6 +62,7 @@ class WeightSync:
         self.generation_idle = generation_idle
         self.on_applied = on_applied
         self.timeout_s = timeout_s
+        self.transport = None if transport == "auto" else transport  # the servers' pulls
         self.applied: int | None = None
         self.published: int | None = None
         self.error: BaseException | None = None
@@ -180,7 +182,8 @@ class WeightSync:
             try:
                 versions = self.loop.run(self.client.update_weights_from_transfer(
                     version, publisher_url=self.publisher.url,
-                    wait_s=min(30.0, self.timeout_s)), timeout=self.timeout_s)
+                    wait_s=min(30.0, self.timeout_s), transport=self.transport),
+                    timeout=self.timeout_s)
                 break
             except GeneratorUnavailable as e:
                 # Every server down (e.g. one restarting): a restarted server pulls the newest

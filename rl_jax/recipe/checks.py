@@ -183,6 +183,10 @@ def _check_registries(r: RLRecipe) -> None:
     if r.transfer.transport != "auto" and r.transfer.transport not in known:
         raise RLConfigError(f"transfer.transport must be 'auto' or one of {list(known)}, got "
                             f"{r.transfer.transport!r}")
+    if r.transfer.transport not in ("auto", *r.transfer.transports):
+        raise RLConfigError(f"transfer.transport={r.transfer.transport!r} is not offered: the "
+                            f"publisher prepares transfer.transports="
+                            f"{list(r.transfer.transports)}")
 
 
 def apply_overrides(config: Any, overrides: tuple[str, ...] | list[str], *, what: str) -> None:

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rl_jax.transfer import transports as registry
 from rl_jax.transfer.config import MAX_WAIT_S, PullerConfig
 from rl_jax.transfer.control import normalize_url
 from rl_jax.transfer.errors import PublisherNotAllowed, TransferError, TransferTimeout
@@ -90,9 +91,15 @@ class GeneratorPuller:
         bounded time."""
         wait_s = min(max(float(wait_s), 0.0), MAX_WAIT_S)
         bound = self.config.timeout_s + wait_s
+        if transport is not None:
+            registry.get(transport)  # an unknown name is an error naming the known ones
         if not self._lock.acquire(timeout=bound):
             raise TransferTimeout(f"another pull from {self.url} still runs after {bound:.1f} s")
         try:
+            if transport is not None and transport not in (self.transports or ()):
+                # Asked for a transport it did not register: registers again with it (the
+                # next pull makes the new registration).
+                self.transports, self._puller = [transport], None
             current = int(engine.version)
             after = current if min_version is None else max(current, int(min_version) - 1)
             try:
