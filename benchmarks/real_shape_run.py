@@ -59,6 +59,9 @@ _WORKDIR = flags.DEFINE_string("workdir", str(ROOT / "runs" / "real_shape_run"),
                                "kept for the next run of the same shape).")
 _RESULTS_DIR = flags.DEFINE_string("results_dir", str(RESULTS), "Where the JSON and PNG go.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 3600.0, "Longest the run may take.")
+_OVERCOMMIT = flags.DEFINE_bool("allow_overcommit", False, "Start the run even when the systems "
+                                "model's memory for it exceeds the memory available now (an "
+                                "out-of-memory kill on a shared machine may hit other work).")
 _INTERVAL = flags.DEFINE_float("memory_interval_s", 0.5, "Seconds between memory samples.")
 _MEASURE = flags.DEFINE_string("measure_decode", "", "Internal: print the decode-step latency "
                                "curve of this HF checkpoint as JSON and exit (with --dtype, "
@@ -353,9 +356,20 @@ def predict(recipe, inputs: dict, curve: dict[int, float], steps: int, warmup: i
         ordered_lengths=True, shared_prompts=r.share_prompts, warmup_steps=warmup)
 
 
+# Resident memory of a trainer or generator process beyond its arrays (Python, JAX's runtime,
+# compiled programs): both were ~0.5 GiB at the tiny shape.
+RUNTIME_BYTES = 2 ** 29
+# Staging slots of the publisher's shared-memory versions: a server's live weights alias one
+# while the next version is written into another (rl_jax.transfer.staging.HostStaging).
+STAGING_SLOTS = 2
+
+
 def predicted_memory(recipe) -> dict:
-    """The systems model's trainer and generator bytes (one device each) for this recipe."""
+    """The systems model's trainer and generator bytes (one device each) for this recipe, and
+    what the run needs of this machine: both, the publisher's staging slots (versions in the
+    generator's dtype, in ``/dev/shm``) and each process's runtime."""
     from rl_jax.models.shapes import shape
+    from rl_jax.sysmodel.accelerators import dtype_bytes
     from rl_jax.sysmodel.memory import generator_memory, trainer_memory
     from rl_jax.sysmodel.shape import ModelShape
     model = ModelShape.from_model_config(shape(recipe.model.shape))
@@ -366,8 +380,13 @@ def predicted_memory(recipe) -> dict:
     generator = generator_memory(model, max_slots=recipe.generator.max_slots,
                                  max_seq_len=recipe.generator.max_seq_len,
                                  dtype=recipe.generator.dtype)
+    version = shape(recipe.model.shape).num_params() * dtype_bytes(recipe.generator.dtype)
+    servers = max(len(recipe.generator.urls), recipe.generator.num_servers)
+    machine = (trainer.total + servers * generator.total + STAGING_SLOTS * version
+               + (1 + servers) * RUNTIME_BYTES)
     return {"trainer": trainer.to_dict(), "generator": generator.to_dict(),
-            "trainer_describe": trainer.describe(), "generator_describe": generator.describe()}
+            "trainer_describe": trainer.describe(), "generator_describe": generator.describe(),
+            "staging_bytes": STAGING_SLOTS * version, "machine_bytes": machine}
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -431,6 +450,18 @@ def main(argv):
         raise SystemExit(f"--steps={steps} leaves no step after --warmup_steps={warmup}")
     name = recipe.model.shape
     workdir = Path(_WORKDIR.value) / name
+    planned = predicted_memory(recipe)
+    available = _available_bytes()
+    gib = 2 ** 30
+    print(f"memory: the run needs ~{planned['machine_bytes'] / gib:.1f} GiB (systems model: "
+          f"trainer {planned['trainer']['total'] / gib:.1f}, generator "
+          f"{planned['generator']['total'] / gib:.1f}, staged versions "
+          f"{planned['staging_bytes'] / gib:.1f}, runtimes); {available / gib:.1f} GiB "
+          "available", flush=True)
+    if planned["machine_bytes"] > available and not _OVERCOMMIT.value:
+        raise SystemExit(f"not started: the run needs ~{planned['machine_bytes'] / gib:.1f} GiB "
+                         f"and this machine has {available / gib:.1f} GiB available "
+                         "(--allow_overcommit starts it anyway)")
     load_before = os.getloadavg()
     summary, records, memory, wall = run(workdir, overrides)
     load_after = os.getloadavg()
@@ -448,7 +479,8 @@ def main(argv):
     predicted_intervals = [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
     error = predicted / measured - 1
     max_lag = summary["max_lag"]
-    memory["predicted"] = predicted_memory(recipe)
+    memory["predicted"] = planned
+    memory["available_before_bytes"] = available
     per_step = [{"step": r["step"], "wall_s": r["wall_s"], "interval_s": i,
                  "predicted_interval_s": p, "train_step_s": r["trainer/step_s"],
                  "wait_s": r["trainer/wait_s"], "publish_s": r["weights/publish_s"],
@@ -458,7 +490,6 @@ def main(argv):
                  "staleness_mean": r["staleness/batch_mean"]}
                 for r, i, p in zip(records, intervals, predicted_intervals)]
     from rl_jax.models.shapes import shape
-    gib = 2 ** 30
     result = {
         "benchmark": "real_shape_run", "shape": name, "params": shape(name).num_params(),
         "command": "python benchmarks/real_shape_run.py " + " ".join(sys.argv[1:]),

@@ -26,11 +26,18 @@ def get_config() -> ConfigDict:
     # No checkpoint and no supervised base recipe: random weights of this named shape
     # (rl_jax.models.shapes; "tiny" and "small" run the same path in seconds).
     c.base.lm_config = ""
-    # Mixed precision: bfloat16 compute over float32 master weights and AdamW moments. The
-    # layers stay in a lax.scan (faster than unrolled at this size on a CPU, and one layer to
-    # compile); remat "none": a micro-batch of 2 x 128 tokens keeps ~1 GB of activations,
+    # bfloat16 compute over bfloat16 parameters and AdamW moments (gradients accumulate in
+    # float32 over micro-batches). What fits here: with float32 master weights and moments the
+    # systems model puts the 0.5B trainer's compiled peak at 13.4 GiB (XLA's CPU backend
+    # updates the donated state out of place: 6 GiB of update temporaries beside 7.4 GiB of
+    # parameters, moments and gradients), which with the generator (3.8 GiB) and the shared-
+    # memory weight versions leaves too little of a 23 GiB machine shared with other work;
+    # in bfloat16 it is 6.7 GiB (python -m launch.plan, rl_jax.sysmodel.memory). On a larger
+    # host, --config.model.param_dtype=float32 is the mixed-precision recipe.
+    # The layers stay in a lax.scan (faster than unrolled at this size on a CPU, and one layer
+    # to compile); remat "none": a micro-batch of 2 x 128 tokens keeps ~1 GB of activations,
     # and recomputing the layers would cost a third more compute.
-    c.model.update(shape="qwen2.5-0.5b", dtype="bfloat16", param_dtype="float32",
+    c.model.update(shape="qwen2.5-0.5b", dtype="bfloat16", param_dtype="bfloat16",
                    remat="none", scan_layers=True)
 
     # 3-digit addition ("123+456=": 9 prompt tokens with the byte-level tokenizer's bos).

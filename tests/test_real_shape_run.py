@@ -25,7 +25,9 @@ def test_async_run_at_a_named_shape_is_measured_and_predicted(tmp_path):
          f"--results_dir={tmp_path / 'results'}",
          # pinning to cores 0 and 1 needs two of them; the path is the same without
          "--override=cpus.trainer=", "--override=cpus.generators=", "--override=cpus.rollout=",
-         f"--override=rollout.max_lag={max_lag}"],
+         f"--override=rollout.max_lag={max_lag}",
+         # one decode batch size to measure afterwards (8 slots: one batch decodes at a time)
+         "--override=generator.max_slots=8"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[run " in result.stdout and "first step" in result.stdout  # progress shown
