@@ -47,6 +47,9 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RECIPE = ROOT / "configs" / "shape_rl_cpu.py"
+# The trainer's malloc settings (configs/shape_rl_cpu.py: its layer scan and bfloat16 upcasts
+# are fresh buffers every step, which glibc would otherwise map afresh each time).
+GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
 
 _SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "A named shape (rl_jax.models.shapes).")
 _STEPS = flags.DEFINE_integer("steps", 0, "Optimizer steps (0: the recipe's).")
@@ -203,6 +206,7 @@ def run(workdir: Path, overrides: list[str]) -> tuple[dict, list[dict], dict, fl
            *[f"--config.{o}" for o in overrides]]
     print(f"[run] {' '.join(cmd[1:])}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
+    env["GLIBC_TUNABLES"] = GLIBC_TUNABLES  # the recipe sets it for its server
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -282,6 +286,7 @@ def decode_curve(recipe, base: Path, batches: list[int], prompt_len: int) -> dic
     print(f"[decode] measuring decode steps at batches {batches} ({recipe.generator.dtype}"
           f"{', cores ' + cores if pin else ''})", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(dict(recipe.generator.env))  # the server's environment
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"decode measurement failed:\n{out.stderr[-3000:]}")
@@ -504,7 +509,8 @@ def main(argv):
                      "param_dtype": recipe.model.param_dtype, "remat": recipe.model.remat,
                      "generator_dtype": recipe.generator.dtype,
                      "max_slots": recipe.generator.max_slots,
-                     "max_seq_len": recipe.generator.max_seq_len},
+                     "max_seq_len": recipe.generator.max_seq_len,
+                     "glibc_tunables": GLIBC_TUNABLES},
         "warmup_steps": warmup, "max_lag": max_lag, "steps_completed": summary["steps"],
         "run_wall_s": wall, "loop_wall_s": summary["wall_s"],
         "time_to_first_step_s": summary.get("time_to_first_step_s"),
