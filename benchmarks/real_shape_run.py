@@ -22,6 +22,10 @@ available memory; the run's output is shown as it comes. After it:
     python benchmarks/real_shape_run.py --shape=qwen2.5-0.5b [--steps=6]
         [--override=rollout.max_new_tokens=32 ...] [--workdir=runs/real_shape_run]
 
+The run does not start when the systems model's memory for it (trainer, generator, staged
+versions) exceeds what the machine has available (``--allow_overcommit``), and its processes are
+the first an out-of-memory kill would take (``oom_score_adj``), not other work on the machine.
+
 Writes ``results/real_shape_run_<shape>.json`` and ``.png`` (per-step time measured and
 predicted, staleness, memory). The trainer does not report its compiled step's memory; the
 systems model's trainer terms stand beside the measured peak instead.
@@ -195,6 +199,16 @@ class MemorySampler:
 
 # ---- the run ----------------------------------------------------------------------------------
 
+def _first_to_go():
+    """In the run's process before it starts (its servers inherit it): the process an
+    out-of-memory kill takes first, before other work sharing the machine."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def run(workdir: Path, overrides: list[str]) -> tuple[dict, list[dict], dict, float]:
     """Runs the recipe in ``workdir`` (removing an earlier run's outputs, keeping its random base
     weights); returns its summary, per-step records, memory peaks and wall seconds."""
@@ -209,7 +223,8 @@ def run(workdir: Path, overrides: list[str]) -> tuple[dict, list[dict], dict, fl
     env["GLIBC_TUNABLES"] = GLIBC_TUNABLES  # the recipe sets it for its server
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            preexec_fn=_first_to_go)
     sampler = MemorySampler(proc.pid, _INTERVAL.value)
     tail: collections.deque[str] = collections.deque(maxlen=60)
     timer = threading.Timer(_TIMEOUT.value, proc.kill)
