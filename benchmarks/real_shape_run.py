@@ -446,11 +446,13 @@ def plot(result: dict, path: Path):
     memory = result["memory"]
     roles = [r for r in ("trainer", "generator") if r in memory["peak_rss_bytes"]]
     gib = 2 ** 30
-    ax.bar([f"{r}\nmeasured peak RSS" for r in roles],
-           [memory["peak_rss_bytes"][r] / gib for r in roles], color="tab:blue")
-    ax.bar([f"{r}\nmodel (one device)" for r in roles],
-           [memory["predicted"][r]["total"] / gib for r in roles], color="tab:orange")
-    ax.tick_params(axis="x", labelsize=7)
+    at = np.arange(len(roles))
+    ax.bar(at - 0.2, [memory["peak_rss_bytes"][r] / gib for r in roles], width=0.4,
+           color="tab:blue", label="peak resident (process)")
+    ax.bar(at + 0.2, [memory["predicted"][r]["total"] / gib for r in roles], width=0.4,
+           color="tab:orange", label="systems model (arrays)")
+    ax.set_xticks(at, roles)
+    ax.legend(fontsize=7)
     ax.set_ylabel("GiB")
     ax.set_title(f"memory (machine {result['machine']['memory_bytes'] / gib:.0f} GiB)")
     fig.tight_layout()
