@@ -51,9 +51,6 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RECIPE = ROOT / "configs" / "shape_rl_cpu.py"
-# The trainer's malloc settings (configs/shape_rl_cpu.py: its layer scan and bfloat16 upcasts
-# are fresh buffers every step, which glibc would otherwise map afresh each time).
-GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
 
 _SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "A named shape (rl_jax.models.shapes).")
 _STEPS = flags.DEFINE_integer("steps", 0, "Optimizer steps (0: the recipe's).")
@@ -220,7 +217,6 @@ def run(workdir: Path, overrides: list[str]) -> tuple[dict, list[dict], dict, fl
            *[f"--config.{o}" for o in overrides]]
     print(f"[run] {' '.join(cmd[1:])}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
-    env["GLIBC_TUNABLES"] = GLIBC_TUNABLES  # the recipe sets it for its server
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -527,7 +523,7 @@ def main(argv):
                      "generator_dtype": recipe.generator.dtype,
                      "max_slots": recipe.generator.max_slots,
                      "max_seq_len": recipe.generator.max_seq_len,
-                     "glibc_tunables": GLIBC_TUNABLES},
+                     "generator_env": dict(recipe.generator.env)},
         "warmup_steps": warmup, "max_lag": max_lag, "steps_completed": summary["steps"],
         "run_wall_s": wall, "loop_wall_s": summary["wall_s"],
         "time_to_first_step_s": summary.get("time_to_first_step_s"),

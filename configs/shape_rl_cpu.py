@@ -4,13 +4,9 @@ environment, a few steps of small batches with short completions; the trainer an
 server in their own processes on their own cores, each new version streamed to the server in
 flight after every step, staleness bounded by ``max_lag``.
 
-    export GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967295:\
-    glibc.malloc.trim_threshold=4294967295   # one line, without the break
     python -m launch.train --config=configs/shape_rl_cpu.py --workdir=runs/shape_rl \
         [--config.model.shape=qwen3-0.6b]
 
-(``GLIBC_TUNABLES``: the trainer's layer scan and bfloat16 upcasts are fresh buffers every step,
-which glibc would otherwise map afresh each time; the recipe sets it for the server itself.)
 It measures the system at real size (memory, staleness, step time against the systems model:
 ``benchmarks/real_shape_run.py``), not learning: a randomly initialised policy answers nothing
 right, so every reward is 0 and every advantage 0 (the train step still computes every
@@ -22,8 +18,10 @@ from ml_collections import ConfigDict
 
 from rl_jax.recipe import base_config
 
-# glibc's malloc keeps freed blocks (see the module docstring); benchmarks/real_shape_run.py
-# starts the trainer with it.
+# glibc's malloc keeps freed blocks instead of returning them (the server's setting, below).
+# Not for the trainer: its process then kept 14.7 GB resident at the 0.5B shape (freed blocks
+# held, fragmented) and an out-of-memory kill ended the run; its layer scan is faster without
+# it anyway (docs/performance.md, "Trainer at a real shape").
 GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
 
 
