@@ -19,7 +19,8 @@ from rl_jax.orchestrator.config import RLConfigError, mode_settings
 from rl_jax.recipe import (RLRecipe, base_config, defaults, field_names, parse, to_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
-RL_RECIPES = ("tiny_rl", "qwen2_5_1_5b_math", "qwen2_5_7b_math", "qwen3_4b_sorting")
+RL_RECIPES = ("tiny_rl", "shape_rl_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math",
+              "qwen3_4b_sorting")
 
 
 def _with(tree: dict, dotted: str, value) -> dict:

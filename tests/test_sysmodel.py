@@ -194,6 +194,23 @@ def test_sync_constant_lengths_closed_form():
     assert r3.steady_tokens_per_s == pytest.approx(240 / (0.1 + 0.03 + 0.24))
 
 
+def test_shared_prompts_are_trained_once_per_group():
+    # rollout.share_prompts: 4 groups of 4 samples of 5 + 10 tokens train 4 x (5 + 40) = 180
+    # tokens per batch, not 240 (generation 10 steps x 10 ms, training at 1000 tok/s).
+    r = run("sync", tokens_per_s=1000.0, shared_prompts=True)
+    assert r.steady_tokens_per_s == pytest.approx(180 / (0.1 + 0.18))
+    assert r.step_s == pytest.approx(0.1 + 0.18)
+    w = Workload(prompt_len=5, group_size=4, groups_per_batch=4, lengths=ConstantLengths(10),
+                 max_lag=0, shared_prompts=True)
+    assert w.tokens_per_batch == pytest.approx(180)
+    p = predict_run(decode_latency={1: 0.01, 64: 0.01}, trainer_tokens_per_s=1000.0,
+                    response_lengths=[10] * 8, prompt_len=5, group_size=4, groups_per_batch=4,
+                    max_lag=0, mode="sync", num_servers=2, slots_per_server=8, num_steps=6,
+                    shared_prompts=True)
+    assert p.steady_tokens_per_s == pytest.approx(180 / 0.28)
+    assert p.estimate["tokens_per_s"] == pytest.approx(180 / 0.28)
+
+
 def test_group_overhead_is_hidden_by_async_when_training_bound():
     # generation 0.1 s + overhead 0.05 s per batch < training 0.24 s: async stays trainer-bound
     r = run("async", tokens_per_s=1000.0, steps=30, group_overhead_s=0.05)

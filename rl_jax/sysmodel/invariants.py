@@ -37,6 +37,7 @@ class Workload:
     groups_per_batch: int
     lengths: LengthDistribution
     max_lag: int
+    shared_prompts: bool = False  # a group's prompt is trained once (rollout.share_prompts)
 
     def __post_init__(self):
         if self.group_size < 1 or self.groups_per_batch < 1:
@@ -53,8 +54,10 @@ class Workload:
 
     @property
     def tokens_per_sample(self) -> float:
-        """Mean trained tokens per sample (prompt + completion)."""
-        return self.prompt_len + self.lengths.mean
+        """Mean trained tokens per sample: its completion and its prompt, or its share of the
+        group's one prompt with ``shared_prompts``."""
+        prompt = self.prompt_len / self.group_size if self.shared_prompts else self.prompt_len
+        return prompt + self.lengths.mean
 
     @property
     def tokens_per_batch(self) -> float:

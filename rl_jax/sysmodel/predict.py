@@ -46,7 +46,8 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                 prefill_s_per_token: float = 0.0, swap_pause_s: float = 0.0,
                 group_overhead_s: float = 0.0, startup_s: float = 0.0,
                 ordered_lengths: bool = False, shared_group_length: bool = False,
-                warmup_steps: int | None = None, seed: int = 0) -> RunPrediction:
+                shared_prompts: bool = False, warmup_steps: int | None = None,
+                seed: int = 0) -> RunPrediction:
     """Predicts throughput, idle fractions and staleness of a run from measurements.
 
     Args:
@@ -74,6 +75,8 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
         state.
       ordered_lengths: draw ``response_lengths`` in order instead of resampling them.
       shared_group_length: one length per group (per prompt) instead of one per sample.
+      shared_prompts: a group's prompt is trained once, not once per sample (the recipe's
+        ``rollout.share_prompts``); ``trainer_tokens_per_s`` then counts it once too.
       warmup_steps: steps left out of ``steady_tokens_per_s`` (default: automatic).
       seed: seed of the length resampling.
     """
@@ -88,9 +91,10 @@ def predict_run(*, decode_latency: Mapping[int, float] | Sequence[tuple[int, flo
                     prefill_s_per_token=prefill_s_per_token,
                     group_overhead_s=group_overhead_s, warmup_steps=warmup_steps,
                     shared_group_length=shared_group_length,
-                    seed=seed)
+                    shared_prompts=shared_prompts, seed=seed)
     sim = simulate(cfg, latency, trainer, lengths)
-    workload = Workload(prompt_len, group_size, groups_per_batch, lengths, max_lag)
+    workload = Workload(prompt_len, group_size, groups_per_batch, lengths, max_lag,
+                        shared_prompts)
     estimate = steady_state(mode, latency=latency, trainer=trainer, workload=workload,
                             num_servers=num_servers, slots_per_server=slots_per_server,
                             weight_transfer_s=weight_transfer_s,

@@ -10,6 +10,9 @@ What is simulated (times in seconds, lengths in tokens):
   the server holds when it starts, so that version is the oldest in the sample.
 - *Trainer*: consumes one batch of ``groups_per_batch`` groups (``group_size`` samples of one
   prompt) per optimizer step, taking ``trainer.step_seconds(tokens)``; the version counts steps.
+  A group's tokens are its completions and its prompt once per sample, or once per group with
+  ``shared_prompts`` (``rollout.share_prompts``: the prompt packed once, its completions
+  attending to it).
   New weights reach every server ``weight_transfer_s`` after a step ends. A group is ready to
   train ``group_overhead_s`` after its last sample ends (the client's HTTP, decoding, scoring).
 - *Modes*:
@@ -66,6 +69,7 @@ class SimConfig:
     prefill_s_per_token: float = 0.0
     group_overhead_s: float = 0.0
     shared_group_length: bool = False  # every sample of a group has one length (per prompt)
+    shared_prompts: bool = False  # a group's prompt is trained once, not once per sample
     warmup_steps: int | None = None  # steps left out of the steady-state rate; None: auto
     seed: int = 0
     timeline_bins: int = 200
@@ -140,12 +144,13 @@ class _Group:
                  "completion_tokens", "completed_order", "ready")
 
     def __init__(self, order: int, batch: int, deadline: int, lengths: np.ndarray,
-                 prompt_len: int):
+                 prompt_len: int, shared_prompt: bool = False):
         self.order, self.batch, self.deadline = order, batch, deadline
         self.remaining = len(lengths)
         self.min_version = math.inf
         self.completion_tokens = int(lengths.sum())
-        self.tokens = self.completion_tokens + prompt_len * len(lengths)
+        self.tokens = self.completion_tokens + prompt_len * (1 if shared_prompt
+                                                             else len(lengths))
         self.completed_order = -1
         self.ready = False
 
@@ -338,7 +343,7 @@ class _Simulation:
             lengths = (np.repeat(self.lengths.sample(self.rng, 1), cfg.group_size)
                        if cfg.shared_group_length else self.lengths.sample(self.rng, cfg.group_size))
             group = _Group(next(self.group_order), self.batches_admitted, deadline, lengths,
-                           cfg.prompt_len)
+                           cfg.prompt_len, cfg.shared_prompts)
             self.unconsumed[group.order] = group
             for length in lengths:
                 server = min(self.servers, key=lambda s: s.load)

@@ -261,7 +261,7 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                             weight_transfer_s=result.transfer_s,
                             swap_pause_s=result.estimate["swap_s"],
                             prefill_s_per_token=result.estimate["prefill_s_per_token"],
-                            seed=opt.seed)
+                            shared_prompts=workload.shared_prompts, seed=opt.seed)
             result.sim = simulate(cfg, result.latency, result.trainer, workload.lengths)
         return result
 
