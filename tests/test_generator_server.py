@@ -544,9 +544,10 @@ def test_a_stopped_engine_answers_503_instead_of_hanging(ckpts):
 
 
 def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
-    """After ``warmup_shapes``, a long sequence that grows the cache to its longest length and
-    then short ones that shrink it again run without a single compilation (each would stall
-    decoding for a fraction of a second on a CPU core)."""
+    """After ``warmup_shapes``, a long sequence that grows the attended length to its longest
+    and then short ones that shrink it again run without a single compilation (each would stall
+    decoding for a fraction of a second on a CPU core); the attended length follows the pages
+    of the longest running sequence's bucket."""
     from jax import monitoring
 
     from rl_jax.generator.server import GeneratorServer
@@ -554,7 +555,8 @@ def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
     from rl_jax.generator.types import GenerateRequest, SamplingParams
 
     server = GeneratorServer.from_config(ServerConfig(
-        model=str(ckpts["a"]), max_slots=8, max_seq_len=128, warmup=True, warmup_shapes=True))
+        model=str(ckpts["a"]), max_slots=8, max_seq_len=128, page_size=16, warmup=True,
+        warmup_shapes=True))
     engine, runner = server.engine, server.engine.runner
     compiles, lengths = [], []
 
@@ -594,8 +596,8 @@ def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
     from rl_jax.generator.server_config import ServerConfig
 
     server = GeneratorServer.from_config(ServerConfig(
-        model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, warmup=True,
-        warmup_shapes=True))
+        model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, page_size=16,
+        warmup=True, warmup_shapes=True))
     try:
         first, second = (runner._compiled for runner in server.engine.runners)
         assert {batch for batch, _, _, _ in first} == {4}  # 8 slots: 4 per replica

@@ -38,11 +38,13 @@ def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shap
         for n in sizes:
             if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
                 _burst(engine, prompts, n, tag=f"{prompts}x{n}")
+    for runner in engine.runners:  # moving sequences to lower slots (see Engine._compact)
+        runner.compile_move()
+    # Decode steps whose attention reads whole pages take one program per page table width
+    # (the native kernel takes the whole table: one width).
     lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
-    for runner in engine.runners:
-        for length in lengths:  # moving sequences to lower slots (see Engine._compact)
-            runner.compile_move(length)
-        runner.compile_shrinks(lengths)  # the cache shrinking as long sequences finish
+    if engine.runner.native_attention:
+        lengths = lengths[:1]
     for length in lengths[1:]:
         for n in sizes:
             if n >= MIN_ADMIT or n == slots:
