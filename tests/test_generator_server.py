@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from generator_fixtures import EOS, MAX_SEQ_LEN, http, start_pool, write_checkpoints
+from generator_fixtures import (EOS, MAX_SEQ_LEN, http, start_pool, tiny_config,
+                                write_checkpoints)
 from rl_jax.models import load_pretrained, load_tokenizer
 
 MAX_WAITING = 32
@@ -624,3 +625,52 @@ def test_automatic_dtype_and_decode_steps_follow_the_backend():
     assert resolve_auto(ServerConfig(model="m", dtype="float32"), backend="tpu").dtype == \
         "float32"
     assert resolve_auto(default).dtype == "float32"  # this machine's JAX backend: a CPU
+
+
+def test_the_kv_cache_budget_bounds_requests_with_a_400_naming_it(ckpts):
+    """A server whose KV cache is 4 pages of 16 tokens (``kv_cache_bytes``): a request that
+    could never fit gets a 400 naming the cache's size, one that fits is served, and the server
+    reports the cache's tokens as SGLang's ``max_total_num_tokens``; a ``mem_fraction_static``
+    that leaves nothing beside the weights is refused at startup."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig, kv_cache_budget
+    from rl_jax.models.config import ConfigError
+
+    page = ModelRunner.page_bytes(tiny_config(64), 16, jnp.float32)  # the checkpoints' shape
+    server = GeneratorServer.from_config(ServerConfig(
+        model=str(ckpts["a"]), max_slots=2, max_seq_len=256, page_size=16,
+        kv_cache_bytes=4 * page, warmup=False))
+
+    async def main():
+        async with TestClient(TestServer(server.app())) as client:
+            response = await client.post("/generate", json={
+                "input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 100}})
+            assert response.status == 400, await response.text()
+            message = (await response.json())["error"]["message"]
+            assert "KV-cache pages of 16 tokens" in message and "4 pages" in message, message
+            response = await client.post("/generate", json={
+                "input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 50,
+                                                           "ignore_eos": True}})
+            assert response.status == 200, await response.text()
+            assert (await response.json())["meta_info"]["completion_tokens"] == 50
+            info = await (await client.get("/get_server_info")).json()
+            assert info["max_total_num_tokens"] == 64 and info["page_size"] == 16
+            assert info["kv_cache_bytes"] == 4 * page
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.engine.shutdown()
+    assert kv_cache_budget(0.5, 10 << 30, 2 << 30) == 3 << 30
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache"):
+        kv_cache_budget(0.1, 10 << 30, 2 << 30)
+    with pytest.raises(ConfigError, match="mem_fraction_static=1e-09"):
+        GeneratorServer.from_config(ServerConfig(model=str(ckpts["a"]), max_slots=2,
+                                                 max_seq_len=64, mem_fraction_static=1e-9,
+                                                 warmup=False))
+    with pytest.raises(ConfigError, match="not both"):
+        GeneratorServer.from_config(ServerConfig(model=str(ckpts["a"]), kv_cache_bytes=page,
+                                                 mem_fraction_static=0.5, warmup=False))

@@ -29,6 +29,8 @@ def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shap
     start = time.perf_counter()
     slots = max_slots // engine.data_parallel  # per replica
     sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
+    # A sequence may not need more pages than the cache holds.
+    max_seq_len = min(max_seq_len, engine.runner.num_pages * engine.runner.page_size)
     for n in sizes:
         _burst(engine, 1, n, tag=f"batch-{n}", max_new_tokens=max_seq_len - 1)
     # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,

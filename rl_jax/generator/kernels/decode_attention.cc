@@ -229,7 +229,9 @@ void AttendAll(ffi::ThreadPool& pool, const float* qp, const int32_t* pp, float*
   const AttendFn fixed = Specialised(G, D);
   const int64_t max_blocks = (T + P - 1) / P;
   auto run = [=](int64_t s0, int64_t s1) {
-    std::vector<float> scores(G * T);
+    int64_t longest = 1;
+    for (int64_t s = s0; s < s1; ++s) longest = std::max(longest, LiveLength(pp[s], T));
+    std::vector<float> scores(G * longest);
     std::vector<const float*> keys(max_blocks), values(max_blocks);
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t L = LiveLength(pp[s], T);
