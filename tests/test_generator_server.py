@@ -426,12 +426,22 @@ def test_a_client_that_goes_away_has_its_request_aborted(server):
 
 
 def _running_then_frozen(server, **sampling):
-    """Starts a long request and pauses (in place) while it is decoding."""
-    future = in_background(gen, server, [1, 5, 6], max_new_tokens=400, **sampling)
-    wait_until(lambda: load(server)["running"] == 1, what="the request to start decoding")
-    assert http(server, "/pause_generation", {"mode": "in_place"})[0] == 200
-    assert not future.done(), "the request finished before it could be paused"
-    return future
+    """Starts a long request and pauses (in place) while it is decoding: queued while paused,
+    it is admitted in the scheduler pass that resumes, before a pause sent after the resume
+    returned can apply. 400 tokens of the tiny model take about a tenth of a second, so on a
+    loaded machine the request may finish before that pause arrives: then it is tried again."""
+    for _ in range(10):
+        assert http(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+        future = in_background(gen, server, [1, 5, 6], max_new_tokens=400, **sampling)
+        wait_until(lambda: load(server)["waiting"] == 1, what="the request to be queued")
+        assert http(server, "/continue_generation", {})[0] == 200
+        assert http(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+        if load(server)["running"] == 1:
+            assert not future.done()
+            return future
+        future.result(timeout=60)  # it finished before the pause: try again
+    assert http(server, "/continue_generation", {})[0] == 200
+    raise AssertionError("every request finished before it could be paused")
 
 
 def test_pause_in_place_and_retract_keep_requests(server):
