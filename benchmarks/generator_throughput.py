@@ -11,7 +11,8 @@ machine:
      fed back on the device, no host sync inside the loop: the engine's ceiling. Its attention
      is the native CPU kernel where it builds (``rl_jax.generator.kernels``: each slot's cache
      read up to its position only, slots split over XLA's threads); the same step with XLA's
-     attention (the whole cache length, one thread) is timed beside it as
+     attention (the pages of the longest sequence's length bucket gathered, read whole, on one
+     thread) is timed beside it as
      ``raw_xla_attention``;
    - ``engine``: ``Engine.generate`` end to end with ``B`` concurrent requests (scheduler, host
      transfers and per-token bookkeeping included);
