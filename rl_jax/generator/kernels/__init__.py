@@ -2,8 +2,8 @@
 Pallas decode attention for accelerators (:mod:`.pallas_decode`).
 
 ``decode_attention.cc`` is decode attention over the paged KV cache (and over a contiguous
-per-slot cache, the same loops) that reads each slot's keys and values only up to its own position (XLA's form reads the cache's whole length and runs on
-one thread of XLA:CPU). It is compiled on first use with the C++ compiler of this machine
+per-slot cache, with the same loops) that reads each slot's keys and values only up to its own
+position (XLA's form reads every position it is given and runs on one thread of XLA:CPU). It is compiled on first use with the C++ compiler of this machine
 (``$CXX``, else ``g++``/``c++``), for this CPU, against the XLA FFI headers shipped with
 jaxlib, into a cache directory (``$RL_JAX_KERNEL_CACHE``, default ``~/.cache/rl_jax/kernels``)
 keyed by the source, the jaxlib version, the compiler and the CPU. Processes share the built
