@@ -188,6 +188,8 @@ def decode_steps(shapes, cfg: ModelConfig = DECODE_MODEL, steps: int = 32) -> li
             slots = np.arange(batch, dtype=np.int32)
             jax.block_until_ready(runner.admit(kv, vv, logits, slots, slots, values,
                                                np.ones((batch,), bool), False))
+            for slot in range(batch):  # the pages of the positions the steps write
+                runner.pages.grow(slot, runner.max_seq_len)
             out = None
             for i in range(3):  # compile
                 out = runner.decode(weights, batch, prompt_len + 1 + i, False)

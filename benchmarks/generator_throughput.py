@@ -11,7 +11,8 @@ machine:
      fed back on the device, no host sync inside the loop: the engine's ceiling. Its attention
      is the native CPU kernel where it builds (``rl_jax.generator.kernels``: each slot's cache
      read up to its position only, slots split over XLA's threads); the same step with XLA's
-     attention (the whole cache length, one thread) is timed beside it as
+     attention (the pages of the longest sequence's length bucket gathered, read whole, on one
+     thread) is timed beside it as
      ``raw_xla_attention``;
    - ``engine``: ``Engine.generate`` end to end with ``B`` concurrent requests (scheduler, host
      transfers and per-token bookkeeping included);
@@ -88,8 +89,8 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rl_jax.generator import kernels  # noqa: E402
 from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
-from rl_jax.generator.decode import attend  # noqa: E402
-from rl_jax.generator.kv_cache import SLOT_FIELDS  # noqa: E402
+from rl_jax.generator.decode import attend_pages  # noqa: E402
+from rl_jax.generator.kv_cache import SLOT_FIELDS, kv_bucket, pages_for  # noqa: E402
 from rl_jax.generator.runner import ModelRunner  # noqa: E402
 from rl_jax.generator.sampling import sample  # noqa: E402
 from rl_jax.generator.weights import make_generator_meshes  # noqa: E402
@@ -248,15 +249,21 @@ def prompts_for(cfg: ModelConfig, batch: int, prompt_len: int, seed: int = 0) ->
 
 def admit_prompts(runner: ModelRunner, params, prompts: np.ndarray, position: int | None = None):
     """Prefills ``prompts [B, P]`` into slots ``0..B-1`` and samples their first tokens; the
-    slots continue at ``position`` (default ``P``). Returns the packed first tokens."""
+    slots continue at ``position`` (default ``P``) and hold the KV-cache pages of
+    ``max_seq_len`` positions. Returns the packed first tokens."""
     b, p = prompts.shape
+    for slot in range(b):  # a slot takes pages only when it holds none
+        runner.pages.release(slot)
     k, v, logits = runner.prefill(params, prompts, np.full((b,), p, np.int32))
     values = {name: np.zeros((b,), dtype) for name, dtype in SLOT_FIELDS.items()}
     values.update(position=np.full((b,), p if position is None else position),
                   seed=np.arange(b), temperature=np.ones(b), top_k=np.full(b, -1),
                   top_p=np.ones(b))
     slots = np.arange(b, dtype=np.int32)
-    return runner.admit(k, v, logits, slots, slots, values, np.ones((b,), bool), False)
+    out = runner.admit(k, v, logits, slots, slots, values, np.ones((b,), bool), False)
+    for slot in range(b):  # the pages of every position later steps write (as the engine gives)
+        runner.pages.grow(slot, runner.max_seq_len)
+    return out
 
 
 def raw_decode_steps(runner: ModelRunner, params, weights, prompts: np.ndarray,
@@ -312,15 +319,17 @@ def step_components(runner: ModelRunner, params, weights, batch: int, position: 
     q = jax.random.normal(jax.random.key(2), (batch, kv_heads, cfg.num_heads // kv_heads,
                                               cfg.head_dim))
     positions = jnp.full((batch,), position + 16, jnp.int32)
-    caches = [(jnp.concatenate(k)[:batch], jnp.concatenate(v)[:batch])  # per layer, all chunks
-              for k, v in zip(runner.k_cache, runner.v_cache)]
-    attention_xla = jax.jit(lambda q, caches: [attend(q, k, v, positions, dtype=q.dtype)
-                                               for k, v in caches])
+    caches = list(zip(runner.k_cache, runner.v_cache))  # per layer, the page pools
+    full = jnp.asarray(runner.pages.table[:batch])
+    # XLA's form: the pages of the step's bucket gathered (decode.attend_pages)
+    bucket = full[:, :pages_for(kv_bucket(position + 17, runner.max_seq_len), runner.page_size)]
+    attention_xla = jax.jit(lambda q, caches: [
+        attend_pages(q, k, v, bucket, positions, dtype=q.dtype) for k, v in caches])
     attention = attention_xla
     extra = {}
     if runner.native_attention:  # the runner's form, and XLA's beside it
         attention = jax.jit(lambda q, caches: [
-            kernels.decode_attention(q, k, v, positions) for k, v in caches])
+            kernels.paged_decode_attention(q, k, v, full, positions) for k, v in caches])
         extra["attention_xla"] = best_time(
             lambda: jax.block_until_ready(attention_xla(q, caches)), repeats=10)
     return {**extra,

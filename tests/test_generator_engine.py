@@ -1,5 +1,6 @@
 """The inference engine: behaviour log-probs equal the trainer's, in-flight weight updates,
-pause modes, seeds, stop tokens, concurrency, tensor parallelism, bad requests."""
+pause modes, seeds, stop tokens, concurrency, tensor parallelism, bad requests, the paged KV
+cache (shared prompt pages, pages given back, a budget too small for everything at once)."""
 
 import concurrent.futures
 import threading
@@ -34,7 +35,9 @@ def weights(spec):
 
 @pytest.fixture(scope="module")
 def engine(weights):
-    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=8, max_seq_len=96),
+    # Pages of 4 positions: prompts span several pages, the samples of one share its full ones.
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=8, max_seq_len=96,
+                                                            page_size=4),
                  eos_token_ids=(EOS,))
     yield eng
     eng.shutdown()
@@ -186,11 +189,12 @@ def _generate_across_update(weights, recompute: bool, meshes=None, decode_steps:
                             **sampling):
     params = weights[0] if meshes is None else _place(weights[0], meshes[0])
     eng = Engine(CFG, params, meshes=meshes, engine_config=EngineConfig(
-        max_slots=4, max_seq_len=96, recompute_kv_on_update=recompute,
+        max_slots=4, max_seq_len=160, recompute_kv_on_update=recompute,
         decode_steps=decode_steps))
     try:
         eng.pause("in_place")
-        futures = [eng.submit(req([1, 2 + i, 3], max_new_tokens=40, seed=i, **sampling))
+        # Long enough that the update lands mid-generation however fast decoding runs.
+        futures = [eng.submit(req([1, 2 + i, 3], max_new_tokens=150, seed=i, **sampling))
                    for i in range(3)]
         eng.resume()
         while eng.stats["generated_tokens"] < 3 * 10:
@@ -222,7 +226,7 @@ def test_in_flight_update_keeps_requests_and_records_versions(spec, weights, rec
     for i, out in enumerate(outs):
         prompt = [1, 2 + i, 3]
         versions = np.asarray(out.output_versions)
-        assert len(out.output_ids) == 40  # nothing dropped
+        assert len(out.output_ids) == 150  # nothing dropped
         assert np.all(np.diff(versions) >= 0) and versions[0] == 0 and versions[-1] == 1
         switch = int(np.argmax(versions == 1))
         old = trainer_logprobs(spec, weights[0], prompt, out.output_ids)
@@ -759,7 +763,8 @@ def _decode_across_a_cache_length(weights, compiles):
     import jax
     from rl_jax.generator.kv_cache import SLOT_FIELDS
     from rl_jax.generator.runner import ModelRunner
-    runner = ModelRunner(CFG, max_slots=8, max_seq_len=96)
+    runner = ModelRunner(CFG, max_slots=8, max_seq_len=96, page_size=16)
+    assert not runner.native_attention  # XLA's attention: one program per attended length
     params = weights[0]
     decode_weights = runner.prepare(params)
     k, v, logits = runner.prefill(params, np.ones((8, 16), np.int32), np.full(8, 10, np.int32))
@@ -767,50 +772,151 @@ def _decode_across_a_cache_length(weights, compiles):
     values.update(position=np.full(8, 10), temperature=np.ones(8), top_p=np.ones(8))
     slots = np.arange(8, dtype=np.int32)
     runner.admit(k, v, logits, slots, slots, values, np.ones(8, bool), False)
-    runner.decode(decode_weights, 8, 12, False, kv_horizon=40)  # cache of 16: 32 compiles ahead
+    for slot in range(8):
+        assert runner.pages.grow(slot, 22)
+    runner.decode(decode_weights, 8, 12, False, kv_horizon=40)  # one page: two compile ahead
+    assert runner.kv_len == 16
     runner._compiling[(8, 32, False, 1)].wait(timeout=120)
     before = len(compiles)
-    out = runner.decode(decode_weights, 8, 20, False, kv_horizon=40)  # grows to 32
+    out = runner.decode(decode_weights, 8, 20, False, kv_horizon=40)  # grows to two pages
     jax.block_until_ready(out)
     assert runner.kv_len == 32 and len(compiles) == before
 
 
-def test_runner_cache_chunks_and_moves_across_them(weights):
-    """The cache is split at the decode batch sizes; a decode batch is whole chunks, and a move
-    carries a sequence's keys, values and state between chunks."""
+def test_runner_pages_prompts_shares_them_and_moves_slots(weights):
+    """Admission gives each sequence the pages of its prompt (sequences of one prefill row share
+    its full pages and each holds its own copy of the last, partly filled one), writes the
+    prefill's keys and values there, page by page; a move carries a sequence's page table row
+    and state to another slot, the cache staying where it is; pages return when no slot lists
+    them."""
     import jax.numpy as jnp
-    from rl_jax.generator.kv_cache import SLOT_FIELDS, slot_chunks
+    from rl_jax.generator.kv_cache import SLOT_FIELDS, PageTable
     from rl_jax.generator.runner import ModelRunner
-    assert slot_chunks(64) == ((0, 8), (8, 16), (16, 32), (32, 64))
-    assert slot_chunks(48) == ((0, 8), (8, 16), (16, 32), (32, 48))
-    assert slot_chunks(4) == ((0, 4),)
-    runner = ModelRunner(CFG, max_slots=32, max_seq_len=64)
-    assert [c.shape[0] for c in runner.k_cache[0]] == [8, 8, 16]
+    runner = ModelRunner(CFG, max_slots=32, max_seq_len=64, page_size=4)
+    assert runner.num_pages == 32 * 16 and runner.pages.free_pages == 32 * 16
+    assert runner.cache_bytes == 2 * CFG.num_layers * 32 * 64 * CFG.num_kv_heads * CFG.head_dim * 4
     params = weights[0]
-    k, v, logits = runner.prefill(params, np.arange(1, 1 + 3 * 8).reshape(3, 8),
-                                  np.array([8, 5, 7], np.int32))
-    values = {name: np.zeros(3, dtype) for name, dtype in SLOT_FIELDS.items()}
-    values.update(position=np.array([8, 5, 7]), temperature=np.ones(3), top_p=np.ones(3),
-                  token_index=np.zeros(3))
-    slots = np.array([3, 12, 27], np.int32)  # one sequence in each chunk
-    runner.admit(k, v, logits, np.arange(3), slots, values, np.ones(3, bool), False)
-
-    def rows(cache, chunk_slots):
-        whole = [np.concatenate([np.asarray(c) for c in layer]) for layer in cache]
-        return [w[chunk_slots] for w in whole]
-
-    keys, vals = rows(runner.k_cache, slots), rows(runner.v_cache, slots)
-    state = {name: np.asarray(a)[slots] for name, a in runner.state.items()}
-    assert np.abs(keys[0]).sum(axis=(1, 2, 3)).min() > 0  # each slot got its prefill
+    k, v, logits = runner.prefill(params, np.arange(1, 1 + 3 * 16).reshape(3, 16),
+                                  np.array([10, 5, 7], np.int32))
+    values = {name: np.zeros(4, dtype) for name, dtype in SLOT_FIELDS.items()}
+    values.update(position=np.array([10, 10, 5, 7]), temperature=np.ones(4), top_p=np.ones(4),
+                  token_index=np.zeros(4))
+    slots = np.array([3, 12, 27, 20], np.int32)
+    rows = np.array([0, 0, 1, 2], np.int32)  # two samples of the first prompt
+    runner.admit(k, v, logits, rows, slots, values, np.ones(4, bool), False)
+    table = runner.pages.table
+    assert runner.pages.held[[3, 12, 27, 20]].tolist() == [3, 3, 2, 2]
+    assert table[3, :2].tolist() == table[12, :2].tolist()  # positions 0..7 shared
+    assert table[3, 2] != table[12, 2]  # positions 8, 9: each sample's own page
+    assert runner.pages.free_pages == 32 * 16 - (3 + 1 + 2 + 2)
+    pool_k = [np.asarray(layer) for layer in runner.k_cache]
+    pool_v = [np.asarray(layer) for layer in runner.v_cache]
+    for slot, row, length in ((3, 0, 10), (12, 0, 10), (27, 1, 5), (20, 2, 7)):
+        for layer in range(CFG.num_layers):
+            pages = table[slot, :runner.pages.held[slot]]
+            keys = np.concatenate(list(pool_k[layer][pages]), axis=-1)[..., :length]
+            vals = np.concatenate(list(pool_v[layer][pages]), axis=-2)[:, :length]
+            np.testing.assert_array_equal(keys, np.transpose(np.asarray(k[layer, row, :length]),
+                                                             (1, 2, 0)))
+            np.testing.assert_array_equal(vals, np.swapaxes(np.asarray(v[layer, row, :length]),
+                                                            0, 1))
+    rows_before = table[[27, 12]].copy()
+    state = {name: np.asarray(a)[[3, 12, 27]] for name, a in runner.state.items()}
     runner.move(np.array([27, 12], np.int32), np.array([9, 0], np.int32))
-    for before, after in zip(keys, rows(runner.k_cache, np.array([3, 0, 9]))):
-        np.testing.assert_array_equal(after, before)
-    for before, after in zip(vals, rows(runner.v_cache, np.array([3, 0, 9]))):
-        np.testing.assert_array_equal(after, before)
+    np.testing.assert_array_equal(runner.pages.table[[9, 0]], rows_before)
+    assert runner.pages.held[[27, 12]].tolist() == [0, 0]
     for name, a in runner.state.items():
         np.testing.assert_array_equal(np.asarray(a)[[3, 0, 9]], state[name])
-    with pytest.raises(ValueError, match="does not end a cache chunk"):
-        runner.decode(runner.prepare(params), 12, 16, False)
-    out = runner.decode(runner.prepare(params), 16, 16, False)  # the first two chunks
+    out = runner.decode(runner.prepare(params), 16, 16, False)  # slots 0..15
     assert np.asarray(out).shape == (3, 16)  # tokens, log-probs, unfiltered log-probs
     assert jnp.asarray(runner.state["token_index"])[9] == 2  # moved sequence decoded
+    for slot in (3, 0, 9, 20):
+        runner.pages.release(slot)
+    assert runner.pages.free_pages == runner.num_pages
+    assert (runner.pages.refs == 0).all() and (runner.pages.table == runner.num_pages).all()
+    small = PageTable(num_pages=3, page_size=4, max_slots=2, max_seq_len=64)
+    assert small.grow(0, 9) and small.free_pages == 0
+    assert not small.grow(1, 1) and small.held[1] == 0  # nothing taken when it cannot fit
+    with pytest.raises(GeneratorError, match="KV-cache pages"):
+        runner.admit(k, v, logits, np.zeros(1, np.int32), np.array([5], np.int32),
+                     {**values, "position": np.array([64 * 16 * 32])}, np.ones(1, bool), False)
+
+
+def test_samples_share_prompt_pages_and_every_page_comes_back(spec, weights, engine):
+    """While the four samples of a 10-token prompt run, they list the same two full prompt
+    pages (pages of 4) and one page each from the prompt's last one on; their tokens and
+    log-probs are the trainer's; once done, every page is free again."""
+    prompt = [1, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    engine.pause("in_place")
+    deadline = time.monotonic() + 60
+    while not engine.paused and time.monotonic() < deadline:
+        time.sleep(0.001)
+    start = engine.stats["generated_tokens"]
+    future = engine.submit(req(prompt, max_new_tokens=30, seed=5, n=4))
+    engine.resume()
+    while engine.stats["generated_tokens"] - start < 4 * 3 and not future.done():
+        time.sleep(0.001)
+    engine.pause("in_place")
+    replica = engine._replicas[0]
+    table = replica.runner.pages
+    running = sorted(replica.running)
+    if len(running) == 4:  # not already finished on a fast machine
+        rows = table.table[running]
+        assert (rows[:, :2] == rows[0, :2]).all()
+        assert len(set(rows[:, 2].tolist())) == 4
+        assert (table.refs[rows[0, :2]] == 4).all()
+    engine.resume()
+    outs = future.result(timeout=120)
+    for out in outs:
+        ref = trainer_logprobs(spec, weights[0], prompt, out.output_ids)
+        np.testing.assert_allclose(out.output_logprobs, ref, atol=1e-4)
+    usage = engine.cache_usage()
+    assert usage["free_pages"] == usage["pages"] == 8 * 24 and usage["page_size"] == 4
+
+
+def test_a_cache_too_small_for_every_sequence_retracts_and_recomputes(spec, weights):
+    """A budget of 24 pages of 8 tokens for 8 sequences that grow to 9 pages each: admission
+    takes what fits, and when running sequences run the pool dry, the ones with the fewest
+    tokens go back to the queue (SGLang's retraction) and are recomputed later; every sequence
+    completes with the trainer's log-probs, and every page comes back."""
+    from rl_jax.generator.runner import ModelRunner
+    page = ModelRunner.page_bytes(CFG, 8, jnp.float32)
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(
+        max_slots=8, max_seq_len=128, page_size=8, kv_cache_bytes=24 * page + page - 1,
+        init_new_token_ratio=0.1, min_new_token_ratio=0.1))
+    try:
+        assert eng.cache_usage()["pages"] == 24
+        prompts = [[1, 3 + i, 5, 7, 9 + i][:3 + i % 3] for i in range(8)]
+        futures = [eng.submit(req(p, max_new_tokens=64, seed=i)) for i, p in enumerate(prompts)]
+        outs = [f.result(timeout=300)[0] for f in futures]
+        assert eng.stats["retracted_sequences"] > 0 and eng.stats["kv_cache_full"] > 0
+        for p, out in zip(prompts, outs):
+            assert len(out.output_ids) == 64 and out.finish_reason["type"] == "length"
+            ref = trainer_logprobs(spec, weights[0], p, out.output_ids)
+            np.testing.assert_allclose(out.output_logprobs, ref, atol=1e-4)
+        usage = eng.cache_usage()
+        assert usage["free_pages"] == usage["pages"]
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_that_can_never_fit_the_cache_is_refused(weights):
+    from rl_jax.generator.runner import ModelRunner
+    page = ModelRunner.page_bytes(CFG, 16, jnp.float32)
+    eng = Engine(CFG, weights[0], engine_config=EngineConfig(
+        max_slots=4, max_seq_len=256, page_size=16, kv_cache_bytes=4 * page))
+    try:
+        with pytest.raises(GeneratorError, match=r"needs 5 KV-cache pages of 16 tokens, more "
+                                                 r"than the whole cache holds \(4 pages"):
+            eng.submit(req([1] * 10, max_new_tokens=60))
+        with pytest.raises(GeneratorError, match="max_seq_len=256"):
+            eng.submit(req([1] * 10, max_new_tokens=250))
+        out = eng.generate(req([1, 2] * 5, max_new_tokens=54, n=2, seed=3), timeout=120)
+        assert [len(o.output_ids) for o in out] == [54, 54]  # 4 pages each, one after the other
+    finally:
+        eng.shutdown()
+    with pytest.raises(GeneratorError, match="holds no KV-cache page"):
+        Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=64,
+                                                          kv_cache_bytes=100))
+    with pytest.raises(GeneratorError, match="kv_cache_bytes must be >= 0"):
+        EngineConfig(kv_cache_bytes=-1)

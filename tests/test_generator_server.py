@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from generator_fixtures import EOS, MAX_SEQ_LEN, http, start_pool, write_checkpoints
+from generator_fixtures import (EOS, MAX_SEQ_LEN, http, start_pool, tiny_config,
+                                write_checkpoints)
 from rl_jax.models import load_pretrained, load_tokenizer
 
 MAX_WAITING = 32
@@ -425,12 +426,22 @@ def test_a_client_that_goes_away_has_its_request_aborted(server):
 
 
 def _running_then_frozen(server, **sampling):
-    """Starts a long request and pauses (in place) while it is decoding."""
-    future = in_background(gen, server, [1, 5, 6], max_new_tokens=400, **sampling)
-    wait_until(lambda: load(server)["running"] == 1, what="the request to start decoding")
-    assert http(server, "/pause_generation", {"mode": "in_place"})[0] == 200
-    assert not future.done(), "the request finished before it could be paused"
-    return future
+    """Starts a long request and pauses (in place) while it is decoding: queued while paused,
+    it is admitted in the scheduler pass that resumes, before a pause sent after the resume
+    returned can apply. 400 tokens of the tiny model take about a tenth of a second, so on a
+    loaded machine the request may finish before that pause arrives: then it is tried again."""
+    for _ in range(10):
+        assert http(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+        future = in_background(gen, server, [1, 5, 6], max_new_tokens=400, **sampling)
+        wait_until(lambda: load(server)["waiting"] == 1, what="the request to be queued")
+        assert http(server, "/continue_generation", {})[0] == 200
+        assert http(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+        if load(server)["running"] == 1:
+            assert not future.done()
+            return future
+        future.result(timeout=60)  # it finished before the pause: try again
+    assert http(server, "/continue_generation", {})[0] == 200
+    raise AssertionError("every request finished before it could be paused")
 
 
 def test_pause_in_place_and_retract_keep_requests(server):
@@ -544,9 +555,10 @@ def test_a_stopped_engine_answers_503_instead_of_hanging(ckpts):
 
 
 def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
-    """After ``warmup_shapes``, a long sequence that grows the cache to its longest length and
-    then short ones that shrink it again run without a single compilation (each would stall
-    decoding for a fraction of a second on a CPU core)."""
+    """After ``warmup_shapes``, a long sequence that grows the attended length to its longest
+    and then short ones that shrink it again run without a single compilation (each would stall
+    decoding for a fraction of a second on a CPU core); the attended length follows the pages
+    of the longest running sequence's bucket."""
     from jax import monitoring
 
     from rl_jax.generator.server import GeneratorServer
@@ -554,7 +566,8 @@ def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
     from rl_jax.generator.types import GenerateRequest, SamplingParams
 
     server = GeneratorServer.from_config(ServerConfig(
-        model=str(ckpts["a"]), max_slots=8, max_seq_len=128, warmup=True, warmup_shapes=True))
+        model=str(ckpts["a"]), max_slots=8, max_seq_len=128, page_size=16, warmup=True,
+        warmup_shapes=True))
     engine, runner = server.engine, server.engine.runner
     compiles, lengths = [], []
 
@@ -594,8 +607,8 @@ def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
     from rl_jax.generator.server_config import ServerConfig
 
     server = GeneratorServer.from_config(ServerConfig(
-        model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, warmup=True,
-        warmup_shapes=True))
+        model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, page_size=16,
+        warmup=True, warmup_shapes=True))
     try:
         first, second = (runner._compiled for runner in server.engine.runners)
         assert {batch for batch, _, _, _ in first} == {4}  # 8 slots: 4 per replica
@@ -622,3 +635,52 @@ def test_automatic_dtype_and_decode_steps_follow_the_backend():
     assert resolve_auto(ServerConfig(model="m", dtype="float32"), backend="tpu").dtype == \
         "float32"
     assert resolve_auto(default).dtype == "float32"  # this machine's JAX backend: a CPU
+
+
+def test_the_kv_cache_budget_bounds_requests_with_a_400_naming_it(ckpts):
+    """A server whose KV cache is 4 pages of 16 tokens (``kv_cache_bytes``): a request that
+    could never fit gets a 400 naming the cache's size, one that fits is served, and the server
+    reports the cache's tokens as SGLang's ``max_total_num_tokens``; a ``mem_fraction_static``
+    that leaves nothing beside the weights is refused at startup."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.server import GeneratorServer
+    from rl_jax.generator.server_config import ServerConfig, kv_cache_budget
+    from rl_jax.models.config import ConfigError
+
+    page = ModelRunner.page_bytes(tiny_config(64), 16, jnp.float32)  # the checkpoints' shape
+    server = GeneratorServer.from_config(ServerConfig(
+        model=str(ckpts["a"]), max_slots=2, max_seq_len=256, page_size=16,
+        kv_cache_bytes=4 * page, warmup=False))
+
+    async def main():
+        async with TestClient(TestServer(server.app())) as client:
+            response = await client.post("/generate", json={
+                "input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 100}})
+            assert response.status == 400, await response.text()
+            message = (await response.json())["error"]["message"]
+            assert "KV-cache pages of 16 tokens" in message and "4 pages" in message, message
+            response = await client.post("/generate", json={
+                "input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 50,
+                                                           "ignore_eos": True}})
+            assert response.status == 200, await response.text()
+            assert (await response.json())["meta_info"]["completion_tokens"] == 50
+            info = await (await client.get("/get_server_info")).json()
+            assert info["max_total_num_tokens"] == 64 and info["page_size"] == 16
+            assert info["kv_cache_bytes"] == 4 * page
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.engine.shutdown()
+    assert kv_cache_budget(0.5, 10 << 30, 2 << 30) == 3 << 30
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache"):
+        kv_cache_budget(0.1, 10 << 30, 2 << 30)
+    with pytest.raises(ConfigError, match="mem_fraction_static=1e-09"):
+        GeneratorServer.from_config(ServerConfig(model=str(ckpts["a"]), max_slots=2,
+                                                 max_seq_len=64, mem_fraction_static=1e-9,
+                                                 warmup=False))
+    with pytest.raises(ConfigError, match="not both"):
+        GeneratorServer.from_config(ServerConfig(model=str(ckpts["a"]), kv_cache_bytes=page,
+                                                 mem_fraction_static=0.5, warmup=False))

@@ -112,25 +112,26 @@ def test_the_gpu_lowering_is_triton_ir(g, d, t, dtype, cache_dtype):
 
 
 def test_the_decode_step_lowers_for_gpu_with_the_kernel():
-    """The runner's whole decode step with the Pallas kernel lowers for CUDA: one Triton call
-    per layer and cache chunk."""
+    """The runner's whole decode step with the Pallas kernel over the gathered pages lowers for
+    CUDA: one Triton call per layer."""
     from functools import partial
-    from rl_jax.generator.decode import decode
+    from rl_jax.generator.decode import attend_pages, decode
     from rl_jax.generator.runner import ModelRunner
     from rl_jax.trainer.state import ModelSpec
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64)
     runner = ModelRunner(cfg, max_slots=16, max_seq_len=100, dtype=jnp.bfloat16,
                          attention="xla")
-    runner._resize(100)
     weights = runner.prepare(ModelSpec(cfg, mesh=None).init_params(0))
+    kernel = partial(kernels.pallas_decode_attention, platform="gpu")
     step = jax.jit(partial(decode, batch=16, filtered=True, cfg=cfg, dtype=jnp.bfloat16,
                            max_seq_len=100,
-                           attention=partial(kernels.pallas_decode_attention, platform="gpu")))
-    lowered = step.trace(weights, runner.k_cache, runner.v_cache, runner.state).lower(
+                           attention=partial(attend_pages, dtype=jnp.bfloat16,
+                                             contiguous=kernel)))
+    table = jax.ShapeDtypeStruct((16, runner.pages.width), jnp.int32)
+    lowered = step.trace(weights, runner.k_cache, runner.v_cache, runner.state, table).lower(
         lowering_platforms=("cuda",))
-    assert [chunk.shape[0] for chunk in runner.k_cache[0]] == [8, 8]
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2 * 2
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
 
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -151,7 +152,7 @@ def test_engine_decodes_the_same_tokens_with_either_attention(caplog):
     for attention in ("pallas", "xla"):
         with caplog.at_level(logging.WARNING):
             engine = Engine(CFG, params, engine_config=EngineConfig(
-                max_slots=8, max_seq_len=32, attention=attention))
+                max_slots=8, max_seq_len=32, attention=attention, page_size=16))
         try:
             assert engine.attention_backend == attention
             futures = [engine.submit(GenerateRequest(p, SamplingParams(

@@ -110,7 +110,8 @@ def test_generator_memory_matches_the_compiled_programs(tensor_parallel):
     weights = jax.eval_shape(runner._prepare, params)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                          runner.state)
-    decode = runner._decode.lower(weights, *runner._cache_structs(max_len), state,
+    table = jax.ShapeDtypeStruct((slots, runner.pages.width), jnp.int32)
+    decode = runner._decode.lower(weights, *runner._cache_structs(), state, table,
                                   batch=slots, filtered=False)
     predicted = generator_memory(ModelShape.from_model_config(cfg),
                                  tensor_parallel=tensor_parallel, max_slots=slots,

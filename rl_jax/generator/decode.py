@@ -1,4 +1,4 @@
-"""The decode-path model over the slot KV cache: prefill, the decode weight layout, decode steps.
+"""The decode-path model over the paged KV cache: prefill, the decode weight layout, decode steps.
 
 Built from the training model's layer functions (:mod:`rl_jax.models.transformer`): prefill runs
 its ``decoder_layer``; a decode step's layer (:func:`decode_layer`) shares its residual
@@ -8,8 +8,8 @@ differs is what a decode step needs for speed: the projections run over
 :func:`prepare_decode_weights`' layout (queries, keys and values fused into one matrix grouped
 by key/value head, gate and up fused into one: one matmul each instead of three and two, and no
 per-step re-layout; the training layout keeps one matrix per HF tensor so that its shardings and
-names match), and attention reads one query per slot over the slot cache where it lies
-(:func:`attend`, or a kernel of :mod:`rl_jax.generator.kernels`) instead of a
+names match), and attention reads one query per slot over its pages of the cache through its
+page table (a kernel of :mod:`rl_jax.generator.kernels`, or :func:`attend_pages`) instead of a
 ``[B, T, S]``-masked product. The qk-norm runs on the fused layout's ``[S, K, G, Dh]`` heads
 before the reshape the rotary embedding takes, as it always has: normalising after the reshape
 computes the same values but XLA rounds it differently (one ulp).
@@ -19,8 +19,8 @@ in place); a ``lax.scan`` over stacked weights and caches would copy every layer
 whole cache on every step. :func:`prepare_decode_weights` lays the parameters out for decode once
 per parameter version (one extra copy of the layer weights in memory). A step decodes a prefix
 of the slots (``batch``; the engine allocates the lowest free slots first) and samples one token
-per slot in the same jitted call (:mod:`rl_jax.generator.sampling`); the cache layout and slot
-state are :mod:`rl_jax.generator.kv_cache`'s.
+per slot in the same jitted call (:mod:`rl_jax.generator.sampling`); the cache layout, page
+table and slot state are :mod:`rl_jax.generator.kv_cache`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rl_jax.generator.kv_cache import SAMPLING_FIELDS, SlotState, chunk_bounds
+from rl_jax.generator.kv_cache import SAMPLING_FIELDS, SlotState, gather_pages
 from rl_jax.generator.sampling import pack, sample
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import (apply_rotary, attention_mask, decoder_layer,
@@ -141,15 +141,27 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arra
     return (attn / jnp.sum(weights, axis=-1)[..., None]).astype(dtype)
 
 
-def decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, constrain,
+def attend_pages(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
+                 positions: jax.Array, *, dtype: Any, contiguous=None) -> jax.Array:
+    """Attention of one query per slot over its pages: ``table [S, W]``'s pages of ``k_pool
+    [N, K, Dh, P]`` and ``v_pool [N, K, P, Dh]`` gathered into the contiguous form
+    (``kv_cache.gather_pages``), then :func:`attend`, or ``contiguous(q, keys, values,
+    positions)`` (a kernel over that form)."""
+    keys, values = gather_pages(k_pool, v_pool, table)
+    if contiguous is not None:
+        return contiguous(q, keys, values, positions)
+    return attend(q, keys.astype(dtype), values.astype(dtype), positions, dtype=dtype)
+
+
+def decode_layer(h, w, k_pool, v_pool, table, positions, cos, sin, *, cfg, dtype, constrain,
                  attention=None):
-    """One decoder layer for one token per slot: ``h [S, D]``; the layer's key cache chunks
-    ``[n, K, Dh, T]`` and value cache chunks ``[n, K, T, Dh]``, of which those of slots
-    ``0..S-1`` are this step's (``S`` ends a chunk). The training model's layer
-    (``models.transformer.pre_norm_block``) over :func:`prepare_decode_weights`' layout.
-    ``attention``: a decode attention kernel (``attention(q, keys, values, positions)`` over the
-    cache as it lies, see :mod:`rl_jax.generator.kernels`), which reads each slot's cache up to
-    its position only; ``None`` for :func:`attend`. Returns ``(h, k_cache, v_cache)``."""
+    """One decoder layer for one token per slot: ``h [S, D]``; the layer's key pages
+    ``[N, K, Dh, P]`` and value pages ``[N, K, P, Dh]`` and the slots' page table rows
+    ``table [S, W]``. The training model's layer (``models.transformer.pre_norm_block``) over
+    :func:`prepare_decode_weights`' layout. ``attention``: a paged decode attention kernel
+    (``attention(q, k_pool, v_pool, table, positions)``, see :mod:`rl_jax.generator.kernels`),
+    which reads each slot's pages up to its position only; ``None`` for :func:`attend_pages`.
+    Returns ``(h, k_pool, v_pool)``."""
     s = h.shape[0]
     kv_heads, hd = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // kv_heads
@@ -165,8 +177,8 @@ def decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, con
         # One token per slot: rotated as the training model's [B, T=1, heads, Dh].
         q = apply_rotary(q.reshape(s, 1, kv_heads * g, hd), cos, sin).reshape(s, kv_heads, g, hd)
         k = apply_rotary(k[:, None], cos, sin)[:, 0]
-        caches, attn = _write_and_attend(q, k, v, k_cache, v_cache, positions, dtype=dtype,
-                                         attention=attention)
+        caches, attn = _write_and_attend(q, k, v, k_pool, v_pool, table, positions,
+                                         dtype=dtype, attention=attention)
         out = attn.reshape(s, kv_heads * g * hd) @ w["wo"]
         if cfg.output_bias:
             out = out + w["bo"]
@@ -177,63 +189,60 @@ def decode_layer(h, w, k_cache, v_cache, positions, cos, sin, *, cfg, dtype, con
         act = constrain(mlp_activation(gate_up[:, 0], gate_up[:, 1]), ("act_batch", "act_mlp"))
         return act @ w["w_down"]
 
-    h, (k_cache, v_cache) = pre_norm_block(h, w, cfg, attention_block=attention_block,
-                                           mlp_block=mlp_block, constrain=constrain,
-                                           axes=("act_batch", "act_embed"))
-    return h, k_cache, v_cache
+    h, (k_pool, v_pool) = pre_norm_block(h, w, cfg, attention_block=attention_block,
+                                         mlp_block=mlp_block, constrain=constrain,
+                                         axes=("act_batch", "act_embed"))
+    return h, k_pool, v_pool
 
 
-def _write_and_attend(q, k, v, k_cache, v_cache, positions, *, dtype, attention):
-    """Writes each slot's new key and value ``k, v [S, K, Dh]`` at its position into the
-    layer's cache chunks, then attends ``q [S, K, G, Dh]`` over them, chunk by chunk. Returns
-    ``((k_cache, v_cache), attn [S, K, G, Dh])``."""
-    s = q.shape[0]
-    k_cache, v_cache, parts = list(k_cache), list(v_cache), []
-    for i, (start, stop) in enumerate(chunk_bounds(k_cache)):
-        if start >= s:
-            break
-        kc, vc, pos = k_cache[i], v_cache[i], positions[start:stop]
-        rows = jnp.arange(stop - start)
-        kc = kc.at[rows, :, :, pos].set(k[start:stop].astype(kc.dtype), mode="drop")
-        vc = vc.at[rows, :, pos].set(v[start:stop].astype(vc.dtype), mode="drop")
-        if attention is not None:
-            parts.append(attention(q[start:stop], kc, vc, pos).astype(dtype))
-        else:
-            parts.append(attend(q[start:stop], kc.astype(dtype), vc.astype(dtype), pos,
-                                dtype=dtype))
-        k_cache[i], v_cache[i] = kc, vc
-    attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return (tuple(k_cache), tuple(v_cache)), attn
+def _write_and_attend(q, k, v, k_pool, v_pool, table, positions, *, dtype, attention):
+    """Writes each slot's new key and value ``k, v [S, K, Dh]`` at its position into its page
+    (dropped where its table row names no page there), then attends ``q [S, K, G, Dh]`` over
+    the slots' pages. Returns ``((k_pool, v_pool), attn [S, K, G, Dh])``."""
+    num_pages, size = k_pool.shape[0], k_pool.shape[3]
+    s, width = table.shape
+    column = positions // size
+    page = jnp.where(column < width,
+                     table[jnp.arange(s), jnp.minimum(column, width - 1)], num_pages)
+    offset = positions % size
+    k_pool = k_pool.at[page, :, :, offset].set(k.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype), mode="drop")
+    if attention is not None:
+        attn = attention(q, k_pool, v_pool, table, positions).astype(dtype)
+    else:
+        attn = attend_pages(q, k_pool, v_pool, table, positions, dtype=dtype)
+    return (k_pool, v_pool), attn
 
 
 def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
-           v_cache: tuple[jax.Array, ...], state: SlotState, *, batch: int, filtered: bool,
-           cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
+           v_cache: tuple[jax.Array, ...], state: SlotState, table: jax.Array, *, batch: int,
+           filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
            attention=None):
     """One decode step of slots ``0..batch-1``: feeds each slot's last token, writes its keys and
     values, samples the next token.
 
     Args:
       weights: :func:`prepare_decode_weights` output.
-      k_cache, v_cache: per layer, per slot chunk
-        (:func:`rl_jax.generator.kv_cache.slot_chunks`) keys
-        ``[n, K, Dh, kv_len]`` and values ``[n, K, kv_len, Dh]`` (slot positions ``< kv_len``).
+      k_cache, v_cache: per layer, the page pools: keys ``[N, K, Dh, P]`` and values
+        ``[N, K, P, Dh]`` (:mod:`rl_jax.generator.kv_cache`).
       state: :data:`SlotState`, ``[slots]`` arrays.
-      batch: slots decoded (a prefix that ends a chunk; the others are untouched).
+      table: ``[batch, W]`` int32, the page table rows of slots ``0..batch-1``
+        (``kv_cache.PageTable``; positions ``< W·P`` are attended).
+      batch: slots decoded (a prefix of the slots; the others are untouched).
       filtered: whether any slot uses top-k/top-p/min-p (see
         :func:`rl_jax.generator.sampling.sample`).
-      attention: a decode attention kernel (:mod:`rl_jax.generator.kernels`: the native CPU
-        kernel or the Pallas one; see ``ModelRunner._choose_attention``), ``None`` for
-        :func:`attend`.
+      attention: a paged decode attention (:mod:`rl_jax.generator.kernels`' native CPU kernel,
+        or :func:`attend_pages` over the Pallas kernel; see ``ModelRunner._choose_attention``),
+        ``None`` for :func:`attend_pages` over :func:`attend`.
 
     Returns ``(k_cache, v_cache, state, out)`` with the caches and state advanced (tokens, positions
     and token indices of slots ``< batch``) and ``out [3, batch]`` int32: the sampled tokens and
     their float32 log-probabilities' bits.
     """
     constrain = constrain or (lambda x, axes: x)
-    if batch not in {stop for _, stop in chunk_bounds(k_cache[0])}:
-        raise ValueError(f"decode batch {batch} does not end a cache chunk "
-                         f"{chunk_bounds(k_cache[0])}")
+    if table.shape[0] != batch:
+        raise ValueError(f"decode batch {batch} needs {batch} page table rows, got "
+                         f"{table.shape[0]}")
     st = {name: value[:batch] for name, value in state.items()}
     positions = st["position"]
     cos, sin = rotary_tables(positions[:, None], cfg.head_dim, cfg.rope_theta,
@@ -241,8 +250,8 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     h = jnp.take(weights["embed"], st["token"], axis=0).astype(dtype)
     new_k, new_v = [], []
     for w, kc, vc in zip(weights["layers"], k_cache, v_cache):
-        h, kc, vc = decode_layer(h, w, kc, vc, positions, cos, sin, cfg=cfg, dtype=dtype,
-                                 constrain=constrain, attention=attention)
+        h, kc, vc = decode_layer(h, w, kc, vc, table, positions, cos, sin, cfg=cfg,
+                                 dtype=dtype, constrain=constrain, attention=attention)
         new_k.append(kc)
         new_v.append(vc)
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
@@ -258,7 +267,8 @@ def decode(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
 
 
 def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
-                v_cache: tuple[jax.Array, ...], state: SlotState, *, steps: int, batch: int,
+                v_cache: tuple[jax.Array, ...], state: SlotState, table: jax.Array, *,
+                steps: int, batch: int,
                 filtered: bool, cfg: ModelConfig, dtype: Any, max_seq_len: int, constrain=None,
                 attention=None):
     """``steps`` :func:`decode` steps in one program, each step's tokens feeding the next (the
@@ -266,9 +276,9 @@ def decode_many(weights: dict[str, Any], k_cache: tuple[jax.Array, ...],
     one step at a time (its key depends on the slot's seed, sample and token index only)."""
     outs = []
     for _ in range(steps):  # unrolled: a step's ops stay as fused as in a single step
-        k_cache, v_cache, state, out = decode(weights, k_cache, v_cache, state, batch=batch,
-                                              filtered=filtered, cfg=cfg, dtype=dtype,
-                                              max_seq_len=max_seq_len, constrain=constrain,
-                                              attention=attention)
+        k_cache, v_cache, state, out = decode(weights, k_cache, v_cache, state, table,
+                                              batch=batch, filtered=filtered, cfg=cfg,
+                                              dtype=dtype, max_seq_len=max_seq_len,
+                                              constrain=constrain, attention=attention)
         outs.append(out)
     return k_cache, v_cache, state, jnp.stack(outs)

@@ -1,8 +1,23 @@
 """Continuous-batching inference engine with in-flight weight updates.
 
 A scheduler thread repeats: apply control operations (weight swaps, aborts, pause/resume), admit
-waiting requests into free KV-cache slots (one prefill per prompt, shared by its ``n`` samples),
-run one decode step for every running sequence, and finish the sequences that stopped.
+waiting requests into free slots and free pages of the paged KV cache (one prefill per prompt,
+shared by its ``n`` samples, whose prompt pages are shared too), run one decode step for every
+running sequence, and finish the sequences that stopped.
+
+The KV cache is a pool of pages sized from a memory budget (``EngineConfig.kv_cache_bytes``,
+like SGLang's ``--mem-fraction-static``; by default enough for every slot to reach
+``max_seq_len``): a sequence holds pages for its live tokens only, taking one as it grows and
+giving all back when it finishes. Admission follows SGLang's scheduler: a sequence is admitted
+when the free pages cover its prompt plus a share (the *new-token ratio*) of the pages the
+running and admitted sequences may still take for their completions; the ratio starts at
+``init_new_token_ratio`` and decays towards ``min_new_token_ratio`` as decode steps run, so the
+pool fills up. Before each decode step every running sequence gets the page its next tokens
+need; when the pool runs dry, running sequences are retracted as SGLang's ``retract_decode``
+does -- the one with the fewest generated tokens first (ties: the longest prompt) -- back to the
+front of the queue, keeping their tokens (their KV is recomputed on re-admission), and the ratio
+goes back to its initial value. A request that could never fit (its prompt and
+``max_new_tokens`` beyond ``max_seq_len`` or the whole pool) is refused when submitted.
 
 Weight updates (``update_weights``) take effect between two decode steps: running sequences keep
 their KV cache and continue under the new weights (PipelineRL); every token records the version
@@ -43,6 +58,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -52,7 +68,8 @@ import jax
 import numpy as np
 
 from rl_jax.generator import kernels
-from rl_jax.generator.kv_cache import SLOT_FIELDS, batch_bucket
+from rl_jax.generator.kv_cache import (DEFAULT_PAGE_SIZE, SLOT_FIELDS, batch_bucket,
+                                       pages_for)
 from rl_jax.generator.runner import ModelRunner
 from rl_jax.generator.sampling import unpack
 from rl_jax.generator.scheduling import (InFlight, Replica, Request, Sequence, plan_admission,
@@ -93,10 +110,34 @@ class EngineConfig:
     # where it compiles, else XLA's), "native", "pallas" or "xla" (see rl_jax.generator.kernels
     # and ModelRunner).
     attention: str = "auto"
+    # Positions per page of the paged KV cache (SGLang's --page-size).
+    page_size: int = DEFAULT_PAGE_SIZE
+    # Bytes of KV cache per data-parallel replica (the page pool: keys and values of every
+    # layer); 0: enough for every slot to hold max_seq_len positions (max_slots × max_seq_len).
+    kv_cache_bytes: int = 0
+    # Admission reserves this share of the pages running sequences may still take (SGLang's
+    # new-token ratio): it starts at init_new_token_ratio, decays to min_new_token_ratio over
+    # new_token_ratio_decay_steps decode steps, and returns to the start when sequences had to
+    # be retracted for want of pages.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay_steps: int = 600
 
     def __post_init__(self):
         if self.decode_steps < 1:
             raise GeneratorError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.page_size < 1:
+            raise GeneratorError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_cache_bytes < 0:
+            raise GeneratorError(f"kv_cache_bytes must be >= 0 (0: max_slots x max_seq_len), "
+                                 f"got {self.kv_cache_bytes}")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise GeneratorError(
+                f"need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if self.new_token_ratio_decay_steps < 1:
+            raise GeneratorError(f"new_token_ratio_decay_steps must be >= 1, got "
+                                 f"{self.new_token_ratio_decay_steps}")
         if self.attention not in kernels.BACKENDS:
             raise GeneratorError(f"attention must be one of {kernels.BACKENDS}, got "
                                  f"{self.attention!r}")
@@ -136,11 +177,21 @@ class Engine:
         self.config = config
         self.engine_config = engine_config
         self._replicas: list[Replica] = []
+        num_pages = None
+        if engine_config.kv_cache_bytes:
+            page = ModelRunner.page_bytes(config, engine_config.page_size, dtype or jnp.float32)
+            num_pages = engine_config.kv_cache_bytes // page
+            if num_pages < 1:
+                raise GeneratorError(
+                    f"kv_cache_bytes={engine_config.kv_cache_bytes} holds no KV-cache page "
+                    f"(one page of {engine_config.page_size} positions takes {page} bytes)")
         for i, m in enumerate(meshes):
             runner = ModelRunner(config, max_slots=engine_config.max_slots // len(meshes),
                                  max_seq_len=engine_config.max_seq_len, mesh=m, rules=rules,
-                                 dtype=dtype or jnp.float32, attention=engine_config.attention)
+                                 dtype=dtype or jnp.float32, attention=engine_config.attention,
+                                 page_size=engine_config.page_size, num_pages=num_pages)
             self._replicas.append(Replica(i, runner, params))
+        self._new_token_ratio = engine_config.init_new_token_ratio
         self.version = version
         self._accepted_version = version  # the newest version handed to update_weights
         # the decode attention the replicas run: "native" (the CPU kernel), "pallas" or "xla"
@@ -212,6 +263,14 @@ class Engine:
             raise GeneratorError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
                 f"the engine's max_seq_len={limit}")
+        runner = self.runner
+        need = pages_for(len(ids) + sampling.max_new_tokens - 1, runner.page_size)
+        if need > runner.num_pages:
+            raise GeneratorError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={sampling.max_new_tokens} needs "
+                f"{need} KV-cache pages of {runner.page_size} tokens, more than the whole cache "
+                f"holds ({runner.num_pages} pages, kv_cache_bytes={runner.cache_bytes}; "
+                f"{runner.num_pages * runner.page_size} tokens)")
         if sampling.n > self.engine_config.max_waiting:
             raise GeneratorError(f"n={sampling.n} samples can never be queued (the engine "
                                  f"holds at most {self.engine_config.max_waiting} waiting)")
@@ -325,6 +384,16 @@ class Engine:
         with self._lock:
             return {"running": self._running_count, "waiting": len(self._waiting),
                     "free_slots": sum(len(r.free_slots) for r in self._replicas)}
+
+    def cache_usage(self) -> dict[str, int]:
+        """The KV cache over all replicas: its pages, the free ones, positions per page and
+        bytes."""
+        with self._lock:
+            runners = self.runners
+            return {"pages": sum(r.num_pages for r in runners),
+                    "free_pages": sum(r.pages.free_pages for r in runners),
+                    "page_size": runners[0].page_size,
+                    "bytes": sum(r.cache_bytes for r in runners)}
 
     def shutdown(self):
         with self._lock:
@@ -475,7 +544,9 @@ class Engine:
         budget = self.engine_config.max_prefill_tokens
         free = [len(r.free_slots) for r in self._replicas]
         with self._lock:
-            groups = plan_admission(self._waiting, free, budget)
+            pages = [r.runner.pages.free_pages - self._reserved_pages(r)
+                     for r in self._replicas]
+            groups = plan_admission(self._waiting, free, budget, pages, self._admission_pages)
         if not groups:
             return
         parts = []
@@ -487,6 +558,28 @@ class Engine:
             self._inflight.append(InFlight(parts, self.version))
         self._release_fully_dispatched([seq for _, group in groups for seq in group
                                         if seq.finish_reason is None])
+
+    def _future_pages(self, seq: Sequence, held: int) -> int:
+        """Pages ``seq`` may still take beyond the ``held`` ones, reserved at the current
+        new-token ratio."""
+        size = self._replicas[0].runner.page_size
+        future = pages_for(seq.horizon - 1, size) - held
+        return math.ceil(future * self._new_token_ratio) if future > 0 else 0
+
+    def _reserved_pages(self, replica: Replica) -> int:
+        """Pages a replica's running sequences may still take, at the new-token ratio."""
+        held = replica.runner.pages.held
+        return sum(self._future_pages(seq, int(held[slot]))
+                   for slot, seq in replica.running.items())
+
+    def _admission_pages(self, seq: Sequence, joins: bool) -> int:
+        """Free pages admitting ``seq`` takes (``plan_admission``'s ``page_cost``): its prompt's
+        pages (when it joins the prefill before it, only its own copy of the prompt's last,
+        partly filled page), plus its reserve for its completion."""
+        size = self._replicas[0].runner.page_size
+        prefill = seq.prompt_len + max(len(seq.output_ids) - 1, 0)
+        own = int(prefill % size != 0) if joins else pages_for(prefill, size)
+        return own + self._future_pages(seq, pages_for(prefill, size))
 
     def _admit_isolated(self, replica: Replica, groups: list[list[Sequence]]) -> list:
         """:meth:`_admit_to`, with a failure kept to the request that causes it: the admission
@@ -606,8 +699,14 @@ class Engine:
         replica), every replica's step before any is awaited; ``decode_steps`` of them in one
         program."""
         steps = self.engine_config.decode_steps
+        cfg = self.engine_config
+        self._new_token_ratio = max(cfg.min_new_token_ratio, self._new_token_ratio - steps * (
+            cfg.init_new_token_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps)
         parts = []
         for replica in self._replicas:
+            if not replica.running:
+                continue
+            self._give_pages(replica)
             if not replica.running:
                 continue
             self._compact(replica)
@@ -627,6 +726,57 @@ class Engine:
         self.stats["decode_steps"] += steps
         self.stats["decode_dispatches"] += 1
         self._release_fully_dispatched([seq for _, seqs, _ in parts for seq in seqs])
+
+    def _grow_all(self, replica: Replica) -> Sequence | None:
+        """Gives every running sequence of ``replica`` the pages of the positions its next
+        ``decode_steps`` steps write; the first sequence that cannot get them, or None."""
+        steps = self.engine_config.decode_steps
+        table = replica.runner.pages
+        for slot, seq in sorted(replica.running.items()):
+            # Positions up to prompt + dispatched + steps - 2 are written; none past the last
+            # one its completion can have (later steps of a multi-step run are dropped).
+            if not table.grow(slot, min(seq.prompt_len + seq.dispatched + steps - 1,
+                                        seq.horizon - 1)):
+                return seq
+        return None
+
+    def _give_pages(self, replica: Replica):
+        """Before a decode step: every running sequence of ``replica`` gets its next pages.
+        When the pool runs dry, the steps in flight are read back (finished sequences give
+        their pages back), then running sequences are retracted to the front of the queue as
+        SGLang's ``retract_decode`` does: fewest generated tokens first, ties the longest
+        prompt (their tokens kept, their KV recomputed on re-admission); the new-token ratio
+        returns to its initial value. A sequence that cannot grow alone fails its request."""
+        with self._lock:
+            if self._grow_all(replica) is None:
+                return
+        self._drain()
+        retracted = 0
+        while True:
+            with self._lock:
+                stuck = self._grow_all(replica)
+                if stuck is None:
+                    break
+                if len(replica.running) == 1:
+                    request = stuck.request
+                else:
+                    victim = min(replica.running.values(),
+                                 key=lambda s: (len(s.output_ids), -s.prompt_len, -s.slot))
+                    self._release(victim)
+                    victim.dispatched = len(victim.output_ids)
+                    self._waiting.appendleft(victim)
+                    retracted += 1
+                    continue
+            self._fail_request(request, RequestFailed(
+                f"request {request.rid} does not fit the KV cache alone "
+                f"({replica.runner.num_pages} pages of {replica.runner.page_size} tokens)"))
+            break
+        if retracted:
+            self._new_token_ratio = self.engine_config.init_new_token_ratio
+            self.stats["retracted_sequences"] += retracted
+            self.stats["kv_cache_full"] += 1
+            log.warning("KV cache full (%d pages of %d tokens): retracted %d sequences",
+                        replica.runner.num_pages, replica.runner.page_size, retracted)
 
     def _release_fully_dispatched(self, seqs: list[Sequence]):
         """Frees the slots of sequences whose last token is queued: a later step would only
@@ -678,6 +828,7 @@ class Engine:
         if seq.slot >= 0:
             replica = self._replicas[seq.replica]
             replica.running.pop(seq.slot, None)
+            replica.runner.pages.release(seq.slot)
             heapq.heappush(replica.free_slots, seq.slot)
             seq.slot = seq.replica = -1
 

@@ -1,17 +1,22 @@
-"""The slot KV cache's layout and the operations on slots: admission, installation, moves.
+"""The paged KV cache's layout and the operations on it: pages, page tables, admission, moves.
 
-The KV cache is slot-based, one slot per running sequence: keys ``[slots, K, Dh, kv_len]`` and
-values ``[slots, K, kv_len, Dh]`` per layer (heads before positions, and key positions innermost,
-so that both attention products are plain per-head matmuls over the cache where it lies). Each
-layer's slots are split into chunks at the decode batch sizes (:func:`slot_chunks`: 8, 8, 16, 32,
-... slots), one array each, ``k_cache[l][c]`` and ``v_cache[l][c]``: a step over the first
-``batch`` slots attends over whole chunks where they lie. (Over one array, the first ``batch`` rows
-would be a slice, which XLA copies: at batch 8 of 64 slots that copy costs a quarter of the step.)
-Its length ``kv_len`` follows the longest running sequence (see :func:`kv_bucket`), so a decode
-step reads and attends over the context the batch actually has, not the whole capacity; the
-memory bound is ``2·L·slots·max_seq_len·K·Dh`` elements. A slot holding a sequence of length
-``n`` has keys/values for positions ``0 .. n-2``; its last token is processed by the next decode
-step, which writes position ``n-1`` and samples token ``n``.
+The KV cache is a pool of fixed-size pages shared by all running sequences (vLLM's
+PagedAttention, SGLang's token pool with ``--page-size``): per layer, keys
+``[pages, K, Dh, page_size]`` and values ``[pages, K, page_size, Dh]`` (heads before positions,
+and key positions innermost, so that both attention products are plain per-head matmuls over a
+page where it lies). A sequence holds the pages of its positions, listed in its slot's row of
+the page table (:class:`PageTable`, on the host; each decode step takes the rows of its batch):
+position ``t`` lies in page ``table[slot, t // page_size]`` at offset ``t % page_size``. Pages are
+taken as a sequence grows and given back when it finishes, so the cache holds the tokens of the
+running sequences (at most ``page_size - 1`` unused positions each) rather than
+``slots × max_seq_len``; the pool's size is the memory budget (``EngineConfig.kv_cache_bytes``).
+The samples of one prompt share the pages its prompt fills (a page is free when no table row
+lists it: :class:`PageTable` counts references); each holds a page of its own from the prompt's
+last, partly filled one on. A slot holding a sequence of length ``n`` has keys/values for
+positions ``0 .. n-2``; its last token is processed by the next decode step, which writes
+position ``n-1`` and samples token ``n``. Table entries of pages a slot does not hold name page
+``pages`` (past the pool): writes there are dropped, and attention over them is never used (a
+free slot's step, or a step past a sequence's last token).
 
 Everything a decode step needs about a slot lives on the device in a :data:`SlotState` (its last
 token, position, sampling parameters and random-key counters), so steps chain on the device.
@@ -19,20 +24,23 @@ token, position, sampling parameters and random-key counters), so steps chain on
 
 from __future__ import annotations
 
+import heapq
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.generator.sampling import pack, sample
 
-# Per-layer cache layouts: keys [slots, K, Dh, kv_len], values [slots, K, kv_len, Dh]. Keys with
-# positions innermost make the score product a plain [G, Dh] x [Dh, T] matmul per slot and head.
-K_CACHE_AXES = ("act_batch", "act_kv_heads", "head_dim", "act_seq")
-V_CACHE_AXES = ("act_batch", "act_kv_heads", "act_seq", "head_dim")
-K_SEQ_AXIS, V_SEQ_AXIS = 3, 2
+# Per-layer page pool layouts: keys [pages, K, Dh, page_size], values [pages, K, page_size, Dh].
+# Keys with positions innermost make the score product a plain [G, Dh] x [Dh, T] matmul per
+# slot, head and page.
+K_CACHE_AXES = (None, "act_kv_heads", "head_dim", None)
+V_CACHE_AXES = (None, "act_kv_heads", None, "head_dim")
 MIN_KV_LEN = 16
 MIN_ADMIT = 8  # admissions install at least this many rows (padding dropped)
 FINE_KV_LEN = 128
+DEFAULT_PAGE_SIZE = 64
 
 # Per-slot decode state: name -> dtype. All arrays are [slots].
 SLOT_FIELDS = {
@@ -51,10 +59,12 @@ SlotState = dict[str, jax.Array]
 
 
 def kv_bucket(needed: int, max_seq_len: int, minimum: int = MIN_KV_LEN) -> int:
-    """The cache length for ``needed`` positions, within ``[minimum, max_seq_len]``: a power of
-    two up to ``FINE_KV_LEN``, above it the smallest of ``2^i`` and ``1.5·2^i`` that holds them
-    (at most a third of a bucket is padding where attention costs most; few sizes where it costs
-    little, each size being one more compiled decode step)."""
+    """The attended length for ``needed`` positions, within ``[minimum, max_seq_len]``: a power
+    of two up to ``FINE_KV_LEN``, above it the smallest of ``2^i`` and ``1.5·2^i`` that holds
+    them (at most a third of a bucket is padding where attention costs most; few sizes where it
+    costs little, each size being one more compiled decode step). Decode steps whose attention
+    reads the table's pages whole (XLA's, the Pallas kernel) take the pages of this many
+    positions; the native kernel reads each slot's own length and takes the whole table."""
     size = minimum
     while size < needed:
         if size >= FINE_KV_LEN and size * 3 // 2 >= needed and size % 2 == 0:
@@ -73,56 +83,110 @@ def batch_bucket(needed: int, max_slots: int, minimum: int = 8) -> int:
     return min(size, max_slots)
 
 
-def slot_chunks(max_slots: int) -> tuple[tuple[int, int], ...]:
-    """``(start, stop)`` of each cache chunk: the slots between consecutive decode batch sizes
-    (:func:`batch_bucket`), so that every decode batch is a whole number of chunks."""
-    stops = sorted({batch_bucket(n, max_slots) for n in range(1, max_slots + 1)})
-    return tuple(zip([0, *stops[:-1]], stops))
+def pages_for(positions: int, page_size: int) -> int:
+    """Pages that hold ``positions`` positions."""
+    return -(-max(positions, 0) // page_size)
 
 
-def chunk_bounds(chunks: tuple[jax.Array, ...]) -> list[tuple[int, int]]:
-    """``(start, stop)`` slots of each of one layer's cache chunks (from their shapes)."""
-    bounds, start = [], 0
-    for chunk in chunks:
-        bounds.append((start, start + chunk.shape[0]))
-        start += chunk.shape[0]
-    return bounds
+class PageTable:
+    """The host side of a paged cache: which pages each slot holds, and the free pages.
+
+    ``table [max_slots, width]`` int32 lists each slot's pages in position order
+    (``width = pages_for(max_seq_len)``); entries past a slot's pages hold ``num_pages`` (no
+    page). A page is listed by one slot or, for a prompt's full pages, by every sample of it;
+    it returns to the free pages when the last slot listing it lets it go. Free pages are
+    taken lowest first. Not thread-safe: the engine calls it under its lock.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, max_seq_len: int):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.width = pages_for(max_seq_len, page_size)
+        self.table = np.full((max_slots, self.width), num_pages, np.int32)
+        self.held = np.zeros((max_slots,), np.int32)  # pages listed per slot
+        self.refs = np.zeros((num_pages,), np.int32)
+        self._free = list(range(num_pages))  # a heap
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def grow(self, slot: int, positions: int) -> bool:
+        """Gives ``slot`` the pages of its first ``positions`` positions (at most the table's
+        width); False, taking nothing, when the free pages do not suffice."""
+        want = min(pages_for(positions, self.page_size), self.width)
+        extra = want - int(self.held[slot])
+        if extra <= 0:
+            return True
+        if extra > len(self._free):
+            return False
+        for j in range(int(self.held[slot]), want):
+            page = heapq.heappop(self._free)
+            self.refs[page] = 1
+            self.table[slot, j] = page
+        self.held[slot] = want
+        return True
+
+    def share(self, src: int, dst: int, count: int):
+        """Lists the first ``count`` pages of slot ``src`` as the first of slot ``dst`` (which
+        holds none): the full pages of a prompt its samples share."""
+        if self.held[dst]:
+            raise ValueError(f"slot {dst} already holds pages")
+        pages = self.table[src, :count]
+        self.table[dst, :count] = pages
+        self.refs[pages] += 1
+        self.held[dst] = count
+
+    def release(self, slot: int):
+        """Lets go of every page of ``slot`` (free once no other slot lists them)."""
+        n = int(self.held[slot])
+        for page in self.table[slot, :n].tolist():
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                heapq.heappush(self._free, page)
+        self.table[slot] = self.num_pages
+        self.held[slot] = 0
+
+    def move(self, src: int, dst: int):
+        """Moves slot ``src``'s pages to the free slot ``dst``."""
+        self.table[dst], self.held[dst] = self.table[src], self.held[src]
+        self.table[src], self.held[src] = self.num_pages, 0
+
+    def reset(self):
+        self.__init__(self.num_pages, self.page_size, self.table.shape[0],
+                      self.width * self.page_size)
 
 
-def _local_slots(slots: jax.Array, start: int, stop: int) -> jax.Array:
-    """Global slot indices as indices into the chunk ``[start, stop)``; the others past its
-    end (dropped by a scatter with ``mode="drop"``)."""
-    return jnp.where((slots >= start) & (slots < stop), slots - start, stop - start)
-
-
-def admit(k_cache, v_cache, state: SlotState, k_new, v_new, logits, rows, slots, values,
+def admit(k_pages, v_pages, state: SlotState, k_new, v_new, logits, rows, pages, slots, values,
           fresh, *, filtered: bool):
-    """Installs prefilled sequences in their slots and samples first tokens.
+    """Installs prefilled sequences in their pages and slots and samples first tokens.
 
     Args:
-      k_new, v_new: prefill keys/values ``[L, B, P, K, Dh]`` (``P <= kv_len``).
+      k_new, v_new: prefill keys/values ``[L, B, T, K, Dh]``.
       logits: prefill logits ``[B, V]``.
       rows, slots: ``[M]``: sequence ``i`` takes prefill row ``rows[i]`` into slot ``slots[i]``
         (slots ``>= slots`` count, used for padding, are dropped).
+      pages: ``[M, ceil(T / page_size)]``: the pages sequence ``i``'s prefill positions go to,
+        page by page (the pool's size where nothing is written: past the prompt, pages already
+        written by another sample of the same prompt, padding).
       values: :data:`SlotState` fields ``[M]`` for the sequences (``token`` is the last token
         of resumed sequences, ``token_index`` the index of the token sampled here for fresh ones).
       fresh: ``[M]`` bool, whether the sequence samples its first token here (otherwise it
         resumes with ``values["token"]``).
 
-    Returns ``(k_cache, v_cache, state, out)`` with ``out [3, M]`` packed as a decode step's
+    Returns ``(k_pages, v_pages, state, out)`` with ``out [3, M]`` packed as a decode step's
     (:func:`rl_jax.generator.sampling.pack`).
-    The runner compiles the parts separately (:func:`first_tokens`, whose shapes do not depend
-    on the cache, and :func:`install_kv` / :func:`install_state`, cheap scatters), so a new
-    cache length costs only a small compilation.
+    The runner compiles the parts separately (:func:`first_tokens`, and :func:`install_kv` /
+    :func:`install_state`, cheap scatters).
     """
     k_rows, v_rows, tokens, out = first_tokens(k_new, v_new, logits, rows, values, fresh,
                                                filtered=filtered)
-    k_cache, v_cache = install_kv(k_cache, v_cache, k_rows, v_rows, slots)
-    return k_cache, v_cache, install_state(state, slots, values, fresh, tokens), out
+    k_pages, v_pages = install_kv(k_pages, v_pages, k_rows, v_rows, pages)
+    return k_pages, v_pages, install_state(state, slots, values, fresh, tokens), out
 
 
 def first_tokens(k_new, v_new, logits, rows, values, fresh, *, filtered: bool):
-    """Per admitted sequence ``[M]``: its prefill keys/values ``[L, M, P, K, Dh]`` (row
+    """Per admitted sequence ``[M]``: its prefill keys/values ``[L, M, T, K, Dh]`` (row
     ``rows[i]`` of the prefill), its sampled first token ``[M]`` and the packed ``[3, M]``
     output (the resumed token where not ``fresh``)."""
     tokens, logprobs, unfiltered = sample(logits[rows],
@@ -132,25 +196,28 @@ def first_tokens(k_new, v_new, logits, rows, values, fresh, *, filtered: bool):
     return k_new[:, rows], v_new[:, rows], tokens, out
 
 
-def install_kv(k_cache, v_cache, k_rows, v_rows, slots):
-    """Keys/values ``[L, M, P, K, Dh]`` into the first ``P`` positions of ``slots [M]`` (slots
-    past the cache are dropped); the only part of admission compiled per cache length."""
-    p = k_rows.shape[2]
+def install_kv(k_pages, v_pages, k_rows, v_rows, pages):
+    """Keys/values ``[L, M, T, K, Dh]`` of positions ``0..T-1`` into the pages ``[M, n]``
+    (``n = ceil(T / page_size)``; entries past the pool are dropped)."""
+    size = k_pages[0].shape[3]
+    m, t = k_rows.shape[1], k_rows.shape[2]
+    n = pages.shape[1]
+    flat = pages.reshape(-1)
 
-    def put_keys(chunk, local, new):  # [M, P, K, Dh] → [M, K, Dh, P]
-        return chunk.at[local, :, :, :p].set(jnp.transpose(new, (0, 2, 3, 1)).astype(
-            chunk.dtype), mode="drop")
+    def paged(new):  # [M, T, K, Dh] -> [M·n, page_size, K, Dh]
+        new = jnp.pad(new, ((0, 0), (0, n * size - t), (0, 0), (0, 0)))
+        return new.reshape(m * n, size, *new.shape[2:])
 
-    def put_values(chunk, local, new):  # [M, P, K, Dh] → [M, K, P, Dh]
-        return chunk.at[local, :, :p].set(jnp.swapaxes(new, 1, 2).astype(chunk.dtype),
-                                          mode="drop")
+    def put_keys(pool, new):  # [M·n, page_size, K, Dh] -> [M·n, K, Dh, page_size]
+        return pool.at[flat].set(jnp.transpose(paged(new), (0, 2, 3, 1)).astype(pool.dtype),
+                                 mode="drop")
 
-    def put(put_one, chunks, new):
-        return tuple(put_one(c, _local_slots(slots, start, stop), new)
-                     for c, (start, stop) in zip(chunks, chunk_bounds(chunks)))
+    def put_values(pool, new):  # -> [M·n, K, page_size, Dh]
+        return pool.at[flat].set(jnp.swapaxes(paged(new), 1, 2).astype(pool.dtype),
+                                 mode="drop")
 
-    return (tuple(put(put_keys, chunks, k_rows[i]) for i, chunks in enumerate(k_cache)),
-            tuple(put(put_values, chunks, v_rows[i]) for i, chunks in enumerate(v_cache)))
+    return (tuple(put_keys(pool, k_rows[i]) for i, pool in enumerate(k_pages)),
+            tuple(put_values(pool, v_rows[i]) for i, pool in enumerate(v_pages)))
 
 
 def install_state(state: SlotState, slots, values, fresh, tokens) -> SlotState:
@@ -161,29 +228,21 @@ def install_state(state: SlotState, slots, values, fresh, tokens) -> SlotState:
                                             mode="drop") for name in state}
 
 
-def move_slots(k_cache, v_cache, state: SlotState, src, dst):
-    """Moves sequences from slots ``src [N]`` to slots ``dst [N]``: their keys, values and slot
-    state (pairs whose ``dst`` is past the cache, the padding, are dropped). Everything is read
-    before anything is written."""
-    def move(a):
-        return a.at[dst].set(a[src], mode="drop")
-
-    def move_chunks(chunks):
-        rows = jnp.concatenate(chunks)[src]  # XLA fuses the concatenation into the gather
-        return tuple(c.at[_local_slots(dst, start, stop)].set(rows, mode="drop")
-                     for c, (start, stop) in zip(chunks, chunk_bounds(chunks)))
-
-    return (tuple(map(move_chunks, k_cache)), tuple(map(move_chunks, v_cache)),
-            {name: move(a) for name, a in state.items()})
+def move_state(state: SlotState, src, dst) -> SlotState:
+    """Moves the slot state of slots ``src [N]`` to slots ``dst [N]`` (pairs whose ``dst`` is
+    past the slots, the padding, are dropped); their pages move with their page table rows
+    (:meth:`PageTable.move`), the cache itself stays where it is."""
+    return {name: a.at[dst].set(a[src], mode="drop") for name, a in state.items()}
 
 
-def resize_cache(k_cache, v_cache, *, length: int):
-    """Every layer's cache chunks padded with zeros or truncated to ``length`` positions."""
-    def one(c, axis):
-        if c.shape[axis] >= length:
-            return jax.lax.slice_in_dim(c, 0, length, axis=axis)
-        pad = [(0, 0)] * c.ndim
-        pad[axis] = (0, length - c.shape[axis])
-        return jnp.pad(c, pad)
-    return (tuple(tuple(one(c, K_SEQ_AXIS) for c in chunks) for chunks in k_cache),
-            tuple(tuple(one(c, V_SEQ_AXIS) for c in chunks) for chunks in v_cache))
+def gather_pages(k_pool, v_pool, table):
+    """A layer's keys ``[S, K, Dh, W·P]`` and values ``[S, K, W·P, Dh]`` of the slots whose page
+    table rows are ``table [S, W]`` (entries past the pool read zeros): the contiguous form
+    that XLA's attention and the Pallas kernel take (a copy of the pages read)."""
+    s, w = table.shape
+    keys = jnp.take(k_pool, table, axis=0, mode="fill", fill_value=0)  # [S, W, K, Dh, P]
+    values = jnp.take(v_pool, table, axis=0, mode="fill", fill_value=0)  # [S, W, K, P, Dh]
+    k, hd, p = keys.shape[2:]
+    keys = jnp.transpose(keys, (0, 2, 3, 1, 4)).reshape(s, k, hd, w * p)
+    values = jnp.transpose(values, (0, 2, 1, 3, 4)).reshape(s, k, w * p, hd)
+    return keys, values

@@ -1,11 +1,13 @@
 """The inference engine's compiled device work for one model: :class:`ModelRunner`.
 
-A runner owns a slot KV cache (:mod:`rl_jax.generator.kv_cache`: its layout, admission and slot
-moves), the per-slot decode state and the jitted programs over them: prefill and decode steps of
-the decode-path model (:mod:`rl_jax.generator.decode`) with sampling
-(:mod:`rl_jax.generator.sampling`), cache resizes as the longest sequence grows and shrinks, and
-the decode attention backend (:mod:`rl_jax.generator.kernels`). Steps chain on the device: the
-host dispatches step ``t+1`` before it reads the tokens of step ``t``.
+A runner owns a paged KV cache (:mod:`rl_jax.generator.kv_cache`: its page pool, sized once,
+its page table on the host, admission and slot moves), the per-slot decode state and the jitted
+programs over them: prefill and decode steps of the decode-path model
+(:mod:`rl_jax.generator.decode`) with sampling (:mod:`rl_jax.generator.sampling`), and the
+decode attention backend (:mod:`rl_jax.generator.kernels`). Steps chain on the device: the host
+dispatches step ``t+1`` before it reads the tokens of step ``t``; each step takes its batch's
+page table rows from the host (the engine gives a sequence its next page before the step that
+writes there is dispatched).
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rl_jax.generator import kernels
-from rl_jax.generator.decode import (decode, decode_many, decode_weight_axes, prefill,
-                                     prepare_decode_weights)
-from rl_jax.generator.kv_cache import (K_CACHE_AXES, MIN_ADMIT, MIN_KV_LEN, SLOT_FIELDS,
-                                       V_CACHE_AXES, V_SEQ_AXIS, SlotState, first_tokens,
-                                       install_kv, install_state, kv_bucket, move_slots,
-                                       resize_cache, slot_chunks)
+from rl_jax.generator.decode import (attend_pages, decode, decode_many, decode_weight_axes,
+                                     prefill, prepare_decode_weights)
+from rl_jax.generator.kv_cache import (DEFAULT_PAGE_SIZE, K_CACHE_AXES, MIN_ADMIT, SLOT_FIELDS,
+                                       V_CACHE_AXES, PageTable, SlotState, first_tokens,
+                                       install_kv, install_state, kv_bucket, move_state,
+                                       pages_for)
 from rl_jax.generator.types import GeneratorError
 from rl_jax.generator.weights import generator_rules
 from rl_jax.models.config import ModelConfig
@@ -53,14 +55,27 @@ class ModelRunner:
     Calls are asynchronous (JAX dispatch): :meth:`admit` and :meth:`decode` return device arrays
     and chain through the donated cache and state, so the host can queue a step before reading
     the previous one's tokens.
+
+    Args:
+      page_size: positions per page of the cache.
+      num_pages: pages in the pool (the cache's memory: :attr:`cache_bytes`); by default
+        enough for every slot to hold ``max_seq_len`` positions.
     """
 
     def __init__(self, config: ModelConfig, *, max_slots: int, max_seq_len: int,
                  mesh: Mesh | None = None, rules: ShardingRules | None = None,
-                 dtype: Any = jnp.float32, cache_dtype: Any = None, attention: str = "auto"):
+                 dtype: Any = jnp.float32, cache_dtype: Any = None, attention: str = "auto",
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+        if page_size < 1:
+            raise GeneratorError(f"page_size must be >= 1, got {page_size}")
+        if num_pages is not None and num_pages < 1:
+            raise GeneratorError(f"num_pages must be >= 1, got {num_pages}")
         self.config = config
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
+        self.page_size = page_size
+        self.num_pages = num_pages or max_slots * pages_for(max_seq_len, page_size)
+        self.pages = PageTable(self.num_pages, page_size, max_slots, max_seq_len)
         self.mesh = mesh
         self.rules = rules or generator_rules()
         self.dtype = dtype
@@ -69,15 +84,15 @@ class ModelRunner:
         if mesh is not None:
             constrain = partial(self.rules.constrain, mesh=mesh)
             constrain = (lambda x, axes, _c=constrain: _c(x, logical_axes=axes))
-        self.cache_bytes = (2 * config.num_layers * max_slots * max_seq_len * config.num_kv_heads
-                            * config.head_dim * jnp.dtype(self.cache_dtype).itemsize)
-        self._zeros: dict[int, Any] = {}
-        self._resizers: dict[int, Any] = {}
-        # decode programs (batch, length, filtered, steps) compiled or under way
+        self.cache_bytes = self.page_bytes(config, page_size, self.cache_dtype) * self.num_pages
+        self._zeros = None
+        # decode programs (batch, positions of their table width, filtered, steps) compiled or
+        # under way
         self._compiled: set[tuple[int, int, bool, int]] = set()
         self._compile_lock = threading.Lock()  # the warm-up compiles beside the scheduler
         self._compiling: dict[tuple[int, int, bool, int], threading.Event] = {}  # ahead
-        self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, max_seq_len))
+        self._width = 1  # page table columns the last decode step took
+        self.k_cache, self.v_cache = self._zero_cache()
         self._state_sharding = self._sharding(("act_batch",), (max_slots,), "slot state")
         self.state = self._initial_state()
         kw = dict(cfg=config, dtype=dtype, constrain=constrain)
@@ -94,10 +109,17 @@ class ModelRunner:
         self._first_tokens = jax.jit(first_tokens, static_argnames=("filtered",))
         self._install_kv = jax.jit(install_kv, donate_argnums=(0, 1))
         self._install_state = jax.jit(install_state, donate_argnums=(0,))
-        self._move = jax.jit(move_slots, donate_argnums=(0, 1, 2))
+        self._move = jax.jit(move_state, donate_argnums=(0,))
         prepare_kw = {} if mesh is None else {"out_shardings": self._weight_shardings()}
         self._prepare = jax.jit(partial(prepare_decode_weights, cfg=config, dtype=dtype),
                                 **prepare_kw)
+
+    @staticmethod
+    def page_bytes(config: ModelConfig, page_size: int, cache_dtype: Any) -> int:
+        """Bytes of one page of the cache: keys and values of ``page_size`` positions in every
+        layer."""
+        return (2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim
+                * jnp.dtype(cache_dtype).itemsize)
 
     def _devices(self) -> list:
         return jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
@@ -145,14 +167,16 @@ class ModelRunner:
             platform=platform)
 
     def _attention_kernel(self):
-        """The decode attention kernel of :attr:`attention_backend` (``None``:
-        ``decode.attend``)."""
+        """The paged decode attention of :attr:`attention_backend` (``None``:
+        ``decode.attend_pages`` over ``decode.attend``). The Pallas kernel reads the contiguous
+        form, so its pages are gathered first (``decode.attend_pages``)."""
         if self.attention_backend == "native":
-            return kernels.decode_attention
+            return kernels.paged_decode_attention
         if self.attention_backend == "pallas":
             platform = self._devices()[0].platform
-            return partial(kernels.pallas_decode_attention, interpret=platform == "cpu",
-                           platform=platform)
+            kernel = partial(kernels.pallas_decode_attention, interpret=platform == "cpu",
+                             platform=platform)
+            return partial(attend_pages, dtype=self.dtype, contiguous=kernel)
         return None
 
     def _use_native_attention(self, attention: str) -> bool:
@@ -180,8 +204,18 @@ class ModelRunner:
 
     @property
     def kv_len(self) -> int:
-        """Current length of the cache's position axis."""
-        return self.v_cache[0][0].shape[V_SEQ_AXIS]
+        """Positions the last decode step's attention could read: its page table columns times
+        the page size (the whole table for the native kernel, which reads each slot's own
+        length; the pages of the longest sequence's bucket, ``kv_cache.kv_bucket``, for
+        attentions that read every page they are given)."""
+        return self._width * self.page_size
+
+    def _table_width(self, kv_needed: int) -> int:
+        """Page table columns a decode step takes when its positions are ``< kv_needed``."""
+        if self.native_attention:
+            return self.pages.width
+        return min(pages_for(kv_bucket(kv_needed, self.max_seq_len), self.page_size),
+                   self.pages.width)
 
     def prepare(self, params: dict[str, Any]) -> dict[str, Any]:
         """Decode weights for ``params`` (``decode.prepare_decode_weights``), dispatched
@@ -195,82 +229,118 @@ class ModelRunner:
 
     def admit(self, k_new, v_new, logits, rows: np.ndarray, slots: np.ndarray,
               values: dict[str, np.ndarray], fresh: np.ndarray, filtered: bool):
-        """Installs prefilled sequences (see ``kv_cache.admit``); returns the packed ``[3, M]``
-        first tokens and log-probs (meaningful where ``fresh``)."""
-        needed = k_new.shape[2]
-        if needed > self.kv_len:
-            self._resize(kv_bucket(needed, self.max_seq_len))
+        """Installs prefilled sequences (see ``kv_cache.admit``) in their slots, which hold no
+        pages yet, giving each the pages of its prompt (``values["position"]`` positions):
+        sequences of one prefill row share the pages their prompt fills, and each takes its
+        own from the prompt's last, partly filled one on (:meth:`admission_pages` counts them;
+        :class:`GeneratorError` where the free pages do not suffice, nothing taken). Returns the
+        packed ``[3, M]`` first tokens and log-probs (meaningful where ``fresh``)."""
+        pages = self._take_prompt_pages(np.asarray(rows), np.asarray(slots),
+                                        np.asarray(values["position"]),
+                                        pages_for(k_new.shape[2], self.page_size))
         # At least MIN_ADMIT rows (padding goes to a dropped slot): fewer programs to compile.
         # Host arrays go to the programs as they are (the jitted call moves them to the device
         # far cheaper than eager jnp.asarray calls).
         n = max(MIN_ADMIT, len(rows))
         rows, fresh = _padded(rows, n, np.int32), _padded(fresh, n, bool)
         slots = _padded(slots, n, np.int32, fill=self.max_slots)
+        if len(pages) < n:
+            pages = np.concatenate([pages, np.full((n - len(pages), pages.shape[1]),
+                                                   self.num_pages, np.int32)])
         values = {name: _padded(values[name], n, dtype) for name, dtype in SLOT_FIELDS.items()}
         k_rows, v_rows, tokens, out = self._first_tokens(k_new, v_new, logits, rows, values,
                                                          fresh, filtered=filtered)
         self.k_cache, self.v_cache = self._install_kv(self.k_cache, self.v_cache, k_rows,
-                                                      v_rows, slots)
+                                                      v_rows, pages)
         self.state = self._install_state(self.state, slots, values, fresh, tokens)
         return out
+
+    def admission_pages(self, lengths: list[int], samples: list[int]) -> int:
+        """Free pages an admission of prompts of ``lengths`` positions with ``samples`` sequences
+        each takes (:meth:`admit`): each prompt's pages once, and one more per further sample
+        where the prompt ends inside a page."""
+        size = self.page_size
+        return sum(pages_for(n, size) + (k - 1) * (n % size != 0)
+                   for n, k in zip(lengths, samples))
+
+    def _take_prompt_pages(self, rows: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
+                           columns: int) -> np.ndarray:
+        """Gives the admitted sequences their prompt pages (see :meth:`admit`); returns the
+        ``[M, columns]`` pages their prefill positions are written to (the pool's size where
+        nothing is: past a prompt, pages another sample of its row writes, padding)."""
+        table, size = self.pages, self.page_size
+        live = [i for i in range(len(slots)) if slots[i] < self.max_slots]
+        groups: dict[int, list[int]] = {}  # prefill row -> [prompt positions, sequences]
+        for i in live:
+            groups.setdefault(int(rows[i]), [int(lengths[i]), 0])[1] += 1
+        wanted = self.admission_pages([g[0] for g in groups.values()],
+                                      [g[1] for g in groups.values()])
+        if wanted > table.free_pages:
+            raise GeneratorError(f"the admission needs {wanted} KV-cache pages, "
+                                 f"{table.free_pages} are free")
+        dest = np.full((len(slots), columns), self.num_pages, np.int32)
+        first: dict[int, int] = {}
+        for i in live:
+            slot, length = int(slots[i]), int(lengths[i])
+            shared, row = 0, int(rows[i])
+            if row in first:
+                shared = length // size
+                table.share(first[row], slot, shared)
+            else:
+                first[row] = slot
+            table.grow(slot, length)
+            held = min(int(table.held[slot]), columns)
+            dest[i, shared:held] = table.table[slot, shared:held]
+        return dest
 
     def decode(self, weights: dict[str, Any], batch: int, kv_needed: int, filtered: bool,
                kv_horizon: int = 0, steps: int = 1):
         """One decode step of slots ``0..batch-1`` whose next positions are ``< kv_needed``;
         returns the packed ``[3, batch]`` sampled tokens and log-probs (see ``sampling.unpack``).
-        With ``steps > 1``, that many steps in one program (``decode.decode_many``; the cache holds
-        the positions all of them write), returning ``[steps, 3, batch]``.
+        With ``steps > 1``, that many steps in one program (``decode.decode_many``), returning
+        ``[steps, 3, batch]``. The slots must hold the pages of the positions the steps write
+        (:attr:`pages`; a write where a slot holds no page is dropped).
 
-        ``kv_horizon`` is how many positions the running sequences may reach: when it exceeds
-        the cache length, the step for the next length is compiled in a background thread, so
-        that growing into it need not stall decoding for a compilation.
+        For attentions that read every page they are given (not the native kernel), the step
+        takes the page table columns of the longest sequence's bucket
+        (``kv_cache.kv_bucket``), one compiled program per width; ``kv_horizon`` is how many
+        positions the running sequences may reach: when it exceeds the current width, the step
+        for the next one is compiled in a background thread, so that growing into it need not
+        stall decoding for a compilation.
         """
-        length = kv_bucket(kv_needed + steps - 1, self.max_seq_len)
-        # Grow when needed; shrink only to half or less (each resize copies the cache).
-        if length > self.kv_len or 2 * length <= self.kv_len:
-            ahead = self._compiling.pop((batch, length, filtered, steps), None)
-            if ahead is not None:
-                ahead.wait()  # finishing it is faster than compiling again
-            self._resize(length)
-        self._compiled.add((batch, self.kv_len, filtered, steps))
+        width = self._table_width(kv_needed + steps - 1)
+        key = (batch, width * self.page_size, filtered, steps)
+        ahead = self._compiling.pop(key, None)
+        if ahead is not None:
+            ahead.wait()  # finishing it is faster than compiling again
+        self._compiled.add(key)
+        self._width = width
         program, static = self._decode_program(steps)
+        table = self.pages.table[:batch, :width].copy()  # the host table changes later
         self.k_cache, self.v_cache, self.state, out = program(
-            weights, self.k_cache, self.v_cache, self.state, batch=batch, filtered=filtered,
-            **static)
-        if kv_horizon > self.kv_len:
-            self._compile_ahead(weights, batch, kv_bucket(self.kv_len + 1, self.max_seq_len),
+            weights, self.k_cache, self.v_cache, self.state, table, batch=batch,
+            filtered=filtered, **static)
+        if not self.native_attention and kv_horizon > width * self.page_size:
+            self._compile_ahead(weights, batch, self._table_width(width * self.page_size + 1),
                                 filtered, steps)
         return out
 
     def move(self, src: np.ndarray, dst: np.ndarray):
-        """Moves the sequences of slots ``src`` into the free slots ``dst`` (see
-        ``kv_cache.move_slots``), so that the running ones fit a smaller decode batch."""
+        """Moves the sequences of slots ``src`` into the free slots ``dst`` (their page table
+        rows and slot state, ``kv_cache.move_state``), so that the running ones fit a smaller
+        decode batch."""
+        for a, b in zip(src.tolist(), dst.tolist()):
+            self.pages.move(a, b)
         n = self._move_pairs(len(src))
         s, d = np.zeros(n, np.int32), np.full(n, self.max_slots, np.int32)
         s[:len(src)], d[:len(dst)] = src, dst
-        self.k_cache, self.v_cache, self.state = self._move(
-            self.k_cache, self.v_cache, self.state, s, d)
+        self.state = self._move(self.state, s, d)
 
-    def compile_move(self, length: int):
-        """Compiles :meth:`move` for caches of ``length`` positions (without running it)."""
+    def compile_move(self):
+        """Compiles :meth:`move` (without running it)."""
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
         index = jax.ShapeDtypeStruct((self._move_pairs(1),), jnp.int32)
-        self._move.lower(*self._cache_structs(length), jax.tree.map(abstract, self.state),
-                         index, index).compile()
-
-    def compile_shrinks(self, lengths) -> int:
-        """Compiles every cache resize a decode step may shrink by between ``lengths`` (to half
-        the length or less; growing is compiled ahead as the sequences approach it), without
-        running them; returns how many."""
-        lengths = sorted(set(lengths))
-        count = 0
-        for longer in lengths:
-            current = self._cache_structs(longer)
-            for shorter in lengths:
-                if 2 * shorter <= longer:
-                    self._resizer(shorter).lower(*current).compile()
-                    count += 1
-        return count
+        self._move.lower(jax.tree.map(abstract, self.state), index, index).compile()
 
     def _move_pairs(self, pairs: int) -> int:
         """Pairs a move of ``pairs`` sequences is padded to: half the slots (a compaction moves
@@ -283,43 +353,47 @@ class ModelRunner:
         """The jitted decode of ``steps`` steps and its extra static arguments."""
         return (self._decode, {}) if steps == 1 else (self._decode_many, {"steps": steps})
 
-    def compile_decode(self, weights, batch: int, length: int, filtered: bool,
+    def decode_widths(self, max_seq_len: int | None = None) -> list[int]:
+        """The page table widths decode steps take for sequences up to ``max_seq_len``
+        positions (default the runner's): one with the native kernel (it reads each slot's
+        pages up to its position), else one per cache-length bucket."""
+        limit = self.max_seq_len if max_seq_len is None else max_seq_len
+        return sorted({self._table_width(n) for n in range(1, limit + 1)})
+
+    def compile_decode(self, weights, batch: int, width: int, filtered: bool,
                        steps: int = 1) -> bool:
-        """Compiles, in the calling thread, the decode program of ``steps`` steps for
-        ``batch`` slots over caches of ``length`` positions, without running it (JAX's
-        compilation cache then serves its first call); False when it was compiled or under way
-        already."""
-        key = (batch, length, filtered, steps)
+        """Compiles, in the calling thread, the decode program of ``steps`` steps for ``batch``
+        slots over ``width`` page table columns, without running it (JAX's compilation cache
+        then serves its first call); False when it was compiled or under way already."""
+        key = (batch, width * self.page_size, filtered, steps)
         with self._compile_lock:
             if key in self._compiled:
                 return False
             self._compiled.add(key)
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
         program, static = self._decode_program(steps)
-        program.lower(jax.tree.map(abstract, weights), *self._cache_structs(length),
-                      jax.tree.map(abstract, self.state), batch=batch, filtered=filtered,
-                      **static).compile()
+        program.lower(jax.tree.map(abstract, weights), *self._cache_structs(),
+                      jax.tree.map(abstract, self.state),
+                      jax.ShapeDtypeStruct((batch, width), jnp.int32), batch=batch,
+                      filtered=filtered, **static).compile()
         return True
 
-    def _compile_ahead(self, weights, batch: int, length: int, filtered: bool, steps: int = 1):
-        """Compiles, in a background thread, the decode step (of ``steps`` steps) for caches of
-        ``length`` positions and the resize to it (JAX's compilation cache then serves the
-        first real call)."""
-        key = (batch, length, filtered, steps)
+    def _compile_ahead(self, weights, batch: int, width: int, filtered: bool, steps: int = 1):
+        """Compiles, in a background thread, the decode step (of ``steps`` steps) over ``width``
+        page table columns (JAX's compilation cache then serves the first real call)."""
+        key = (batch, width * self.page_size, filtered, steps)
         with self._compile_lock:
             if key in self._compiled:
                 return
             self._compiled.add(key)
         done = self._compiling[key] = threading.Event()
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa
-        current = jax.tree.map(abstract, (self.k_cache, self.v_cache))
-        args = (jax.tree.map(abstract, weights), *self._cache_structs(length),
-                jax.tree.map(abstract, self.state))
-        resizer = self._resizer(length)
+        args = (jax.tree.map(abstract, weights), *self._cache_structs(),
+                jax.tree.map(abstract, self.state),
+                jax.ShapeDtypeStruct((batch, width), jnp.int32))
 
-        def compile_both():
+        def compile_step():
             try:
-                resizer.lower(*current).compile()
                 program, static = self._decode_program(steps)
                 program.lower(*args, batch=batch, filtered=filtered, **static).compile()
             except Exception:  # a missed warm-up only costs the compilation later
@@ -328,10 +402,12 @@ class ModelRunner:
                 done.set()
 
         # Not a daemon: the interpreter waits for it at exit rather than killing it inside XLA.
-        threading.Thread(target=compile_both, name="decode-compile", daemon=False).start()
+        threading.Thread(target=compile_step, name="decode-compile", daemon=False).start()
 
     def reset_cache(self):
-        self.k_cache, self.v_cache = self._zero_cache(min(MIN_KV_LEN, self.max_seq_len))
+        """Zeroes the cache and the slot state; every page is free again."""
+        self.k_cache, self.v_cache = self._zero_cache()
+        self.pages.reset()
         self.state = self._initial_state()
 
     # ---- layouts ------------------------------------------------------------------------------
@@ -352,38 +428,24 @@ class ModelRunner:
         return {name: jax.device_put(np.zeros((s,), dtype), self._state_sharding)
                 for name, dtype in SLOT_FIELDS.items()}
 
-    def _cache_structs(self, length: int):
-        """``(k_cache, v_cache)`` of ``length`` positions as shape/dtype/sharding structures:
-        per layer, per slot chunk (``kv_cache.slot_chunks``), keys ``[n, K, Dh, length]`` and values
-        ``[n, K, length, Dh]``."""
-        k, hd = self.config.num_kv_heads, self.config.head_dim
+    def _cache_structs(self):
+        """``(k_cache, v_cache)`` as shape/dtype/sharding structures: per layer, the page pools
+        of keys ``[N, K, Dh, P]`` and values ``[N, K, P, Dh]`` (``kv_cache``)."""
+        k, hd, n, p = (self.config.num_kv_heads, self.config.head_dim, self.num_pages,
+                       self.page_size)
 
-        def chunks(axes, shape_of, name):
-            return tuple(jax.ShapeDtypeStruct(
-                shape_of(stop - start), self.cache_dtype,
-                sharding=self._sharding(axes, shape_of(stop - start), name))
-                for start, stop in slot_chunks(self.max_slots))
+        def pool(axes, shape, name):
+            return jax.ShapeDtypeStruct(shape, self.cache_dtype,
+                                        sharding=self._sharding(axes, shape, name))
 
-        keys = chunks(K_CACHE_AXES, lambda n: (n, k, hd, length), "key cache")
-        values = chunks(V_CACHE_AXES, lambda n: (n, k, length, hd), "value cache")
         layers = self.config.num_layers
-        return (keys,) * layers, (values,) * layers
+        return ((pool(K_CACHE_AXES, (n, k, hd, p), "key cache"),) * layers,
+                (pool(V_CACHE_AXES, (n, k, p, hd), "value cache"),) * layers)
 
-    def _zero_cache(self, length: int):
-        if length not in self._zeros:
-            structs = self._cache_structs(length)
-            self._zeros[length] = jax.jit(
+    def _zero_cache(self):
+        if self._zeros is None:
+            structs = self._cache_structs()
+            self._zeros = jax.jit(
                 lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), structs),
                 out_shardings=jax.tree.map(lambda x: x.sharding, structs))
-        return self._zeros[length]()
-
-    def _resizer(self, length: int):
-        if length not in self._resizers:
-            self._resizers[length] = jax.jit(  # no donation: the shapes differ
-                partial(resize_cache, length=length),
-                out_shardings=jax.tree.map(lambda x: x.sharding, self._cache_structs(length)))
-        return self._resizers[length]
-
-    def _resize(self, length: int):
-        """Pads or truncates every layer's cache to ``length`` positions (copies the cache)."""
-        self.k_cache, self.v_cache = self._resizer(length)(self.k_cache, self.v_cache)
+        return self._zeros()

@@ -3,7 +3,8 @@
 A :class:`Request` is one ``GenerateRequest`` with its ``n`` :class:`Sequence` samples; a
 :class:`Replica` is one data-parallel copy of the model with its slots and running sequences; an
 :class:`InFlight` is device work whose tokens are not read yet. :func:`plan_admission` decides
-which waiting sequences a scheduler pass admits, where, and which share a prefill;
+which waiting sequences a scheduler pass admits (as slots, prefill tokens and KV-cache pages
+allow), where, and which share a prefill;
 :func:`prefill_batch` lays their prompts out for one prefill. All of it is host bookkeeping: the
 engine (:mod:`rl_jax.generator.engine`) owns the records and calls these under its lock.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -112,13 +114,19 @@ def pow2_bucket(n: int, minimum: int, maximum: int) -> int:
     return min(size, maximum)
 
 
-def plan_admission(waiting: collections.deque[Sequence], free: list[int], budget: int
+def plan_admission(waiting: collections.deque[Sequence], free: list[int], budget: int,
+                   pages: list[int] | None = None,
+                   page_cost: Callable[[Sequence, bool], int] | None = None
                    ) -> list[tuple[int, list[Sequence]]]:
     """Takes from the front of ``waiting`` the sequences one scheduler pass admits: a list of
     ``(replica, sequences sharing a prefill)``. A new prefill goes to the replica with the most
-    free slots (``free``: per replica, decremented here) while its prompt fits the remaining
-    prefill ``budget`` (tokens; the first prefill always goes); it stops at the first sequence
-    that cannot be placed, so the queue keeps its order."""
+    free slots (``free``: per replica, decremented here) among those with the KV-cache pages it
+    takes (``pages``: per replica, the free pages it may take, decremented here by
+    ``page_cost(seq, joins)``, its pages when it starts a prefill or joins the one before) while
+    its prompt fits the remaining prefill ``budget`` (tokens; the first prefill always goes); it
+    stops at the first sequence that cannot be placed, so the queue keeps its order."""
+    pages = list(pages) if pages is not None else [0] * len(free)
+    cost = page_cost or (lambda seq, joins: 0)
     groups: list[tuple[int, list[Sequence]]] = []
     while waiting:
         seq = waiting[0]
@@ -130,11 +138,16 @@ def plan_admission(waiting: collections.deque[Sequence], free: list[int], budget
         joins = (head is not None and free[last[0]] > 0 and not seq.output_ids
                  and not head.output_ids
                  and (head.request is seq.request
-                      or head.request.input_ids == seq.request.input_ids))
-        if not joins:
-            target = max(range(len(free)), key=free.__getitem__)
-            if not free[target]:
+                      or head.request.input_ids == seq.request.input_ids)
+                 and cost(seq, True) <= pages[last[0]])
+        if joins:
+            taken = cost(seq, True)
+        else:
+            taken = cost(seq, False)
+            fits = [r for r in range(len(free)) if free[r] and taken <= pages[r]]
+            if not fits:
                 break
+            target = max(fits, key=free.__getitem__)
             prefill_len = len(seq.request.input_ids) + max(len(seq.output_ids) - 1, 0)
             if groups and prefill_len > budget:
                 break
@@ -143,6 +156,7 @@ def plan_admission(waiting: collections.deque[Sequence], free: list[int], budget
         waiting.popleft()
         groups[-1][1].append(seq)
         free[groups[-1][0]] -= 1
+        pages[groups[-1][0]] -= taken
     return groups
 
 

@@ -4,7 +4,8 @@ is the same command under the project's launcher directory).
 
     python -m rl_jax.generator.serve --model=DIR --port=30000 \
         [--host=127.0.0.1 --max_slots=32 --max_seq_len=512 --dtype=float32 \
-         --tensor_parallel=1 --data_parallel=1 --weight_version=0]
+         --tensor_parallel=1 --data_parallel=1 --weight_version=0 \
+         --page_size=64 --kv_cache_bytes=0 | --mem_fraction_static=0.8]
 
 API keys, as SGLang's --api-key / --admin-api-key (rl_jax.generator.auth): --api_key_file and
 --admin_api_key_file, or the environment variables RL_JAX_API_KEY and RL_JAX_ADMIN_API_KEY
@@ -50,6 +51,15 @@ _ATTENTION = flags.DEFINE_enum(
     "(SGLang's --attention-backend): the native CPU kernel, compiled on first use, or the "
     "Pallas kernel (GPU; interpreted, slow, on CPU), both of which read each sequence's cache "
     "up to its length only; XLA's; or auto: native on CPU, pallas on GPU, where they run.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "Tokens per page of the paged KV cache "
+                                  "(SGLang's --page-size).")
+_KV_BYTES = flags.DEFINE_integer("kv_cache_bytes", 0, "Bytes of KV cache per data-parallel "
+                                 "replica (0: max_slots x max_seq_len tokens, unless "
+                                 "--mem_fraction_static).")
+_MEM_FRACTION = flags.DEFINE_float(
+    "mem_fraction_static", 0.0, "Share of a replica's memory (accelerator memory; on CPU the "
+    "host's over the replicas) that weights and KV cache take together, the cache getting what "
+    "the weights leave (SGLang's --mem-fraction-static); 0: see --kv_cache_bytes.")
 _VERSION = flags.DEFINE_integer("weight_version", 0, "Version of the initial weights.")
 _STRICT = flags.DEFINE_bool("strict", True, "Refuse sampling controls the engine cannot "
                             "honour (penalties, grammars, ...); --nostrict ignores them.")
@@ -110,7 +120,8 @@ def main(argv):
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
         data_parallel=_DP.value, decode_steps=_DECODE_STEPS.value,
-        attention_backend=_ATTENTION.value,
+        attention_backend=_ATTENTION.value, page_size=_PAGE_SIZE.value,
+        kv_cache_bytes=_KV_BYTES.value, mem_fraction_static=_MEM_FRACTION.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,

@@ -71,6 +71,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 from aiohttp import web
 
 import rl_jax
@@ -82,7 +83,8 @@ from rl_jax.generator.httpio import (EngineStopped, all_results, error_response,
                                     read_body, sse_event)
 from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
                                        error_json, output_json, parse_generate, parse_json_body)
-from rl_jax.generator.server_config import ServerConfig, resolve_auto, text_limit
+from rl_jax.generator.server_config import (ServerConfig, device_memory, kv_cache_budget,
+                                            resolve_auto, text_limit)
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
 from rl_jax.generator.warmup import compile_engine
 from rl_jax.generator.weight_endpoints import WeightUpdateEndpoints
@@ -127,6 +129,15 @@ class GeneratorServer(WeightUpdateEndpoints):
                      "tensor_parallel", "data_parallel", "decode_steps"):
             if getattr(config, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
+        if config.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {config.page_size}")
+        if config.kv_cache_bytes < 0:
+            raise ConfigError(f"kv_cache_bytes must be >= 0, got {config.kv_cache_bytes}")
+        if not 0 <= config.mem_fraction_static < 1:
+            raise ConfigError(f"mem_fraction_static must be in [0, 1), got "
+                              f"{config.mem_fraction_static}")
+        if config.kv_cache_bytes and config.mem_fraction_static:
+            raise ConfigError("give kv_cache_bytes or mem_fraction_static, not both")
         if config.max_slots % config.data_parallel:
             raise ConfigError(f"max_slots={config.max_slots} must split evenly over "
                               f"data_parallel={config.data_parallel} replicas")
@@ -145,6 +156,17 @@ class GeneratorServer(WeightUpdateEndpoints):
         tokenizer = None
         if (Path(config.model) / "tokenizer.json").is_file():
             tokenizer = load_tokenizer(config.model)
+        kv_cache_bytes = config.kv_cache_bytes
+        if config.mem_fraction_static:
+            # The engine holds the parameters and their decode layout (the same bytes again).
+            weight_bytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+            devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+            try:
+                kv_cache_bytes = kv_cache_budget(
+                    config.mem_fraction_static, device_memory(devices, config.data_parallel),
+                    weight_bytes)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         engine = Engine(model_config, params, version=config.weight_version, meshes=meshes,
                         rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
                         engine_config=EngineConfig(
@@ -152,7 +174,11 @@ class GeneratorServer(WeightUpdateEndpoints):
                             max_waiting=config.max_waiting,
                             max_prefill_tokens=config.max_prefill_tokens,
                             decode_steps=config.decode_steps,
-                            attention=config.attention_backend))
+                            attention=config.attention_backend, page_size=config.page_size,
+                            kv_cache_bytes=kv_cache_bytes))
+        usage = engine.cache_usage()
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB over %d replicas)", usage["pages"],
+                 usage["page_size"], usage["bytes"] / 2**20, engine.data_parallel)
         server = cls(engine, config, tokenizer=tokenizer, mesh=mesh, rules=rules, dtype=dtype)
         if config.publisher_url and config.pull_on_start:
             server.pull_initial_weights()
@@ -349,13 +375,15 @@ class GeneratorServer(WeightUpdateEndpoints):
     async def server_info(self, request):
         c = self.config
         load = self.engine.load()
+        cache = self.engine.cache_usage()
         return json_response({
             **self._model_info(), "host": c.host, "port": request.url.port or c.port,
             "tp_size": c.tensor_parallel, "dp_size": c.data_parallel, "dtype": c.dtype,
             "num_continuous_decode_steps": c.decode_steps,
             "attention_backend": self.engine.attention_backend,
             "max_running_requests": c.max_slots, "context_length": c.max_seq_len,
-            "max_total_num_tokens": c.max_slots * c.max_seq_len,
+            "max_total_num_tokens": cache["pages"] * cache["page_size"], "page_size":
+            cache["page_size"], "kv_cache_bytes": cache["bytes"],
             "max_queued_requests": c.max_waiting, "max_prefill_tokens": c.max_prefill_tokens,
             "strict_sampling_params": c.strict, "paused": self.engine.paused,
             "version": f"rl_jax-{rl_jax.__version__}",

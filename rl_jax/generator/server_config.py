@@ -27,6 +27,14 @@ class ServerConfig:
     # decode attention (SGLang's --attention-backend): "auto" | "native" | "xla"
     # (see EngineConfig.attention)
     attention_backend: str = "auto"
+    # The paged KV cache (see EngineConfig): positions per page (SGLang's --page-size), and
+    # its size per data-parallel replica, either in bytes (kv_cache_bytes) or, like SGLang's
+    # --mem-fraction-static, as the share of a replica's memory (GPU/TPU memory; on CPU, the
+    # host's memory over the replicas) that weights (parameters and their decode layout) and
+    # the cache may take together. Both 0: max_slots × max_seq_len positions.
+    page_size: int = 64
+    kv_cache_bytes: int = 0
+    mem_fraction_static: float = 0.0
     weight_version: int = 0
     strict: bool = True  # refuse sampling controls the engine cannot honour (else ignore them)
     warmup: bool = True  # compile prefill/decode before reporting ready
@@ -85,3 +93,31 @@ def text_limit(tokenizer, max_seq_len: int) -> int | None:
         return None
     longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
     return 2 * max_seq_len * max(longest, 1)
+
+
+def kv_cache_budget(mem_fraction: float, device_bytes: int, weight_bytes: int) -> int:
+    """Bytes of KV cache when weights and cache may take ``mem_fraction`` of ``device_bytes``
+    together (SGLang's ``--mem-fraction-static``), the weights ``weight_bytes``. Raises
+    ValueError naming the fraction when nothing is left for the cache."""
+    if not 0 < mem_fraction < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction}")
+    budget = int(mem_fraction * device_bytes) - weight_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"mem_fraction_static={mem_fraction} of {device_bytes / 2**30:.2f} GiB leaves "
+            f"nothing for the KV cache beside {weight_bytes / 2**30:.2f} GiB of weights")
+    return budget
+
+
+def device_memory(devices, replicas: int) -> int:
+    """Memory of one replica's ``devices``: their accelerator memory (``memory_stats``'
+    ``bytes_limit``), or on CPU the host's physical memory over the ``replicas``."""
+    import os
+    limits = []
+    for device in devices:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    if limits and len(limits) == len(devices):
+        return sum(limits)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(replicas, 1)

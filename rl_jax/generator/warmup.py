@@ -30,39 +30,41 @@ def compile_engine(engine: Engine, max_seq_len: int, max_slots: int, *, all_shap
     start = time.perf_counter()
     slots = max_slots // engine.data_parallel  # per replica
     sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
-    lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
+    # A sequence may not need more pages than the cache holds.
+    max_seq_len = min(max_seq_len, engine.runner.num_pages * engine.runner.page_size)
     # The decode programs compile in a second thread meanwhile (XLA compiles outside the GIL),
-    # from the largest batch and longest cache down while the requests below meet them from
-    # the smallest up: each is compiled once, by whichever gets to it first.
+    # from the largest batch and widest page table down while the requests below meet them
+    # from the smallest up: each is compiled once, by whichever gets to it first.
     batches = sorted({batch_bucket(n, slots) for n in sizes})  # what decode steps cover
-    ahead = threading.Thread(target=_compile_decode, args=(engine, batches, lengths),
+    ahead = threading.Thread(target=_compile_decode, args=(engine, batches, max_seq_len),
                              name="warmup-compile")
     ahead.start()
     try:
-        _compile_by_serving(engine, max_seq_len, slots, sizes, lengths)
+        _compile_by_serving(engine, max_seq_len, slots, sizes)
     finally:
         ahead.join()
     log.info("compiled decode and prefill for batches %s up to %d tokens in %.1f s", sizes,
              max_seq_len, time.perf_counter() - start)
 
 
-def _compile_decode(engine: Engine, batches: list[int], lengths: list[int]):
-    """Compiles each replica's unfiltered decode program for every batch in ``batches`` and cache
-    length in ``lengths``, largest first, without running them."""
+def _compile_decode(engine: Engine, batches: list[int], max_seq_len: int):
+    """Compiles each replica's unfiltered decode program for every batch in ``batches`` and
+    every page table width up to ``max_seq_len`` positions, largest first, without running
+    them."""
     steps = engine.engine_config.decode_steps
     try:
         for runner, weights in zip(engine.runners, engine.decode_weights()):
             for batch in reversed(batches):
-                for length in reversed(lengths):
-                    runner.compile_decode(weights, batch, length, False, steps)
+                for width in reversed(runner.decode_widths(max_seq_len)):
+                    runner.compile_decode(weights, batch, width, False, steps)
     except Exception:  # what is missed here is compiled by the requests
         log.debug("compiling decode programs ahead failed", exc_info=True)
 
 
-def _compile_by_serving(engine: Engine, max_seq_len: int, slots: int, sizes: list[int],
-                        lengths: list[int]):
-    """Every decode batch grown to ``max_seq_len``, every admission shape, cache moves and
-    resizes, by serving short requests (see :func:`compile_engine`)."""
+def _compile_by_serving(engine: Engine, max_seq_len: int, slots: int, sizes: list[int]):
+    """Every decode batch grown to ``max_seq_len``, every admission shape, cache moves, and
+    the decode steps of every page table width, by serving short requests (see
+    :func:`compile_engine`)."""
     for n in sizes:
         _burst(engine, 1, n, tag=f"batch-{n}", max_new_tokens=max_seq_len - 1)
     # Admissions of several prompts at once (a batch of rollout groups, an evaluation set,
@@ -72,10 +74,13 @@ def _compile_by_serving(engine: Engine, max_seq_len: int, slots: int, sizes: lis
         for n in sizes:
             if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
                 _burst(engine, prompts, n, tag=f"{prompts}x{n}")
-    for runner in engine.runners:
-        for length in lengths:  # moving sequences to lower slots (see Engine._compact)
-            runner.compile_move(length)
-        runner.compile_shrinks(lengths)  # the cache shrinking as long sequences finish
+    for runner in engine.runners:  # moving sequences to lower slots (see Engine._compact)
+        runner.compile_move()
+    # Decode steps whose attention reads whole pages take one program per page table width
+    # (the native kernel takes the whole table: one width).
+    lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
+    if engine.runner.native_attention:
+        lengths = lengths[:1]
     for length in lengths[1:]:
         for n in sizes:
             if n >= MIN_ADMIT or n == slots:

@@ -1,9 +1,9 @@
 """Kernels for the decode step: native CPU decode attention as an XLA FFI custom call, and a
 Pallas decode attention for accelerators (:mod:`.pallas_decode`).
 
-``decode_attention.cc`` is decode attention over the slot KV cache that reads each slot's keys
-and values only up to its own position (XLA's form reads the cache's whole length and runs on
-one thread of XLA:CPU). It is compiled on first use with the C++ compiler of this machine
+``decode_attention.cc`` is decode attention over the paged KV cache (and over a contiguous
+per-slot cache, with the same loops) that reads each slot's keys and values only up to its own
+position (XLA's form reads every position it is given and runs on one thread of XLA:CPU). It is compiled on first use with the C++ compiler of this machine
 (``$CXX``, else ``g++``/``c++``), for this CPU, against the XLA FFI headers shipped with
 jaxlib, into a cache directory (``$RL_JAX_KERNEL_CACHE``, default ``~/.cache/rl_jax/kernels``)
 keyed by the source, the jaxlib version, the compiler and the CPU. Processes share the built
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 TARGET = "rl_jax_decode_attention"
 SYMBOL = "RlJaxDecodeAttention"
+PAGED_TARGET = "rl_jax_paged_decode_attention"
+PAGED_SYMBOL = "RlJaxPagedDecodeAttention"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
 
@@ -68,8 +70,10 @@ def decode_attention_available() -> bool:
         else:
             try:
                 library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)),
-                                            platform="cpu")
+                for target, symbol in ((TARGET, SYMBOL), (PAGED_TARGET, PAGED_SYMBOL)):
+                    jax.ffi.register_ffi_target(target,
+                                                jax.ffi.pycapsule(getattr(library, symbol)),
+                                                platform="cpu")
                 _state["library"] = library  # keeps it loaded
             except Exception as e:  # noqa: BLE001 - any failure means "use XLA's attention"
                 reason = f"{type(e).__name__}: {e}"
@@ -96,6 +100,23 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
         raise RuntimeError("the native decode attention is unavailable (the log says why)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32),
+                positions.astype(jnp.int32))
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           table: jax.Array, positions: jax.Array) -> jax.Array:
+    """Attention of one query per slot over a paged cache (call inside jit, CPU backend):
+    ``q [S, K, G, Dh]``, pages of keys ``[N, K, Dh, P]`` and values ``[N, K, P, Dh]``, the page
+    table ``[S, W]`` (slot ``s``'s position ``t`` is at ``table[s, t // P]``, offset ``t % P``),
+    float32; positions ``<= positions [S]`` (below ``W·P``) are attended. A slot whose attended
+    positions name a page outside ``0..N-1`` (a free slot) gets zeros.
+    Returns ``[S, K, G, Dh]`` float32, softmax scaled by ``Dh ** -0.5``. Raises
+    :class:`RuntimeError` when the kernel is unavailable."""
+    if not decode_attention_available():
+        raise RuntimeError("the native decode attention is unavailable (the log says why)")
+    call = jax.ffi.ffi_call(PAGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), k_pages.astype(jnp.float32),
+                v_pages.astype(jnp.float32), table.astype(jnp.int32),
                 positions.astype(jnp.int32))
 
 
