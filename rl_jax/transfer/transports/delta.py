@@ -34,7 +34,7 @@ from rl_jax.transfer.errors import (IntegrityError, PublisherUnavailable, Transf
                                     VersionGone)
 from rl_jax.transfer.manifest import Manifest, verify
 from rl_jax.transfer.transports.base import Fetched, Route, Transport
-from rl_jax.transfer.transports.sockets import HostBufferPool
+from rl_jax.transfer.transports.sockets import HostBufferPool, read_chunk
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +153,7 @@ class DeltaTransport(Transport):
                                      f"&offset={offset}&nbytes={nbytes}")
                 if resp.status != 200:
                     _refuse(resp.status, resp.read(), version)
-                view, got = memoryview(target), 0
-                while got < nbytes:
-                    n = resp.readinto(view[got:])
-                    if not n:
-                        raise TransferError(f"chunk at {offset} ended after {got} of {nbytes} "
-                                            "bytes (publisher gone?)")
-                    got += n
+                read_chunk(resp, target, offset)
                 self.stats["whole_chunks"] += 1
                 return nbytes
             except (OSError, http.client.HTTPException) as e:

@@ -39,6 +39,18 @@ def aligned_host_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(m, np.uint8)  # exactly nbytes long: views of it have it as their base
 
 
+def read_chunk(resp: http.client.HTTPResponse, target: np.ndarray, offset: int) -> None:
+    """Reads a chunk's body into ``target`` (``uint8``, the chunk's length) as it arrives;
+    ``offset`` names the chunk in the error when the body ends early."""
+    view, got = memoryview(target), 0
+    while got < target.size:
+        n = resp.readinto(view[got:])
+        if not n:
+            raise TransferError(f"chunk at {offset} ended after {got} of {target.size} bytes "
+                                "(publisher gone?)")
+        got += n
+
+
 class HostBufferPool:
     """Reusable aligned host buffers for the ``socket`` transport.
 
@@ -114,14 +126,7 @@ class SocketTransport(Transport):
                 if resp.status != 200:
                     raise TransferError(f"chunk request failed: {resp.status} "
                                         f"{resp.read()[:300]!r}")
-                view = memoryview(buf[offset:offset + nbytes])
-                got = 0
-                while got < nbytes:
-                    n = resp.readinto(view[got:])
-                    if not n:
-                        raise TransferError(f"chunk at {offset} ended after {got} of {nbytes} "
-                                            "bytes (publisher gone?)")
-                    got += n
+                read_chunk(resp, buf[offset:offset + nbytes], offset)
             except (OSError, http.client.HTTPException) as e:
                 local.conn = None
                 conn.close()
