@@ -179,12 +179,12 @@ class WeightSync:
             return version
         deadline = time.monotonic() + self.timeout_s
         while True:
+            remaining = deadline - time.monotonic()
             try:
                 versions = self.loop.run(self.client.update_weights_from_transfer(
                     version, publisher_url=self.publisher.url,
-                    wait_s=min(30.0, self.timeout_s), transport=self.transport),
+                    wait_s=max(min(30.0, remaining), 0.0), transport=self.transport),
                     timeout=self.timeout_s)
-                break
             except GeneratorUnavailable as e:
                 # Every server down (e.g. one restarting): a restarted server pulls the newest
                 # version itself; keep asking until one answers.
@@ -193,9 +193,16 @@ class WeightSync:
                 self.totals["unavailable_retries"] += 1
                 log.warning("no generator server took version %d yet: %s", version, e)
                 time.sleep(1.0)
-        if not versions:
-            raise WeightSyncError(f"no generator server confirmed version {version}")
-        low = min(versions.values())
-        if low < version:
-            raise WeightSyncError(f"servers did not reach version {version}: {versions}")
-        return low
+                continue
+            if not versions:
+                raise WeightSyncError(f"no generator server confirmed version {version}")
+            low = min(versions.values())
+            if low >= version:
+                return low
+            # A server still pulling (a large version on a busy host) answers with the version it
+            # runs; asking again is idempotent, so wait for it up to the update's time limit.
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"servers did not reach version {version} within "
+                                      f"{self.timeout_s:.0f} s: {versions}")
+            self.totals["slow_retries"] += 1
+            log.warning("servers at %s, waiting for version %d", versions, version)
