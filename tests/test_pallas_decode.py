@@ -2,6 +2,7 @@
 in Pallas' interpreter on CPU, in the runner and the engine, and its selection by backend."""
 
 import logging
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -112,26 +113,32 @@ def test_the_gpu_lowering_is_triton_ir(g, d, t, dtype, cache_dtype):
 
 
 def test_the_decode_step_lowers_for_gpu_with_the_kernel():
-    """The runner's whole decode step with the Pallas kernel over the gathered pages lowers for
-    CUDA: one Triton call per layer."""
-    from functools import partial
-    from rl_jax.generator.decode import attend_pages, decode
+    """The runner's whole decode step with the paged Pallas kernel lowers for CUDA: one Triton
+    call per layer, and no copy of the pages into the contiguous form (no gather of the
+    pools)."""
+    from rl_jax.generator.decode import decode
     from rl_jax.generator.runner import ModelRunner
     from rl_jax.trainer.state import ModelSpec
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64)
     runner = ModelRunner(cfg, max_slots=16, max_seq_len=100, dtype=jnp.bfloat16,
-                         attention="xla")
+                         attention="xla", page_size=16)
     weights = runner.prepare(ModelSpec(cfg, mesh=None).init_params(0))
-    kernel = partial(kernels.pallas_decode_attention, platform="gpu")
-    step = jax.jit(partial(decode, batch=16, filtered=True, cfg=cfg, dtype=jnp.bfloat16,
-                           max_seq_len=100,
-                           attention=partial(attend_pages, dtype=jnp.bfloat16,
-                                             contiguous=kernel)))
     table = jax.ShapeDtypeStruct((16, runner.pages.width), jnp.int32)
-    lowered = step.trace(weights, runner.k_cache, runner.v_cache, runner.state, table).lower(
-        lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+
+    def lowered(attention):
+        step = jax.jit(partial(decode, batch=16, filtered=True, cfg=cfg, dtype=jnp.bfloat16,
+                               max_seq_len=100, attention=attention))
+        return step.trace(weights, runner.k_cache, runner.v_cache, runner.state, table).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(partial(kernels.pallas_paged_decode_attention, platform="gpu"))
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    pool_gathers = [line for line in lowered(None).splitlines()
+                    if "stablehlo.gather" in line and "x16xbf16>" in line]
+    assert pool_gathers  # XLA's attend_pages copies the pages: the pattern finds it
+    assert not [line for line in text.splitlines()
+                if "stablehlo.gather" in line and "x16xbf16>" in line]
 
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -195,3 +202,95 @@ def test_selection_by_backend():
         cache_dtype=jnp.float32, platform="cpu")
     assert problem is not None
     assert "does not compile for 2 query heads per key/value head of head_dim 32" in problem
+
+
+# ---- the paged kernel ----------------------------------------------------------------------------
+
+def _paged_inputs(rng, s, k, g, d, size, pages, width, dtype):
+    """A query per slot, random page pools, and table rows naming pages in a shuffled order
+    (shared by several slots, as a group's prompt pages are) with entries past the pool at the
+    ends of some rows (a free slot's table)."""
+    q = jnp.asarray(rng.standard_normal((s, k, g, d), np.float32), dtype)
+    k_pool = jnp.asarray(rng.standard_normal((pages, k, d, size), np.float32), dtype)
+    v_pool = jnp.asarray(rng.standard_normal((pages, k, size, d), np.float32), dtype)
+    table = rng.permutation(np.resize(np.arange(pages), s * width)).reshape(s, width)
+    table[1, width // 2:] = pages  # entries past the pool read as zeros
+    return q, k_pool, v_pool, jnp.asarray(table, jnp.int32)
+
+
+def _paged_positions(rng, s, size, width):
+    edges = [0, size - 1, size, size + 1, width * size - 1, 2 * size - 1]
+    return np.array([*(min(p, width * size - 1) for p in edges),
+                     *rng.integers(0, width * size, s - len(edges))], np.int32)
+
+
+# (query heads per kv head, head_dim, page size, pages per table row, cache dtype)
+PAGED_CASES = [(1, 64, 16, 4, jnp.float32), (2, 128, 64, 3, jnp.bfloat16),
+               (7, 64, 16, 12, jnp.float32), (8, 128, 32, 5, jnp.bfloat16),
+               (2, 32, 5, 7, jnp.float32)]
+
+
+@pytest.mark.parametrize("g,d,size,width,dtype", PAGED_CASES)
+def test_paged_kernel_matches_xla_attention_over_the_pages(g, d, size, width, dtype):
+    from rl_jax.generator.decode import attend_pages
+    rng = np.random.default_rng(g * 100 + d + size)
+    s, k = 9, 2
+    q, k_pool, v_pool, table = _paged_inputs(rng, s, k, g, d, size, 2 * width + 3, width, dtype)
+    positions = _paged_positions(rng, s, size, width)
+    got = jax.jit(lambda *a: pallas_decode.paged_decode_attention(*a, interpret=True))(
+        q, k_pool, v_pool, table, positions)
+    want = jax.jit(lambda *a: attend_pages(*a, dtype=dtype))(q, k_pool, v_pool, table,
+                                                             positions)
+    assert got.shape == want.shape == q.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of weights and output
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+def test_paged_kernel_reads_only_its_pages_up_to_its_position():
+    """Values in other slots' pages, and in a slot's own pages past its position, do not change
+    its output (not even NaN)."""
+    rng = np.random.default_rng(4)
+    size, width, pages = 16, 4, 12
+    q, k_pool, v_pool, _ = _paged_inputs(rng, 3, 2, 2, 32, size, pages, width, jnp.float32)
+    table = np.array([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], np.int32)
+    positions = np.array([20, 47, 5], np.int32)
+    fn = jax.jit(lambda *a: pallas_decode.paged_decode_attention(*a, interpret=True))
+    before = np.asarray(fn(q, k_pool, v_pool, table, positions))
+    k_pool, v_pool = np.array(k_pool), np.array(v_pool)
+    for row, position in zip(table, positions):
+        page, offset = row[position // size], position % size
+        k_pool[page, :, :, offset + 1:] = np.nan
+        v_pool[page, :, offset + 1:] = np.nan
+        k_pool[row[position // size + 1:]] = np.nan
+        v_pool[row[position // size + 1:]] = np.nan
+    np.testing.assert_array_equal(np.asarray(fn(q, k_pool, v_pool, table, positions)), before)
+    assert np.isfinite(before).all()
+
+
+def test_paged_kernel_refuses_bad_shapes():
+    q = jnp.zeros((4, 2, 2, 32))
+    k_pool, v_pool = jnp.zeros((6, 2, 32, 16)), jnp.zeros((6, 2, 16, 32))
+    table, positions = jnp.zeros((4, 3), jnp.int32), jnp.zeros(4, jnp.int32)
+    run = partial(pallas_decode.paged_decode_attention, interpret=True)
+    with pytest.raises(ValueError, match="k_pool .* and v_pool .* do not match q"):
+        run(q, v_pool, k_pool, table, positions)
+    with pytest.raises(ValueError, match=r"table \(3, 3\) must be \[4, W\]"):
+        run(q, k_pool, v_pool, table[:3], positions)
+    with pytest.raises(ValueError, match="positions"):
+        run(q, k_pool, v_pool, table, positions[:3])
+
+
+@pytest.mark.parametrize("g,d,size,pages,width,dtype", [
+    (7, 128, 16, 1000, 7, jnp.bfloat16), (1, 64, 64, 40, 3, jnp.float32),
+    (8, 128, 64, 4096, 64, jnp.bfloat16)])
+def test_the_paged_gpu_lowering_is_triton_ir(g, d, size, pages, width, dtype):
+    """Lowered for CUDA on this machine (no GPU needed), pools and table widths that are not
+    powers of two included."""
+    args = (jax.ShapeDtypeStruct((8, 2, g, d), dtype),
+            jax.ShapeDtypeStruct((pages, 2, d, size), dtype),
+            jax.ShapeDtypeStruct((pages, 2, size, d), dtype),
+            jax.ShapeDtypeStruct((8, width), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32))
+    lowered = jax.jit(lambda *a: pallas_decode.paged_decode_attention(*a, platform="gpu")).trace(
+        *args).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()

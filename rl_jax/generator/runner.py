@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rl_jax.generator import kernels
-from rl_jax.generator.decode import (attend_pages, decode, decode_many, decode_weight_axes,
+from rl_jax.generator.decode import (decode, decode_many, decode_weight_axes,
                                      prefill, prepare_decode_weights)
 from rl_jax.generator.kv_cache import (DEFAULT_PAGE_SIZE, K_CACHE_AXES, MIN_ADMIT, SLOT_FIELDS,
                                        V_CACHE_AXES, PageTable, SlotState, first_tokens,
@@ -164,19 +164,18 @@ class ModelRunner:
         return kernels.pallas_decode_attention_problem(
             kv_heads=self.config.num_kv_heads, group=group, head_dim=self.config.head_dim,
             max_seq_len=self.max_seq_len, dtype=self.dtype, cache_dtype=self.cache_dtype,
-            platform=platform)
+            platform=platform, page_size=self.page_size)
 
     def _attention_kernel(self):
         """The paged decode attention of :attr:`attention_backend` (``None``:
-        ``decode.attend_pages`` over ``decode.attend``). The Pallas kernel reads the contiguous
-        form, so its pages are gathered first (``decode.attend_pages``)."""
+        ``decode.attend_pages`` over ``decode.attend``). Both kernels read each slot's pages in
+        place through its page table."""
         if self.attention_backend == "native":
             return kernels.paged_decode_attention
         if self.attention_backend == "pallas":
             platform = self._devices()[0].platform
-            kernel = partial(kernels.pallas_decode_attention, interpret=platform == "cpu",
-                             platform=platform)
-            return partial(attend_pages, dtype=self.dtype, contiguous=kernel)
+            return partial(kernels.pallas_paged_decode_attention, interpret=platform == "cpu",
+                           platform=platform)
         return None
 
     def _use_native_attention(self, attention: str) -> bool:

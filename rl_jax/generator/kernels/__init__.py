@@ -13,8 +13,9 @@ Without a compiler, or when the build fails, :func:`decode_attention_available` 
 (once, with the reason, in the log) and the decode step keeps XLA's attention.
 ``RL_JAX_NATIVE_ATTENTION=0`` turns the kernel off.
 
-The Pallas kernel reads the same cache layout, also up to each slot's position only; it runs
-on GPU (Triton) and, in Pallas' interpreter, anywhere (slow: for tests). Before a runner uses
+The Pallas kernels read the same cache layouts (the paged one reads a slot's pages in place,
+through its page table), also up to each slot's position only; they run on GPU (Triton) and,
+in Pallas' interpreter, anywhere (slow: for tests). Before a runner uses
 it, :func:`pallas_decode_attention_problem` compiles it for the model's shapes.
 """
 
@@ -127,37 +128,56 @@ def pallas_decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array,
     return pallas_decode.decode_attention(q, keys, values, positions, **kwargs)
 
 
+def pallas_paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                                  table: jax.Array, positions: jax.Array,
+                                  **kwargs) -> jax.Array:
+    """:func:`.pallas_decode.paged_decode_attention` (imported on first use)."""
+    from rl_jax.generator.kernels import pallas_decode
+    return pallas_decode.paged_decode_attention(q, k_pool, v_pool, table, positions, **kwargs)
+
+
 _pallas_problems: dict[tuple, str | None] = {}
 
 
 def pallas_decode_attention_problem(*, kv_heads: int, group: int, head_dim: int,
-                                    max_seq_len: int, dtype, cache_dtype,
-                                    platform: str) -> str | None:
+                                    max_seq_len: int, dtype, cache_dtype, platform: str,
+                                    page_size: int | None = None) -> str | None:
     """Why the Pallas decode attention does not compile for these heads and dtypes on
     ``platform`` (the default backend's devices), or ``None`` where it does. Compiles it once
-    per process and shape, for 8 slots over a cache of a few of its blocks (a short cache, a
-    whole number of blocks, and the last block overlapping the one before), so that a failure
-    shows at startup rather than in the first decode step."""
+    per process and shape so that a failure shows at startup rather than in the first decode
+    step: with ``page_size``, the paged kernel for 8 slots over a pool of pages of that size
+    (table rows as wide as ``max_seq_len`` needs); without, the contiguous kernel over caches
+    of a few of its blocks (a short cache, a whole number of blocks, and the last block
+    overlapping the one before)."""
     from rl_jax.generator.kernels import pallas_decode
     block = pallas_decode.BLOCK
     lengths = sorted({min(max_seq_len, n) for n in (16, 2 * block, 3 * block + 16)})
     key = (kv_heads, group, head_dim, tuple(lengths), jnp.dtype(dtype).name,
-           jnp.dtype(cache_dtype).name, platform)
+           jnp.dtype(cache_dtype).name, platform, page_size)
     with _lock:
         if key in _pallas_problems:
             return _pallas_problems[key]
     problem = None
+    q = jax.ShapeDtypeStruct((8, kv_heads, group, head_dim), dtype)
+    positions = jax.ShapeDtypeStruct((8,), jnp.int32)
     try:
-        for length in lengths:
-            q = jax.ShapeDtypeStruct((8, kv_heads, group, head_dim), dtype)
+        if page_size is not None:
+            width = -(-max_seq_len // page_size)
+            pages = 8 * width
+            k_pool = jax.ShapeDtypeStruct((pages, kv_heads, head_dim, page_size), cache_dtype)
+            v_pool = jax.ShapeDtypeStruct((pages, kv_heads, page_size, head_dim), cache_dtype)
+            table = jax.ShapeDtypeStruct((8, width), jnp.int32)
+            jax.jit(partial(pallas_decode.paged_decode_attention, platform=platform)).lower(
+                q, k_pool, v_pool, table, positions).compile()
+        for length in lengths if page_size is None else ():
             keys = jax.ShapeDtypeStruct((8, kv_heads, head_dim, length), cache_dtype)
             values = jax.ShapeDtypeStruct((8, kv_heads, length, head_dim), cache_dtype)
-            positions = jax.ShapeDtypeStruct((8,), jnp.int32)
             jax.jit(partial(pallas_decode.decode_attention, platform=platform)).lower(
                 q, keys, values, positions).compile()
     except Exception as e:  # noqa: BLE001 - any failure means "use XLA's attention"
+        pages = "" if page_size is None else f" over pages of {page_size} positions"
         problem = f"it does not compile for {group} query heads per key/value head of " \
-                  f"head_dim {head_dim}: {type(e).__name__}: {str(e)[:500]}"
+                  f"head_dim {head_dim}{pages}: {type(e).__name__}: {str(e)[:500]}"
     with _lock:
         _pallas_problems[key] = problem
     return problem

@@ -1,12 +1,18 @@
-"""Decode attention over the slot KV cache as a Pallas kernel (GPU via Triton; CPU in
-interpret mode, for tests).
+"""Decode attention as Pallas kernels (GPU via Triton; CPU in interpret mode, for tests): over
+the engine's paged KV cache, read in place through each slot's page table
+(:func:`paged_decode_attention`, what the runner uses), and over a contiguous per-slot cache
+(:func:`decode_attention`).
 
 One program per (slot, key/value head) computes all ``G`` query heads of that key/value head
 together. It walks the slot's cache in blocks of ``block`` positions up to the slot's own
 position only (a loop whose trip count is read from ``positions``), keeping a running maximum,
 sum and weighted value sum (online softmax), so a slot at position ``p`` reads
 ``ceil((p + 1) / block)`` blocks of its keys and values however long the cache is. XLA's form,
-:func:`rl_jax.generator.decode.attend`, reads the cache's whole length for every slot.
+:func:`rl_jax.generator.decode.attend`, reads the cache's whole length for every slot. The
+paged kernel's loop step is one page: it reads the page number from the slot's table row and
+that page of the head's pool (the pool is one block whose pages are addressed, never copied),
+so a slot reads ``ceil((p + 1) / P)`` pages and XLA's ``attend_pages`` copy of every slot's
+pages into the contiguous form is not made.
 
 Numerics follow ``attend``: the query is scaled by ``Dh ** -0.5`` in the computation dtype, the
 score product accumulates in float32, the softmax weights are cast to the computation dtype for
@@ -16,11 +22,12 @@ Triton's constraints shape the wrapper: loads and dots take power-of-two shapes 
 dimensions are at least 16, so the query heads are padded to a power of two of at least 16 (the
 query is small; the cache is never copied), ``head_dim`` must be a power of two, and a cache
 whose length is not a multiple of the block has its last block start earlier (its positions
-already seen are masked out); caches shorter than 16 positions do not compile there. On TPU the
-same kernel goes to Mosaic untried: each slot's whole cache would be copied into VMEM (the loop
-skips the compute past the position, not the copy), and Mosaic's layout rules may refuse it.
-The runner compiles the kernel for the model's heads at startup and keeps XLA's attention
-where that fails (:func:`rl_jax.generator.kernels.pallas_decode_attention_problem`).
+already seen are masked out); caches shorter than 16 positions do not compile there, nor pages
+of fewer than 16 positions or of a size that is not a power of two. On TPU the kernels go to
+Mosaic untried: the contiguous one would copy each slot's whole cache into VMEM (the loop skips
+the compute past the position, not the copy), the paged one the head's whole page pool, which
+a real pool does not fit. The runner compiles the kernel for the model's heads and page size
+at startup and keeps XLA's attention where that fails (:func:`rl_jax.generator.kernels.pallas_decode_attention_problem`).
 """
 
 from __future__ import annotations
@@ -149,4 +156,100 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions
             platform or jax.default_backend()),
         name="rl_jax_decode_attention",
     )(positions.astype(jnp.int32), q, keys, values)
+    return out[:, :, :groups] if padded != groups else out
+
+
+# ---- over the paged cache ------------------------------------------------------------------------
+
+def _paged_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, num_pages: int,
+                  width: int, precision: Any):
+    """One (slot, kv head) over its pages: ``table_ref [W]`` (the slot's page table row),
+    ``k_ref [N, Dh, P]`` and ``v_ref [N, P, Dh]`` (the head's whole page pools), ``q_ref
+    [Gp, Dh]`` (already scaled), ``pos_ref []``; writes ``o_ref [Gp, Dh]``. A table entry past
+    the pool (``>= N``) reads as zeros, as ``kv_cache.gather_pages``."""
+    dtype = q_ref.dtype
+    size = k_ref.shape[2]
+    position = pos_ref[()]
+    q = q_ref[...]
+    seen = jnp.minimum(position + 1, width * size)  # positions attended: 0 .. seen-1
+    row = lax.broadcasted_iota(jnp.int32, (1, size), 1)
+    column = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+
+    def step(i, carry):
+        acc, top, total = carry
+        entry = table_ref[i]
+        inside = entry < num_pages
+        page = jnp.clip(entry, 0, num_pages - 1)
+        keys = jnp.where(inside, k_ref[page].astype(dtype), 0)  # [Dh, P]
+        values = jnp.where(inside, v_ref[page].astype(dtype), 0)  # [P, Dh]
+        first = i * size
+        valid = first + row < seen  # [1, P]
+        values = jnp.where(first + column < seen, values, jnp.zeros_like(values))
+        scores = jnp.dot(q, keys, preferred_element_type=jnp.float32, precision=precision)
+        scores = jnp.where(valid, scores, _MASKED)  # [Gp, P]
+        new_top = jnp.maximum(top, jnp.max(scores, axis=1, keepdims=True))
+        weights = jnp.exp(scores - new_top)
+        rescale = jnp.exp(top - new_top)
+        acc = acc * rescale + jnp.dot(weights.astype(dtype), values,
+                                      preferred_element_type=jnp.float32, precision=precision)
+        total = total * rescale + jnp.sum(weights, axis=1, keepdims=True)
+        return acc, new_top, total
+
+    groups, head_dim = q_ref.shape
+    init = (jnp.zeros((groups, head_dim), jnp.float32),
+            jnp.full((groups, 1), _MASKED, jnp.float32),
+            jnp.zeros((groups, 1), jnp.float32))
+    acc, _, total = lax.fori_loop(0, pl.cdiv(seen, size), step, init)
+    o_ref[...] = (acc / total).astype(o_ref.dtype)
+
+
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           table: jax.Array, positions: jax.Array, *, interpret: bool = False,
+                           platform: str | None = None) -> jax.Array:
+    """Attention of one query per slot over its pages, read in place: ``q [S, K, G, Dh]`` in the
+    computation dtype, page pools ``k_pool [N, K, Dh, P]`` and ``v_pool [N, K, P, Dh]`` in the
+    cache dtype, page table rows ``table [S, W]`` (int32; entries ``>= N`` read as zeros);
+    positions ``<= positions [S]`` (at most ``W·P - 1``) are attended. Returns ``[S, K, G, Dh]``
+    in ``q``'s dtype: :func:`rl_jax.generator.decode.attend_pages` without its copy of the
+    pages (one loop step per page, up to the slot's position).
+
+    On GPU (Triton) the page size and ``head_dim`` must be powers of two of at least 16 (a dot's
+    smallest dimension). ``interpret``/``platform``: as :func:`decode_attention`.
+    """
+    slots, kv_heads, groups, head_dim = q.shape
+    num_pages, size = k_pool.shape[0], k_pool.shape[3]
+    if k_pool.shape != (num_pages, kv_heads, head_dim, size) or v_pool.shape != (
+            num_pages, kv_heads, size, head_dim):
+        raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} do not match q "
+                         f"{q.shape}: expected [N, K, Dh, P] and [N, K, P, Dh]")
+    if table.ndim != 2 or table.shape[0] != slots:
+        raise ValueError(f"table {table.shape} must be [{slots}, W]")
+    if positions.shape != (slots,):
+        raise ValueError(f"positions {positions.shape} must be [{slots}]")
+    dtype = q.dtype
+    width = table.shape[1]
+    padded = groups if interpret else _power_of_two_at_least(groups, MIN_DOT)
+    q = q * jnp.asarray(head_dim ** -0.5, dtype)  # as attend: scaled in the computation dtype
+    if padded != groups:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - groups), (0, 0)))
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    kernel = functools.partial(_paged_kernel, num_pages=num_pages, width=width,
+                               precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(slots, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None,), lambda s, k: (s,)),
+            pl.BlockSpec((None, width), lambda s, k: (s, 0)),
+            pl.BlockSpec((None, None, padded, head_dim), lambda s, k: (s, k, 0, 0)),
+            pl.BlockSpec((num_pages, None, head_dim, size), lambda s, k: (0, k, 0, 0)),
+            pl.BlockSpec((num_pages, None, size, head_dim), lambda s, k: (0, k, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, padded, head_dim), lambda s, k: (s, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((slots, kv_heads, padded, head_dim), dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(
+            platform or jax.default_backend()),
+        name="rl_jax_paged_decode_attention",
+    )(positions.astype(jnp.int32), table.astype(jnp.int32), q, k_pool, v_pool)
     return out[:, :, :groups] if padded != groups else out
