@@ -188,8 +188,13 @@ def test_selection_by_backend():
     assert ModelRunner(CFG, max_slots=8, max_seq_len=32,
                        dtype=jnp.bfloat16).attention_backend == "xla"
     runner = ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16,
-                         attention="pallas")
+                         attention="pallas", page_size=8)
     assert runner.attention_backend == "pallas" and not runner.native_attention
+    # it reads each slot's pages up to its position: one decode program per batch, over the
+    # whole table, where XLA's attention takes one per length bucket
+    assert runner.decode_widths() == [runner.pages.width] == [4]
+    assert len(ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16,
+                           attention="xla", page_size=8).decode_widths()) > 1
     mesh = jax.make_mesh((1, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(GeneratorError, match="pallas decode attention requested, but it runs "
                                              "on one device only"):

@@ -99,6 +99,8 @@ class ModelRunner:
         # the decode attention: "native" (the CPU kernel), "pallas" or "xla" (attend)
         self.attention_backend = self._choose_attention(attention)
         self.native_attention = self.attention_backend == "native"
+        # the kernels read each slot's pages up to its own position: one page table width
+        self.reads_own_length = self.attention_backend in ("native", "pallas")
         self._prefill = jax.jit(partial(prefill, **kw))
         kw["attention"] = self._attention_kernel()
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
@@ -204,14 +206,14 @@ class ModelRunner:
     @property
     def kv_len(self) -> int:
         """Positions the last decode step's attention could read: its page table columns times
-        the page size (the whole table for the native kernel, which reads each slot's own
-        length; the pages of the longest sequence's bucket, ``kv_cache.kv_bucket``, for
-        attentions that read every page they are given)."""
+        the page size (the whole table for the native and Pallas kernels, which read each slot's
+        own length; the pages of the longest sequence's bucket, ``kv_cache.kv_bucket``, for
+        XLA's attention, which reads every page it is given)."""
         return self._width * self.page_size
 
     def _table_width(self, kv_needed: int) -> int:
         """Page table columns a decode step takes when its positions are ``< kv_needed``."""
-        if self.native_attention:
+        if self.reads_own_length:
             return self.pages.width
         return min(pages_for(kv_bucket(kv_needed, self.max_seq_len), self.page_size),
                    self.pages.width)
@@ -319,7 +321,7 @@ class ModelRunner:
         self.k_cache, self.v_cache, self.state, out = program(
             weights, self.k_cache, self.v_cache, self.state, table, batch=batch,
             filtered=filtered, **static)
-        if not self.native_attention and kv_horizon > width * self.page_size:
+        if not self.reads_own_length and kv_horizon > width * self.page_size:
             self._compile_ahead(weights, batch, self._table_width(width * self.page_size + 1),
                                 filtered, steps)
         return out

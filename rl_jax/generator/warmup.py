@@ -77,9 +77,9 @@ def _compile_by_serving(engine: Engine, max_seq_len: int, slots: int, sizes: lis
     for runner in engine.runners:  # moving sequences to lower slots (see Engine._compact)
         runner.compile_move()
     # Decode steps whose attention reads whole pages take one program per page table width
-    # (the native kernel takes the whole table: one width).
+    # (the native and Pallas kernels take the whole table: one width).
     lengths = sorted({kv_bucket(n, max_seq_len) for n in range(1, max_seq_len + 1)})
-    if engine.runner.native_attention:
+    if engine.runner.reads_own_length:
         lengths = lengths[:1]
     for length in lengths[1:]:
         for n in sizes:
