@@ -115,6 +115,7 @@ class GeneratorPool:
         self.keys = generator_keys(block) if keys is None else keys
         self.external = tuple(block.urls)
         self.restarts: collections.Counter = collections.Counter()
+        self.released: set[str] = set()  # servers that left the fleet: not restarted
         self._servers: ServerPool | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -170,7 +171,8 @@ class GeneratorPool:
         servers = self._servers
         while not self._stop.wait(interval):
             for i, process in enumerate(servers.processes):
-                if process is None or process.poll() is None or self._stop.is_set():
+                if process is None or process.poll() is None or self._stop.is_set() \
+                        or servers.urls[i] in self.released:
                     continue
                 log.warning("generator server %s exited with code %s; restarting it:\n%s",
                             servers.urls[i], process.returncode, servers.log_tail(i, 5))
@@ -179,6 +181,11 @@ class GeneratorPool:
                     servers.start_server(i, wait=False)
                 except (OSError, LaunchError) as e:
                     log.error("cannot restart generator server %s: %s", servers.urls[i], e)
+
+    def release(self, url: str):
+        """The server ``url`` left the run's fleet (:mod:`rl_jax.orchestrator.fleet`): the
+        watchdog no longer restarts it; one started here keeps running until :meth:`stop`."""
+        self.released.add(url)
 
     def kill(self, index: int):
         """Kills server ``index`` (the watchdog restarts it)."""

@@ -23,6 +23,7 @@ from rl_jax.orchestrator.accounting import PoolSampler
 from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
                                         max_sample_tokens, rows_per_batch)
 from rl_jax.orchestrator.evaluation import held_out_prompts
+from rl_jax.orchestrator.fleet import Fleet
 from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool, check_keys
 from rl_jax.orchestrator.weights import WeightSync
@@ -267,6 +268,14 @@ class SessionSetup:
             on_applied=self._on_applied, timeout_s=c.transfer.timeout_s,
             transport=c.transfer.transport)
         self._closers.append(self.weights.close)
+        # Servers join and leave through the publisher's control server, authenticated with
+        # the servers' admin key (the transfer token where they have no keys).
+        self.fleet = Fleet(self.control, self.control_loop, self.rollout_client, self.weights,
+                           self.pool)
+        keys = self.pool.keys
+        self.publisher.add_routes(self.fleet.routes(),
+                                  token=keys.admin_api_key or keys.api_key or None,
+                                  max_body_bytes=4096)
         if method == "transfer" and not c.generator.urls:
             if not self.publisher.wait_for_layouts(1, timeout=60):
                 raise RLConfigError("no generator server registered with the weight publisher")

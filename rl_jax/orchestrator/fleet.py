@@ -1,0 +1,252 @@
+"""The run's generator fleet: servers join and leave while the trainer runs.
+
+A server joins (:meth:`Fleet.join`) once it answers ``/health``, takes the run's API and admin
+keys, and runs the newest weight version every other server runs: the last weight update is
+applied to it (the same call that brings a restarted server back, so this project's servers
+pull the version from the publisher and SGLang's load it from disk) before the rollout may send
+it a request. It joins between two weight updates (under ``WeightSync.membership``), so every
+later update reaches it and the staleness gate's generator version counts it from then on.
+
+A server leaves (:meth:`Fleet.leave`) at once: the rollout sends it nothing more, the groups in
+flight there are issued again on the others under new request ids (their late completions, if
+any, are dropped: :class:`~rl_jax.rollout.attempts.Attempts`), and weight updates stop going to
+it. A server that dies is handled by the clients the same way (its requests are issued again)
+without leaving: it takes requests again once it answers and runs the current weights.
+
+Sources of membership changes:
+
+* the control routes (:meth:`Fleet.routes`), served by the weight publisher's control server and
+  authenticated with the generator servers' admin key::
+
+      POST   /v1/generators {"url": "http://HOST:PORT"[, "timeout_s": S]}
+             → 200 {"url", "weight_version", "pool_version", "members"} once it runs the
+               newest version the others run (pool_version) or a newer one
+      DELETE /v1/generators {"url": "http://HOST:PORT"}   (or ?url=...)
+             → 200 {"url", "reissued", "members"}
+      GET    /v1/generators → {"members", "events"}
+
+* a real ``sglang-router`` (:class:`~rl_jax.orchestrator.router.RouterWorkers`): workers added
+  to it or removed from it are joined or left here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+import aiohttp
+
+from rl_jax.generator.client import GeneratorClient, GeneratorRequestError, GeneratorUnavailable
+from rl_jax.transfer.control import HTTPStatus
+
+log = logging.getLogger(__name__)
+
+MAX_URL_CHARS = 2048
+MAX_JOIN_S = 3600.0
+JOIN_FIELDS = frozenset({"url", "timeout_s"})
+LEAVE_FIELDS = frozenset({"url"})
+MAX_EVENTS = 1000  # membership changes kept for the summary
+
+
+def server_url(value: Any, field: str = "url") -> str:
+    """``value`` as ``http(s)://host:port`` (lower-case host, no trailing slash); 400 naming
+    ``field`` unless it is such a URL (no user, path, query or fragment)."""
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_URL_CHARS:
+        raise HTTPStatus(400, f"field {field!r} must be a generator server URL "
+                              f"http(s)://HOST:PORT of at most {MAX_URL_CHARS} characters, got "
+                              f"{str(value)[:80]!r}")
+    parts = urllib.parse.urlsplit(value.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port \
+            or parts.username or parts.password or parts.path not in ("", "/") \
+            or parts.query or parts.fragment or not value.isascii():
+        raise HTTPStatus(400, f"field {field!r} must be a generator server URL "
+                              f"http(s)://HOST:PORT, got {value[:80]!r}")
+    host = parts.hostname.lower()
+    return f"{parts.scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _only(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise HTTPStatus(400, f"unknown field {unknown[0][:80]!r} (accepted: "
+                              f"{sorted(allowed)})")
+
+
+class Fleet:
+    """Membership of the run's generator servers (see the module docstring).
+
+    Args:
+      control: the client for weight updates and control calls (on ``loop``).
+      loop: the :class:`~rl_jax.orchestrator.pool.BackgroundLoop` running ``control``.
+      rollout_client: the client the rollout sends requests with (its own loop); membership
+        changes reach it from any thread.
+      weights: the run's :class:`~rl_jax.orchestrator.weights.WeightSync`.
+      pool: the :class:`~rl_jax.orchestrator.pool.GeneratorPool` (its watchdog stops
+        restarting a server that left).
+      on_change: called with ``(action, url)`` after each change (e.g. a router's worker list).
+    """
+
+    def __init__(self, control: GeneratorClient, loop: Any, rollout_client: GeneratorClient,
+                 weights: Any, pool: Any = None, on_change=None):
+        self.control, self.loop, self.rollout_client = control, loop, rollout_client
+        self.weights, self.pool, self.on_change = weights, pool, on_change
+        self.events: list[dict[str, Any]] = []
+        self.served: dict[str, int] = {}  # requests answered by servers that left
+        self._lock = threading.Lock()
+
+    @property
+    def members(self) -> list[str]:
+        return [s.url for s in self.control.servers]
+
+    # ---- join and leave -------------------------------------------------------------------------
+
+    def join(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Adds the server ``url`` once it runs the newest weights (see the module docstring);
+        raises :class:`HTTPStatus` (409 already a member, 502 unusable, 504 too slow)."""
+        url = server_url(url)
+        timeout_s = self.weights.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            if url in self.members:
+                raise HTTPStatus(409, f"generator server {url} is already in the pool")
+            start = time.perf_counter()
+            self._check_server(url, timeout_s)
+            with self.weights.membership:  # between two weight updates
+                want = self.weights.applied or 0
+                try:
+                    self.loop.run(self.control.join(url), timeout=timeout_s)
+                    version = self.loop.run(self._version(url), timeout=timeout_s)
+                except (GeneratorUnavailable, TimeoutError, asyncio.TimeoutError,
+                        aiohttp.ClientError, OSError) as e:
+                    self._drop(url)
+                    status = 504 if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else 502
+                    raise HTTPStatus(status, f"generator server {url} could not join: "
+                                             f"{type(e).__name__}: {str(e)[:300]}") from None
+                if version is None or version < want:
+                    self._drop(url)
+                    raise HTTPStatus(502, f"generator server {url} runs weight version "
+                                          f"{version}, not the run's {want} (it could not take "
+                                          "the last update; is it serving the run's model?)")
+                self.rollout_client.add_server(url)
+            self._record("join", url, weight_version=version,
+                         seconds=round(time.perf_counter() - start, 3))
+        log.warning("generator server %s joined at weight version %d (%d servers)", url,
+                    version, len(self.members))
+        if self.on_change is not None:
+            self.on_change("join", url)
+        return {"url": url, "weight_version": version, "pool_version": want,
+                "members": self.members}
+
+    def leave(self, url: str) -> dict[str, Any]:
+        """Removes the server ``url``; its groups in flight are issued again on the others.
+        Raises :class:`HTTPStatus` (404 not a member, 409 the last one)."""
+        url = server_url(url)
+        with self._lock:
+            if url not in self.members:
+                raise HTTPStatus(404, f"generator server {url} is not in the pool "
+                                      f"(members: {self.members})")
+            if len(self.members) == 1:
+                raise HTTPStatus(409, f"generator server {url} is the run's last one; add "
+                                      "another before removing it")
+            with self.weights.membership:
+                served = {s.url: s.served for s in self.rollout_client.servers}.get(url, 0)
+                reissued = self.rollout_client.remove_server(url)
+                self.control.remove_server(url)
+            self.served[url] = self.served.get(url, 0) + served
+            if self.pool is not None:
+                self.pool.release(url)
+            self._record("leave", url, reissued=reissued)
+        log.warning("generator server %s left (%d requests in flight there issued again; %d "
+                    "servers)", url, reissued, len(self.members))
+        if self.on_change is not None:
+            self.on_change("leave", url)
+        return {"url": url, "reissued": reissued, "members": self.members}
+
+    def _check_server(self, url: str, timeout_s: float) -> None:
+        """502 unless ``url`` answers /health and takes the run's API and admin keys."""
+        checks = (("GET", "/health", None, "health"),
+                  ("GET", "/get_weight_version", None, "API key"),
+                  ("POST", "/abort_request", {"rid": f"join-check-{time.monotonic_ns()}"},
+                   "admin key"))
+        for method, path, body, what in checks:
+            try:
+                status, data = self.loop.run(self.control.call(url, method, path, body),
+                                             timeout=min(timeout_s, 60.0))
+            except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+                raise HTTPStatus(502, f"generator server {url} unreachable at {path}: "
+                                      f"{type(e).__name__}: {str(e)[:200]}") from None
+            if status in (401, 403):
+                raise HTTPStatus(502, f"generator server {url} refused the run's {what} "
+                                      f"(HTTP {status} at {path}): start it with the run's keys")
+            if status != 200:
+                raise HTTPStatus(502, f"generator server {url} answered {status} at {path}: "
+                                      f"{str(data)[:200]}")
+
+    async def _version(self, url: str) -> int | None:
+        status, data = await self.control.call(url, "GET", "/get_weight_version")
+        try:
+            return int(data["weight_version"]) if status == 200 else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def _drop(self, url: str) -> None:
+        try:
+            self.control.remove_server(url)
+        except (KeyError, ValueError):
+            pass
+
+    def _record(self, action: str, url: str, **extra: Any) -> None:
+        self.events.append({"action": action, "url": url, "time": time.time(),
+                            "trainer_version": self.weights.published, **extra})
+        del self.events[:-MAX_EVENTS]
+
+    def summary(self) -> dict[str, Any]:
+        """Members, membership changes and requests answered per server (for summary.json)."""
+        served = dict(self.served)
+        for s in self.rollout_client.servers:
+            served[s.url] = served.get(s.url, 0) + s.served
+        return {"members": self.members, "events": list(self.events), "served": served}
+
+    # ---- control routes ---------------------------------------------------------------------------
+
+    def routes(self) -> dict[tuple[str, str], Any]:
+        """The control routes (see the module docstring) for the publisher's control server."""
+        return {("POST", "/v1/generators"): self._route_join,
+                ("DELETE", "/v1/generators"): self._route_leave,
+                ("GET", "/v1/generators"): self._route_list}
+
+    def _route_join(self, query: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+        _only(body, JOIN_FIELDS)
+        if query:
+            raise HTTPStatus(400, f"query value {sorted(query)[0][:80]!r} is not accepted; "
+                                  "send the fields as a JSON body")
+        timeout = body.get("timeout_s", self.weights.timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not math.isfinite(timeout) or not 0 < timeout <= MAX_JOIN_S:
+            raise HTTPStatus(400, f"field 'timeout_s' must be a number of seconds in (0, "
+                                  f"{MAX_JOIN_S:g}], got {str(timeout)[:40]!r}")
+        if "url" not in body:
+            raise HTTPStatus(400, "field 'url' is required (the generator server to add)")
+        return self.join(body["url"], float(timeout))
+
+    def _route_leave(self, query: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+        _only(body, LEAVE_FIELDS)
+        extra = sorted(set(query) - LEAVE_FIELDS)
+        if extra:
+            raise HTTPStatus(400, f"unknown query value {extra[0][:80]!r} (accepted: ['url'])")
+        if "url" in body and "url" in query:
+            raise HTTPStatus(400, "field 'url' given twice (body and query)")
+        if "url" not in body and "url" not in query:
+            raise HTTPStatus(400, "field 'url' is required (the generator server to remove)")
+        return self.leave(body["url"] if "url" in body else query["url"])
+
+    def _route_list(self, query: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+        return {"members": self.members, "events": list(self.events)}
