@@ -52,7 +52,7 @@ def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 2
 
 
 def generate_count(url: str) -> int:
-    status, info, _ = admin(url, "/get_server_info")
+    status, info, _ = admin(url, "/get_server_info", key=API_KEY)
     assert status == 200, info
     return int(info["http_requests"].get("/generate", 0))
 
@@ -137,6 +137,8 @@ def test_a_server_joins_and_the_first_leaves_mid_run(tmp_path):
     assert fleet["served"][new] > 0 and fleet["served"][first] > 0
     # Groups in flight on the server that left were issued again, never trained twice.
     assert summary.get("rollout/reissued_server_left", 0) <= leave["reissued"]
+    assert summary.get("rollout/skipped_prompts", 0) == 0
+    assert summary.get("rollout/late_completions_dropped", 0) == 0
     steps = metrics(workdir)
     assert sorted(steps) == list(range(1, STEPS + 1))
     for r in steps.values():
