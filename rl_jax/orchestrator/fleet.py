@@ -25,8 +25,13 @@ Sources of membership changes:
              → 200 {"url", "reissued", "members"}
       GET    /v1/generators → {"members", "events"}
 
-* a real ``sglang-router`` (:class:`~rl_jax.orchestrator.router.RouterWorkers`): workers added
-  to it or removed from it are joined or left here.
+* a real ``sglang-router`` (``generator.router_url``,
+  :class:`~rl_jax.orchestrator.router.RouterWorkers`): the rollout's requests go through the
+  router, weight updates to each worker. A worker someone adds to the router is taken out of it
+  until it runs the newest weights, then put back (joined); one removed from the router leaves.
+  A join or leave through the control routes adds the worker to the router or removes it. The
+  requests in flight on a worker that leaves finish there, or fail and are retried through the
+  router (the router, not this run, knows where each one runs).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from typing import Any
 
 import aiohttp
 
-from rl_jax.generator.client import GeneratorClient, GeneratorRequestError, GeneratorUnavailable
+from rl_jax.generator.client import GeneratorClient, GeneratorUnavailable
+from rl_jax.orchestrator.router import RouterError, RouterWorkers
 from rl_jax.transfer.control import HTTPStatus
 
 log = logging.getLogger(__name__)
@@ -92,16 +98,65 @@ class Fleet:
       weights: the run's :class:`~rl_jax.orchestrator.weights.WeightSync`.
       pool: the :class:`~rl_jax.orchestrator.pool.GeneratorPool` (its watchdog stops
         restarting a server that left).
-      on_change: called with ``(action, url)`` after each change (e.g. a router's worker list).
+      router: the ``sglang-router`` the rollout sends requests through (None: the rollout
+        client holds the servers themselves).
+      poll_s: seconds between two reads of the router's worker list.
     """
 
     def __init__(self, control: GeneratorClient, loop: Any, rollout_client: GeneratorClient,
-                 weights: Any, pool: Any = None, on_change=None):
+                 weights: Any, pool: Any = None, router: RouterWorkers | None = None,
+                 poll_s: float = 2.0):
         self.control, self.loop, self.rollout_client = control, loop, rollout_client
-        self.weights, self.pool, self.on_change = weights, pool, on_change
+        self.weights, self.pool, self.router, self.poll_s = weights, pool, router, poll_s
         self.events: list[dict[str, Any]] = []
         self.served: dict[str, int] = {}  # requests answered by servers that left
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    def start(self) -> "Fleet":
+        """With a router: puts the members it does not list into it, then follows its worker
+        list (every ``poll_s``)."""
+        if self.router is not None and self._poller is None:
+            listed = self.router.workers()
+            for url in self.members:
+                if url not in listed:
+                    self.router.add(url)
+            self._poller = threading.Thread(target=self._poll, name="fleet-router",
+                                            daemon=True)
+            self._poller.start()
+        return self
+
+    def close(self):
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=30)
+
+    def _poll(self):
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.follow_router()
+            except RouterError as e:
+                log.warning("generator fleet: %s", e)
+
+    def follow_router(self) -> None:
+        """One read of the router's worker list: healthy workers it lists that are not members
+        join; members it no longer lists leave."""
+        with self._lock:
+            listed = self.router.workers()
+            members = set(self.members)
+            for url, worker in listed.items():
+                if url not in members and worker.get("is_healthy") and not self._stop.is_set():
+                    try:
+                        self.join(url, source="router")
+                    except HTTPStatus as e:
+                        log.error("worker %s of the router cannot join the run (left out of "
+                                  "the router): %s", url, e.message)
+            for url in sorted(members - set(listed)):
+                try:
+                    self.leave(url, source="router")
+                except HTTPStatus as e:
+                    log.error("worker %s left the router: %s", url, e.message)
 
     @property
     def members(self) -> list[str]:
@@ -109,7 +164,8 @@ class Fleet:
 
     # ---- join and leave -------------------------------------------------------------------------
 
-    def join(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
+    def join(self, url: str, timeout_s: float | None = None, *, source: str = "control"
+             ) -> dict[str, Any]:
         """Adds the server ``url`` once it runs the newest weights (see the module docstring);
         raises :class:`HTTPStatus` (409 already a member, 502 unusable, 504 too slow)."""
         url = server_url(url)
@@ -118,6 +174,7 @@ class Fleet:
             if url in self.members:
                 raise HTTPStatus(409, f"generator server {url} is already in the pool")
             start = time.perf_counter()
+            self._router_call("remove", url)  # no requests through the router until it joined
             self._check_server(url, timeout_s)
             with self.weights.membership:  # between two weight updates
                 want = self.weights.applied or 0
@@ -135,17 +192,22 @@ class Fleet:
                     raise HTTPStatus(502, f"generator server {url} runs weight version "
                                           f"{version}, not the run's {want} (it could not take "
                                           "the last update; is it serving the run's model?)")
-                self.rollout_client.add_server(url)
-            self._record("join", url, weight_version=version,
+                if self.router is None:
+                    self.rollout_client.add_server(url)
+                else:
+                    try:
+                        self._router_call("add", url)
+                    except HTTPStatus:
+                        self._drop(url)
+                        raise
+            self._record("join", url, source=source, weight_version=version,
                          seconds=round(time.perf_counter() - start, 3))
         log.warning("generator server %s joined at weight version %d (%d servers)", url,
                     version, len(self.members))
-        if self.on_change is not None:
-            self.on_change("join", url)
         return {"url": url, "weight_version": version, "pool_version": want,
                 "members": self.members}
 
-    def leave(self, url: str) -> dict[str, Any]:
+    def leave(self, url: str, *, source: str = "control") -> dict[str, Any]:
         """Removes the server ``url``; its groups in flight are issued again on the others.
         Raises :class:`HTTPStatus` (404 not a member, 409 the last one)."""
         url = server_url(url)
@@ -156,18 +218,20 @@ class Fleet:
             if len(self.members) == 1:
                 raise HTTPStatus(409, f"generator server {url} is the run's last one; add "
                                       "another before removing it")
+            self._router_call("remove", url)
             with self.weights.membership:
-                served = {s.url: s.served for s in self.rollout_client.servers}.get(url, 0)
-                reissued = self.rollout_client.remove_server(url)
+                served = {s.url: s.served for s in self.control.servers}.get(url, 0)
+                reissued = 0
+                if self.router is None:
+                    served = {s.url: s.served for s in self.rollout_client.servers}[url]
+                    reissued = self.rollout_client.remove_server(url)
                 self.control.remove_server(url)
             self.served[url] = self.served.get(url, 0) + served
             if self.pool is not None:
                 self.pool.release(url)
-            self._record("leave", url, reissued=reissued)
+            self._record("leave", url, source=source, reissued=reissued)
         log.warning("generator server %s left (%d requests in flight there issued again; %d "
                     "servers)", url, reissued, len(self.members))
-        if self.on_change is not None:
-            self.on_change("leave", url)
         return {"url": url, "reissued": reissued, "members": self.members}
 
     def _check_server(self, url: str, timeout_s: float) -> None:
@@ -197,6 +261,17 @@ class Fleet:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def _router_call(self, action: str, url: str) -> None:
+        """``router.add(url)`` or ``router.remove(url)`` when there is a router; 502 when it
+        fails."""
+        if self.router is None:
+            return
+        try:
+            getattr(self.router, action)(url)
+        except RouterError as e:
+            raise HTTPStatus(502, f"could not {action} worker {url} at the router: {e}") \
+                from None
+
     def _drop(self, url: str) -> None:
         try:
             self.control.remove_server(url)
@@ -211,9 +286,11 @@ class Fleet:
     def summary(self) -> dict[str, Any]:
         """Members, membership changes and requests answered per server (for summary.json)."""
         served = dict(self.served)
-        for s in self.rollout_client.servers:
-            served[s.url] = served.get(s.url, 0) + s.served
-        return {"members": self.members, "events": list(self.events), "served": served}
+        if self.router is None:
+            for s in self.rollout_client.servers:
+                served[s.url] = served.get(s.url, 0) + s.served
+        return {"members": self.members, "events": list(self.events), "served": served,
+                "router": None if self.router is None else self.router.url}
 
     # ---- control routes ---------------------------------------------------------------------------
 

@@ -119,7 +119,7 @@ class GeneratorPool:
         self._servers: ServerPool | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        if not self.external:
+        if not self.external and int(block.num_servers):  # (0: a router's workers only)
             self._servers = ServerPool(PoolConfig(
                 model=str(model_dir), kind=block.kind, ports=(0,) * int(block.num_servers),
                 max_slots=int(block.max_slots), max_seq_len=int(block.max_seq_len),
@@ -137,7 +137,10 @@ class GeneratorPool:
 
     @property
     def urls(self) -> list[str]:
-        return list(self.external) if self.external else self._servers.urls
+        """The servers given by URL, else those started here (none: a router's workers)."""
+        if self.external or self._servers is None:
+            return [url.rstrip("/") for url in self.external]
+        return self._servers.urls
 
     @property
     def priority(self) -> str:
