@@ -153,6 +153,123 @@ def test_a_server_joins_and_the_first_leaves_mid_run(tmp_path):
     assert set(trained) | set(pending) == set(range(meta["rollout"]["next_position"]))
 
 
+@pytest.fixture()
+def router(tmp_path):
+    """A real ``sglang-router`` with no workers yet."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed (the [test] "
+                        "extra)")
+    port = free_port()
+    log_file = tmp_path / "router.log"
+    with open(log_file, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            assert process.poll() is None, f"router exited:\n{log_file.read_text()[-3000:]}"
+            try:
+                if http(url, "/workers", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "router not up"
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.mark.timeout(600)
+def test_workers_join_and_leave_through_a_real_router(tmp_path, router):
+    """The pool is a real sglang-router: the run's own server is put into it; a worker an
+    operator adds to the router joins the run (weights first); the first server leaves
+    through the control endpoint and the router drops it; requests went through the router."""
+    from rl_jax.generator.auth import Keys
+    from rl_jax.models.shapes import shape, write_random_checkpoint
+
+    base = tmp_path / "base"
+    write_random_checkpoint(shape("tiny"), base, dtype="float32")
+    port = free_port()
+    control = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(RL_JAX_API_KEY=API_KEY, RL_JAX_ADMIN_API_KEY=ADMIN_KEY,
+               RL_JAX_TRANSFER_TOKEN=TOKEN)
+    joining = ServerPool(PoolConfig(
+        model=str(base), ports=(0,), max_slots=16, max_seq_len=64, dtype="float32",
+        publisher_url=control, keys=Keys(API_KEY, ADMIN_KEY), startup_timeout=240,
+        env=(("RL_JAX_TRANSFER_TOKEN", TOKEN),), log_dir=str(tmp_path / "joining")))
+    joining.start(wait=False)
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+           f"--workdir={workdir}", f"--config.base.checkpoint={base}",
+           f"--config.trainer.steps={STEPS}", f"--config.rollout.max_lag={MAX_LAG}",
+           "--config.rollout.groups_per_batch=8", "--config.rollout.group_size=4",
+           "--config.generator.max_slots=16", "--config.generator.warmup_shapes=False",
+           f"--config.generator.router_url={router}", "--config.generator.router_poll_s=0.2",
+           "--config.eval.examples=16", "--config.eval.every=0", "--config.trainer.ema_decay=0",
+           "--config.trainer.time_limit_s=0", "--config.rollout.filter_zero_signal=False",
+           "--config.checkpoint.every=100", "--config.checkpoint.use_async=False",
+           "--config.cpus.trainer=", "--config.cpus.generators=", "--config.cpus.rollout=",
+           "--config.logging.tensorboard=False", f"--config.transfer.port={port}",
+           "--config.trainer.step_delay_s=0.4"]
+    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def workers():
+        return sorted(w["url"] for w in http(router, "/workers")[1]["workers"])
+
+    def members():
+        return admin(control, "/v1/generators")[1]["members"]
+
+    try:
+        joining.wait_healthy()
+        new = joining.urls[0]
+        wait_for(lambda: 2 in metrics(workdir), "step 2", process)
+        first, = members()
+        assert workers() == [first]  # the run's own server was put into the router
+        joined_after = max(metrics(workdir))
+        # An operator adds a worker to the router: it joins the run.
+        status, data, _ = admin(router, "/workers", {"url": new, "api_key": API_KEY})
+        assert status == 202, data
+        wait_for(lambda: members() == [first, new], "the router's worker to join", process)
+        assert sorted(workers()) == sorted([first, new])
+        wait_for(lambda: max(metrics(workdir)) >= joined_after + 3, "steps after the join",
+                 process)
+        left_after = max(metrics(workdir))
+        status, leave, _ = admin(control, "/v1/generators", {"url": first}, method="DELETE")
+        assert status == 200 and leave["members"] == [new], leave
+        assert workers() == [new]  # taken out of the router
+        sent_to_first = generate_count(first)
+        wait_for(lambda: max(metrics(workdir)) >= left_after + 3 or process.poll() is not None,
+                 "steps after the leave", process)
+        assert generate_count(first) == sent_to_first
+        assert generate_count(new) > 0
+        out, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait()
+        joining.stop()
+    assert process.returncode == 0, out[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["staleness/max"] <= MAX_LAG
+    fleet = summary["fleet"]
+    assert fleet["router"] == router and fleet["members"] == [new]
+    events = [(e["action"], e["url"], e["source"]) for e in fleet["events"]]
+    assert events == [("join", new, "router"), ("leave", first, "control")]
+    join = fleet["events"][0]
+    assert join["weight_version"] >= max(joined_after - MAX_LAG, 1)
+    steps = metrics(workdir)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert all(np.isfinite(r["loss/loss"]) for r in steps.values())
+    trained = [p for r in steps.values() for p in r["rollout/prompts"]]
+    assert len(trained) == len(set(trained)) == STEPS * 8
+
+
 # ---- the control route's hostile inputs ---------------------------------------------------------
 
 @pytest.fixture()

@@ -113,6 +113,8 @@ class Fleet:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        self._joining: str | None = None  # a server being brought to the weights
+        self._pool_version = 0  # the version every member ran at the last join
 
     def start(self) -> "Fleet":
         """With a router: puts the members it does not list into it, then follows its worker
@@ -160,7 +162,8 @@ class Fleet:
 
     @property
     def members(self) -> list[str]:
-        return [s.url for s in self.control.servers]
+        """The servers that joined (not one still taking the weights)."""
+        return [s.url for s in self.control.servers if s.url != self._joining]
 
     # ---- join and leave -------------------------------------------------------------------------
 
@@ -174,38 +177,47 @@ class Fleet:
             if url in self.members:
                 raise HTTPStatus(409, f"generator server {url} is already in the pool")
             start = time.perf_counter()
-            self._router_call("remove", url)  # no requests through the router until it joined
-            self._check_server(url, timeout_s)
-            with self.weights.membership:  # between two weight updates
-                want = self.weights.applied or 0
-                try:
-                    self.loop.run(self.control.join(url), timeout=timeout_s)
-                    version = self.loop.run(self._version(url), timeout=timeout_s)
-                except (GeneratorUnavailable, TimeoutError, asyncio.TimeoutError,
-                        aiohttp.ClientError, OSError) as e:
-                    self._drop(url)
-                    status = 504 if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else 502
-                    raise HTTPStatus(status, f"generator server {url} could not join: "
-                                             f"{type(e).__name__}: {str(e)[:300]}") from None
-                if version is None or version < want:
-                    self._drop(url)
-                    raise HTTPStatus(502, f"generator server {url} runs weight version "
-                                          f"{version}, not the run's {want} (it could not take "
-                                          "the last update; is it serving the run's model?)")
-                if self.router is None:
-                    self.rollout_client.add_server(url)
-                else:
-                    try:
-                        self._router_call("add", url)
-                    except HTTPStatus:
-                        self._drop(url)
-                        raise
+            self._joining = url
+            try:
+                version = self._join(url, timeout_s)
+            finally:
+                self._joining = None
             self._record("join", url, source=source, weight_version=version,
                          seconds=round(time.perf_counter() - start, 3))
         log.warning("generator server %s joined at weight version %d (%d servers)", url,
                     version, len(self.members))
-        return {"url": url, "weight_version": version, "pool_version": want,
+        return {"url": url, "weight_version": version, "pool_version": self._pool_version,
                 "members": self.members}
+
+    def _join(self, url: str, timeout_s: float) -> int:
+        """The steps of :meth:`join` (caller holds the lock); the server's weight version."""
+        self._router_call("remove", url)  # no requests through the router until it joined
+        self._check_server(url, timeout_s)
+        with self.weights.membership:  # between two weight updates
+            want = self._pool_version = self.weights.applied or 0
+            try:
+                self.loop.run(self.control.join(url), timeout=timeout_s)
+                version = self.loop.run(self._version(url), timeout=timeout_s)
+            except (GeneratorUnavailable, TimeoutError, asyncio.TimeoutError,
+                    aiohttp.ClientError, OSError) as e:
+                self._drop(url)
+                status = 504 if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else 502
+                raise HTTPStatus(status, f"generator server {url} could not join: "
+                                         f"{type(e).__name__}: {str(e)[:300]}") from None
+            if version is None or version < want:
+                self._drop(url)
+                raise HTTPStatus(502, f"generator server {url} runs weight version "
+                                      f"{version}, not the run's {want} (it could not take "
+                                      "the last update; is it serving the run's model?)")
+            if self.router is None:
+                self.rollout_client.add_server(url)
+            else:
+                try:
+                    self._router_call("add", url)
+                except HTTPStatus:
+                    self._drop(url)
+                    raise
+        return version
 
     def leave(self, url: str, *, source: str = "control") -> dict[str, Any]:
         """Removes the server ``url``; its groups in flight are issued again on the others.
