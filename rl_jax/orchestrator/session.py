@@ -115,7 +115,7 @@ class Session(SessionSetup, RunAccounting):
             writer.write(int(self.state.step), wall_s=0.0, **result.metrics())
         if self.primary:
             print(f"policy {self.n_params / 1e6:.2f}M parameters, mode {self.settings.mode}, "
-                  f"max_lag {self.settings.max_lag}, {len(self.pool.urls)} generator "
+                  f"max_lag {self.settings.max_lag}, {len(self.fleet.members)} generator "
                   f"server(s); held-out accuracy before RL: {before:.3f}", flush=True)
 
         # Setup's objects out of the garbage collector: a full collection over them pauses the
