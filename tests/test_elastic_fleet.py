@@ -375,3 +375,95 @@ def test_late_completions_of_a_superseded_attempt_are_dropped():
     assert not attempts.accept(7, second)  # ... and no attempt is trained twice
     assert attempts.accept(8, 0) and not attempts.accept(8, 0)
     assert attempts.current(7) == 2  # request ids are never reused
+
+
+# ---- a request on a server that leaves ----------------------------------------------------------
+
+class _StalledServer:
+    """A loopback HTTP server that answers /health but holds every /generate until released,
+    and records the request ids it is told to abort (a server that hangs, or one taken out of
+    the pool while it works)."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.release, self.aborted, self.generating = threading.Event(), [], threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, data):
+                raw = json.dumps(data).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._answer({})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/abort_request":
+                    outer.aborted.append(body["rid"])
+                elif self.path == "/generate":
+                    outer.generating.set()
+                    outer.release.wait(30)
+                self._answer({})
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self):
+        self.release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.mark.parametrize("how", ["removed", "marked down"])
+def test_a_request_on_a_server_that_leaves_raises_server_left_at_once(how):
+    """The client abandons a request whose server leaves the pool (removed from another
+    thread, or marked down by a failed health check) instead of waiting for its answer, aborts
+    it there, and raises ServerLeft: the rollout issues the prompt again elsewhere."""
+    import asyncio
+
+    from rl_jax.generator.client import ClientConfig, GeneratorClient, ServerLeft
+    from rl_jax.generator.types import GenerateRequest, SamplingParams
+    from rl_jax.orchestrator.pool import BackgroundLoop
+
+    stalled = _StalledServer()
+    other = f"http://127.0.0.1:{free_port()}"  # the pool's other member (never reached)
+    loop = BackgroundLoop("leave-test")
+    client = GeneratorClient([stalled.url, other], ClientConfig(health_check_interval=3600))
+    client.servers[1].healthy = False
+    try:
+        request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4), rid="prompt-5-0")
+        future = loop.submit(client.generate(request))
+        assert stalled.generating.wait(30)
+        start = time.monotonic()
+        if how == "removed":
+            assert client.remove_server(stalled.url) == 1  # one request was in flight there
+            assert [s.url for s in client.servers] == [other]
+        else:
+            server = client.servers[0]
+            loop.run(asyncio.sleep(0))  # on the client's loop, as a failed probe does
+            loop.loop.call_soon_threadsafe(client._mark_down, server, "health check failed")
+        with pytest.raises(ServerLeft, match="left the pool while request prompt-5-0 ran"):
+            future.result(timeout=20)
+        assert time.monotonic() - start < 5  # not the request's timeout
+        deadline = time.monotonic() + 10
+        while stalled.aborted != ["prompt-5-0"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stalled.aborted == ["prompt-5-0"]
+        assert client.stats["abandoned"] == 1
+    finally:
+        stalled.close()
+        loop.run(client.close(), timeout=10)
+        loop.close()
