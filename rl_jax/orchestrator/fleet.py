@@ -16,7 +16,8 @@ without leaving: it takes requests again once it answers and runs the current we
 Sources of membership changes:
 
 * the control routes (:meth:`Fleet.routes`), served by the weight publisher's control server and
-  authenticated with the generator servers' admin key::
+  authenticated with the generator servers' admin key (their API key where they have no admin
+  key, the publisher's transfer token where they have no keys)::
 
       POST   /v1/generators {"url": "http://HOST:PORT"[, "timeout_s": S]}
              → 200 {"url", "weight_version", "pool_version", "members"} once it runs the
