@@ -16,7 +16,11 @@
   for the others; a refusal (401/403) is a :class:`GeneratorRequestError`;
 - control operations (pause, resume, abort, flush, weight updates) are broadcast to every
   server. The last weight update and pause are re-applied to a server that comes back up, so a
-  restarted server does not serve stale weights.
+  restarted server does not serve stale weights;
+- membership can change while requests run (:meth:`GeneratorClient.add_server`,
+  :meth:`GeneratorClient.remove_server`, from any thread): a request in flight on a server that
+  is removed or marked down is abandoned at once (aborted there when it still answers) and
+  raised as :class:`ServerLeft`, for its caller to issue again elsewhere under a new request id.
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ class GeneratorRequestError(GeneratorError):
 
 class GeneratorUnavailable(RuntimeError):
     """No server could serve the request (all down, or every attempt failed)."""
+
+
+class ServerLeft(GeneratorUnavailable):
+    """The server a request was running on left the pool (removed, or marked down) before it
+    answered; the request was abandoned there and may be issued again elsewhere."""
+
+    def __init__(self, message: str, *, url: str):
+        super().__init__(message)
+        self.url = url
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +116,83 @@ class GeneratorClient(Generator):
         # "weights" -> (path, body) of the last weight update; "pause" -> last pause body
         self._replay: dict[str, Any] = {}
         self._probe_locks: dict[str, asyncio.Lock] = {}
+        # url -> set when that server leaves (removed or marked down); replaced after
+        self._lost: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- membership -----------------------------------------------------------------------------
+
+    def add_server(self, url: str, *, healthy: bool = True) -> ServerState:
+        """Adds the server ``url`` (callable from any thread). ``healthy=False``: it takes no
+        request until a health probe passes, which first re-applies the last weight update and
+        pause (see :meth:`join`)."""
+        url = url.rstrip("/")
+        if any(s.url == url for s in self.servers):
+            raise ValueError(f"generator server {url} is already in the pool")
+        server = ServerState(url, healthy=healthy)
+        if not healthy:
+            server.next_probe = time.monotonic()
+        self.servers = [*self.servers, server]  # one assignment: readers see old or new list
+        return server
+
+    def remove_server(self, url: str) -> int:
+        """Removes the server ``url`` (callable from any thread); its requests in flight raise
+        :class:`ServerLeft` in their callers. Returns how many there were."""
+        url = url.rstrip("/")
+        gone = [s for s in self.servers if s.url == url]
+        if not gone:
+            raise KeyError(f"generator server {url} is not in the pool")
+        if len(self.servers) == 1:
+            raise ValueError(f"generator server {url} is the last one of the pool")
+        self.servers = [s for s in self.servers if s.url != url]
+        self._signal_lost(url)
+        return gone[0].outstanding
+
+    async def join(self, url: str) -> ServerState:
+        """Adds the server ``url`` and brings it to this pool's state before it takes a request:
+        the last weight update and pause are applied to it by the health probe; raises
+        :class:`GeneratorUnavailable` (and leaves it out) when that fails."""
+        await self._ensure_started()
+        server = self.add_server(url, healthy=False)
+        if not await self._probe(server):
+            self.servers = [s for s in self.servers if s is not server]
+            raise GeneratorUnavailable(f"generator server {server.url} did not answer /health "
+                                       "or could not take the pool's current weights")
+        return server
+
+    async def call(self, url: str, method: str, path: str, body: Any = None
+                   ) -> tuple[int, Any]:
+        """One request to the server ``url`` (in the pool or not) with this client's keys;
+        ``(status, JSON or text body)``. Raises aiohttp/asyncio errors on transport failure."""
+        status, data, _ = await self._request(ServerState(url.rstrip("/")), method, path, body,
+                                              timeout=self.config.health_timeout)
+        return status, data
+
+    def _signal_lost(self, url: str):
+        """Wakes the requests in flight on ``url`` (from any thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def wake():
+            event = self._lost.pop(url, None)
+            if event is not None:
+                event.set()
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            wake()
+        else:
+            loop.call_soon_threadsafe(wake)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def _ensure_started(self) -> aiohttp.ClientSession:
+        self._loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.config.max_connections),
@@ -116,6 +202,8 @@ class GeneratorClient(Generator):
         return self._session
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
@@ -150,6 +238,7 @@ class GeneratorClient(Generator):
         if server.healthy:
             log.warning("generator server %s is down: %s", server.url, reason)
             self.stats["marked_down"] += 1
+            self._signal_lost(server.url)  # its requests in flight go elsewhere
         server.healthy = False
         server.failures += 1
         server.next_probe = time.monotonic() + self.config.down_retry_interval
@@ -303,8 +392,7 @@ class GeneratorClient(Generator):
             server.outstanding += 1
             self.stats["attempts"] += 1
             try:
-                status, data, headers = await self._request(
-                    server, "POST", "/generate", body, timeout=self.config.request_timeout)
+                status, data, headers = await self._watched(server, body, rids)
             except asyncio.TimeoutError:
                 problems.append(f"{server.url}: timed out after {self.config.request_timeout} s")
                 # Free the rids there before a retry could land on the same server.
@@ -347,6 +435,37 @@ class GeneratorClient(Generator):
         what = f"request {rids[0]}" if len(rids) == 1 else f"batch {rids}"
         raise GeneratorUnavailable(f"{what} failed after {self.config.max_attempts} attempts: "
                                    f"{'; '.join(problems)}")
+
+    async def _watched(self, server: ServerState, body: dict[str, Any], rids: list[str]
+                       ) -> tuple[int, Any, dict[str, str]]:
+        """POSTs ``body`` to ``server``'s ``/generate`` unless the server leaves first: then the
+        request is abandoned (its rids aborted there in the background) and :class:`ServerLeft`
+        raised."""
+        what = f"request {rids[0]}" if len(rids) == 1 else f"batch {rids}"
+        if all(s is not server for s in self.servers):  # removed by another thread just now
+            raise ServerLeft(f"generator server {server.url} left the pool before {what} was "
+                             "sent", url=server.url)
+        lost = self._lost.setdefault(server.url, asyncio.Event())
+        request = asyncio.ensure_future(self._request(server, "POST", "/generate", body,
+                                                      timeout=self.config.request_timeout))
+        watcher = asyncio.ensure_future(lost.wait())
+        left = False
+        try:
+            await asyncio.wait((request, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not request.done():
+                left = True
+                request.cancel()
+        if left:
+            self.stats["abandoned"] += 1
+            task = asyncio.ensure_future(asyncio.gather(*(self._abort_on(server, rid)
+                                                          for rid in rids)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise ServerLeft(f"generator server {server.url} left the pool while {what} ran "
+                             "there", url=server.url)
+        return request.result()
 
     async def _abort_on(self, server: ServerState, rid: str):
         try:

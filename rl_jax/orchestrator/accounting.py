@@ -277,6 +277,7 @@ class RunAccounting:
             **{k: v for k, v in rollout_metrics.items()},
             "weights": dict(self.weights.totals),
             "generator_restarts": dict(self.pool.restarts), "export": str(export),
+            "fleet": self.fleet.summary(),
             "generators_priority": self.pool.priority,
             "time_to_first_step_s": self.first_step_s,
             **cpu_spent,

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 from rl_jax.envs.base import Environment, Prompt, score_many
 from rl_jax.generator.base import Generator
+from rl_jax.generator.client import ServerLeft
 from rl_jax.generator.types import GenerateRequest, SamplingParams
+
+MAX_REISSUES = 8  # times one part of an evaluation is sent again after its server left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +61,16 @@ async def evaluate(generator: Generator, env: Environment, prompts: Sequence[Pro
 
     async def part(first: int) -> list:
         async with limit:
-            requests = [GenerateRequest(encode(p.text), sampling, rid=f"{tag}-{i}")
-                        for i, p in enumerate(prompts[first:first + size], first)]
-            return [outs[0] for outs in await generator.generate_batch(requests)]
+            for attempt in itertools.count():
+                # A new request id per attempt: the server that left may still run the old one.
+                requests = [GenerateRequest(encode(p.text), sampling,
+                                            rid=f"{tag}-{i}" + (f"-{attempt}" if attempt else ""))
+                            for i, p in enumerate(prompts[first:first + size], first)]
+                try:
+                    return [outs[0] for outs in await generator.generate_batch(requests)]
+                except ServerLeft:  # its server left the pool: sent again to another one
+                    if attempt >= MAX_REISSUES:
+                        raise
 
     parts = await asyncio.gather(*(part(i) for i in range(0, len(prompts), size)))
     outputs = [o for p in parts for o in p]

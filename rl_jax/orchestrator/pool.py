@@ -115,10 +115,11 @@ class GeneratorPool:
         self.keys = generator_keys(block) if keys is None else keys
         self.external = tuple(block.urls)
         self.restarts: collections.Counter = collections.Counter()
+        self.released: set[str] = set()  # servers that left the fleet: not restarted
         self._servers: ServerPool | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        if not self.external:
+        if not self.external and int(block.num_servers):  # (0: a router's workers only)
             self._servers = ServerPool(PoolConfig(
                 model=str(model_dir), kind=block.kind, ports=(0,) * int(block.num_servers),
                 max_slots=int(block.max_slots), max_seq_len=int(block.max_seq_len),
@@ -136,7 +137,10 @@ class GeneratorPool:
 
     @property
     def urls(self) -> list[str]:
-        return list(self.external) if self.external else self._servers.urls
+        """The servers given by URL, else those started here (none: a router's workers)."""
+        if self.external or self._servers is None:
+            return [url.rstrip("/") for url in self.external]
+        return self._servers.urls
 
     @property
     def priority(self) -> str:
@@ -170,7 +174,8 @@ class GeneratorPool:
         servers = self._servers
         while not self._stop.wait(interval):
             for i, process in enumerate(servers.processes):
-                if process is None or process.poll() is None or self._stop.is_set():
+                if process is None or process.poll() is None or self._stop.is_set() \
+                        or servers.urls[i] in self.released:
                     continue
                 log.warning("generator server %s exited with code %s; restarting it:\n%s",
                             servers.urls[i], process.returncode, servers.log_tail(i, 5))
@@ -179,6 +184,11 @@ class GeneratorPool:
                     servers.start_server(i, wait=False)
                 except (OSError, LaunchError) as e:
                     log.error("cannot restart generator server %s: %s", servers.urls[i], e)
+
+    def release(self, url: str):
+        """The server ``url`` left the run's fleet (:mod:`rl_jax.orchestrator.fleet`): the
+        watchdog no longer restarts it; one started here keeps running until :meth:`stop`."""
+        self.released.add(url)
 
     def kill(self, index: int):
         """Kills server ``index`` (the watchdog restarts it)."""

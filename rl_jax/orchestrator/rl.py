@@ -9,6 +9,9 @@ One code path for the three modes (:mod:`rl_jax.orchestrator.config`): the mode 
 staleness bound, when new weights reach the servers (in flight or at batch boundaries) and
 whether the trainer waits for them.
 
+Generator servers can join and leave while the run goes on, through the weight publisher's
+control server or an ``sglang-router``'s worker list (:mod:`rl_jax.orchestrator.fleet`).
+
 Outputs in ``workdir``: ``checkpoints/`` (trainer state + rollout state, resumable by running
 the same command again), ``metrics.jsonl``, ``tb/`` (TensorBoard), ``summary.json``,
 ``progress.png`` (reward and accuracy against wall time), ``hf/`` (the final policy),

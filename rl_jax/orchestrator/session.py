@@ -84,7 +84,7 @@ class Session(SessionSetup, RunAccounting):
         keeps at most ``eval.concurrency`` requests on the servers, so that it does not take the
         slots the rollout's next batches need; the others (before and after the run, when
         nothing else generates) use every slot."""
-        slots = self.c.generator.max_slots * max(len(self.pool.urls), 1)
+        slots = self.c.generator.max_slots * max(len(self.fleet.members), 1)
         concurrency = self.c.eval.concurrency if background else slots
         return evaluate(self.control, self.env, self.eval_prompts, encode=self.codec.encode,
                         decode=self.codec.decode, max_new_tokens=self.c.eval.max_new_tokens,
@@ -115,7 +115,7 @@ class Session(SessionSetup, RunAccounting):
             writer.write(int(self.state.step), wall_s=0.0, **result.metrics())
         if self.primary:
             print(f"policy {self.n_params / 1e6:.2f}M parameters, mode {self.settings.mode}, "
-                  f"max_lag {self.settings.max_lag}, {len(self.pool.urls)} generator "
+                  f"max_lag {self.settings.max_lag}, {len(self.fleet.members)} generator "
                   f"server(s); held-out accuracy before RL: {before:.3f}", flush=True)
 
         # Setup's objects out of the garbage collector: a full collection over them pauses the

@@ -23,8 +23,10 @@ from rl_jax.orchestrator.accounting import PoolSampler
 from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
                                         max_sample_tokens, rows_per_batch)
 from rl_jax.orchestrator.evaluation import held_out_prompts
+from rl_jax.orchestrator.fleet import Fleet
 from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool, check_keys
+from rl_jax.orchestrator.router import RouterError, RouterWorkers
 from rl_jax.orchestrator.weights import WeightSync
 from rl_jax.recipe import RLRecipe, to_dict
 from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
@@ -247,17 +249,30 @@ class SessionSetup:
                                      control_timeout=max(c.transfer.timeout_s, 60.0))
         self.control_loop = BackgroundLoop("generator-control")
         self._closers.append(self.control_loop.close)
-        self.control = GeneratorClient(self.pool.urls, client_config, keys=self.pool.keys)
+        # With a router: requests go through it; weight updates and control calls go to each
+        # server (its workers and the servers of this run).
+        router, servers = None, list(self.pool.urls)
+        if c.generator.router_url:
+            router = RouterWorkers(c.generator.router_url, self.pool.keys,
+                                   timeout_s=max(c.transfer.timeout_s, 60.0))
+            try:
+                servers += [u for u in router.healthy() if u not in servers]
+            except RouterError as e:
+                raise RLConfigError(f"generator.router_url: {e}") from None
+            if not servers:
+                raise RLConfigError(f"generator.router_url={c.generator.router_url} lists no "
+                                    "healthy worker and generator.num_servers is 0")
+        self.control = GeneratorClient(servers, client_config, keys=self.pool.keys)
         self._closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
-        if c.generator.urls:
+        if c.generator.urls or router is not None:
             health = self.control_loop.run(self.control.check_health(), timeout=60)
             down = sorted(url for url, ok in health.items() if not ok)
             if down:
                 raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
                                     "answer at /health)")
         self.control_loop.run(check_keys(self.control), timeout=60)
-        self.rollout_client = GeneratorClient(self.pool.urls, client_config,
-                                              keys=self.pool.keys)
+        self.rollout_client = GeneratorClient(
+            servers if router is None else [router.url], client_config, keys=self.pool.keys)
         self.sampler = PoolSampler([self.rollout_client, self.control])
         self._closers.append(self.sampler.close)
         self.weights = WeightSync(
@@ -267,7 +282,15 @@ class SessionSetup:
             on_applied=self._on_applied, timeout_s=c.transfer.timeout_s,
             transport=c.transfer.transport)
         self._closers.append(self.weights.close)
-        if method == "transfer" and not c.generator.urls:
+        # Servers join and leave through the publisher's control server, authenticated with
+        # the servers' admin key (the transfer token where they have no keys).
+        self.fleet = Fleet(self.control, self.control_loop, self.rollout_client, self.weights,
+                           self.pool, router=router, poll_s=c.generator.router_poll_s)
+        keys = self.pool.keys
+        self.publisher.add_routes(self.fleet.routes(),
+                                  token=keys.admin_api_key or keys.api_key or None,
+                                  max_body_bytes=4096)
+        if method == "transfer" and not c.generator.urls and c.generator.num_servers:
             if not self.publisher.wait_for_layouts(1, timeout=60):
                 raise RLConfigError("no generator server registered with the weight publisher")
         # Bring every server to the trainer's version before any rollout.
@@ -278,6 +301,11 @@ class SessionSetup:
         else:
             self.weights.publish(self.state.params, version)
             self.weights.wait_applied(version)
+        try:  # servers of this run into the router; then its worker list is followed
+            self.fleet.start()
+        except RouterError as e:
+            raise RLConfigError(f"generator.router_url: {e}") from None
+        self._closers.append(self.fleet.close)
 
     def _on_applied(self, version: int):
         if self.rollout is not None:

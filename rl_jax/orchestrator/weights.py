@@ -69,6 +69,10 @@ class WeightSync:
         self.totals: collections.Counter = collections.Counter()
         self.last: dict[str, float] = {}
         self._cond = threading.Condition()
+        # Held while a version is applied and while the pool's membership changes
+        # (:mod:`rl_jax.orchestrator.fleet`): a server joins between two updates, at the
+        # version every server runs, and takes every later update.
+        self.membership = threading.RLock()
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="weight-sync", daemon=True)
         self._thread.start()
@@ -151,7 +155,8 @@ class WeightSync:
                 version = self._due()
             start = time.perf_counter()
             try:
-                reached = self._apply(version)
+                with self.membership:
+                    reached = self._apply(version)
             except Exception as e:  # surfaced in the trainer thread
                 log.exception("weight update to version %d failed", version)
                 with self._cond:

@@ -133,8 +133,9 @@ def _check_relations(r: RLRecipe) -> None:
     if t.micro_batch_rows and ro.rows_per_batch % t.micro_batch_rows:
         raise RLConfigError(f"rollout.rows_per_batch={ro.rows_per_batch} is not divisible by "
                             f"trainer.micro_batch_rows={t.micro_batch_rows}")
-    if not g.urls and (isinstance(g.num_servers, bool) or g.num_servers < 1):
-        raise RLConfigError(f"generator.num_servers must be an integer >= 1, got "
+    least = 0 if g.router_url else 1  # a router's workers may be all the servers
+    if not g.urls and (isinstance(g.num_servers, bool) or g.num_servers < least):
+        raise RLConfigError(f"generator.num_servers must be an integer >= {least}, got "
                             f"{g.num_servers!r}")
     if g.max_slots % g.data_parallel:
         raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "

@@ -61,6 +61,11 @@ def http_urls(v) -> str | None:
             return f"must be http(s) URLs, got {url!r}"
 
 
+def http_url_or_empty(v) -> str | None:
+    if not isinstance(v, str) or (v and not v.startswith(("http://", "https://"))):
+        return f'must be an http(s) URL or "", got {v!r}'
+
+
 def _f(default: Any, check: Check | None = None, *, kind: str = "") -> Any:
     """A field with its default and its own check; ``kind`` names what a value of the wrong
     type should have been (default: the field's type, "an integer")."""
@@ -212,7 +217,10 @@ class Auth:
 
 @dataclasses.dataclass(frozen=True)
 class Generator:
-    """The generator pool: ``urls`` of running servers, or ``num_servers`` started here."""
+    """The generator pool: ``urls`` of running servers, or ``num_servers`` started here;
+    with ``router_url``, an ``sglang-router`` in front of them (requests go through it, weight
+    updates to each of its workers, and its workers join and leave the run:
+    :mod:`rl_jax.orchestrator.fleet`)."""
 
     kind: str = _f("rl_jax", one_of(*GENERATOR_KINDS))
     urls: tuple[str, ...] = _f((), http_urls)
@@ -230,6 +238,8 @@ class Generator:
     env: tuple[tuple[str, str], ...] = _f(())  # the servers' environment
     extra_args: tuple[str, ...] = _f(())
     auth: Auth = _section(Auth)
+    router_url: str = _f("", http_url_or_empty)
+    router_poll_s: float = _f(2.0, positive)  # seconds between two reads of its worker list
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,9 +40,10 @@ import numpy as np
 from rl_jax.envs.base import Environment, Prompt, Segment, build_loss_mask, score_many
 from rl_jax.envs.shaping import RewardShaping, SolveRateTracker
 from rl_jax.generator.base import Generator
-from rl_jax.generator.client import GeneratorUnavailable
+from rl_jax.generator.client import GeneratorUnavailable, ServerLeft
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 from rl_jax.recipe import Rollout as RecipeRollout
+from rl_jax.rollout.attempts import Attempts
 from rl_jax.rollout.batching import GroupsToBatch
 from rl_jax.rollout.records import Group, Sample
 from rl_jax.rollout.request_plan import (LognormalLengths, mask_after_stop, prompt_seed,
@@ -115,7 +116,7 @@ class RolloutIterator(grain.DatasetIterator):
         self._lock = threading.Condition()
         self._groups: dict[int, Group] = {}
         self._failures: collections.Counter = collections.Counter()
-        self._attempts: collections.Counter = collections.Counter()  # request ids stay unique
+        self._attempts = Attempts()  # request ids stay unique; late completions are dropped
         self.solve_rates = None if config.solve_rate_window is None else SolveRateTracker(
             window=config.solve_rate_window)
         self._exhausted = False
@@ -301,7 +302,7 @@ class RolloutIterator(grain.DatasetIterator):
         return position
 
     def _rid(self, position: int) -> str:
-        return f"prompt-{position}-{self._attempts[position]}"
+        return f"prompt-{position}-{self._attempts.current(position)}"
 
     def _rids(self, position: int) -> list[str]:
         """The request ids of the prompt's current attempt: one, or one per sample when each
@@ -321,6 +322,7 @@ class RolloutIterator(grain.DatasetIterator):
 
     async def _rollout(self, position: int):
         cfg = self.config
+        attempt = self._attempts.current(position)
         try:
             element = self._prompts[position]
             prompt: Prompt = (element if isinstance(element, Prompt) else element[1]
@@ -337,6 +339,11 @@ class RolloutIterator(grain.DatasetIterator):
                                    f"({[s.finish_reason for s in samples]})")
             group = Group(position=position, samples=samples, prompt=prompt)
             with self._lock:
+                if not self._attempts.accept(position, attempt):
+                    # The prompt was issued again meanwhile (its server left): the new
+                    # attempt's completions are the ones trained on.
+                    self.counts["late_completions_dropped"] += 1
+                    return
                 if self.solve_rates is not None:
                     self.solve_rates.update(self._prompt_key(position),
                                             [bool(info.get("correct")) for _, info in scores])
@@ -354,6 +361,16 @@ class RolloutIterator(grain.DatasetIterator):
                 self._lock.notify_all()
         except asyncio.CancelledError:
             raise
+        except ServerLeft as e:
+            # The server left the pool (removed or down) with the request in flight: issued
+            # again at once under a new attempt, not counted as the prompt's failure.
+            log.info("prompt %d issued again: %s", position, e)
+            self._attempts.supersede(position)
+            with self._lock:
+                self.gate.cancel(position)
+                self.counts["reissued_server_left"] += 1
+                self._reissue.appendleft(position)
+                self._lock.notify_all()
         except GeneratorUnavailable as e:
             # No server could take the request (all down or restarting): not the prompt's
             # fault, so it does not use up its retries; it waits and goes first again.
@@ -361,7 +378,7 @@ class RolloutIterator(grain.DatasetIterator):
                         position, cfg.unavailable_backoff_s, e)
             with self._lock:
                 self.counts["generator_unavailable"] += 1
-            self._attempts[position] += 1
+            self._attempts.supersede(position)
             await asyncio.sleep(cfg.unavailable_backoff_s)
             with self._lock:
                 self.gate.cancel(position)
@@ -370,7 +387,7 @@ class RolloutIterator(grain.DatasetIterator):
                 self._lock.notify_all()
         except Exception as e:
             self._failures[position] += 1
-            self._attempts[position] += 1
+            self._attempts.supersede(position)
             log.warning("rollout of prompt %d failed (%d/%d): %s", position,
                         self._failures[position], cfg.max_retries, e)
             with self._lock:

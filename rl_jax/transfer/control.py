@@ -16,7 +16,8 @@ Publisher endpoints (JSON unless noted):
   POST /v1/report {puller_id, version, transport, ok, seconds, bytes, error}  (metrics)
 
 Every endpoint needs ``Authorization: Bearer <token>`` (the publisher's
-``PublisherConfig.auth_token``, compared in constant time); a request without it, or with another
+``PublisherConfig.auth_token``, compared in constant time; a route added with its own token,
+:meth:`ControlServer.add_routes`, needs that one instead); a request without it, or with another
 token, gets 401. Request bodies are JSON objects of at most ``max_body_bytes``; query values are
 checked (a bad one gets 400 naming it).
 
@@ -136,9 +137,10 @@ class ControlServer:
                  body_limits: dict[str, int] | None = None):
         if not auth_token:
             raise ValueError("the control server needs a non-empty auth_token")
-        routes_ = routes
-        limits = dict(body_limits or {})
+        routes_ = self._routes = dict(routes)
+        limits = self._limits = dict(body_limits or {})
         expected = f"Bearer {auth_token}".encode()
+        tokens = self._tokens = {}  # path -> the header a route added with its own token needs
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -146,9 +148,9 @@ class ControlServer:
             def log_message(self, fmt, *args):  # quiet: the trainer's log is not an access log
                 log.debug("control: " + fmt, *args)
 
-            def _authorized(self) -> bool:
+            def _authorized(self, path: str) -> bool:
                 given = self.headers.get("Authorization", "").encode("utf-8", "replace")
-                return hmac.compare_digest(given, expected)
+                return hmac.compare_digest(given, tokens.get(path, expected))
 
             def _refuse(self, status: int, message: str, **headers: str):
                 """Answers without reading the body (so the connection is closed after)."""
@@ -157,7 +159,12 @@ class ControlServer:
 
             def _dispatch(self, method: str):
                 url = urllib.parse.urlsplit(self.path)
-                if not self._authorized():
+                if url.path in tokens and not self._authorized(url.path):
+                    return self._refuse(401, "missing or wrong key (send 'Authorization: "
+                                             "Bearer <key>' with the generator servers' admin "
+                                             "key)",
+                                        **{"WWW-Authenticate": 'Bearer realm="rl_jax.control"'})
+                if not self._authorized(url.path):
                     return self._refuse(401, "missing or wrong transfer token (send "
                                              "'Authorization: Bearer <token>', the publisher's "
                                              "RL_JAX_TRANSFER_TOKEN)",
@@ -250,6 +257,9 @@ class ControlServer:
             def do_POST(self):
                 self._dispatch("POST")
 
+            def do_DELETE(self):
+                self._dispatch("DELETE")
+
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
@@ -268,6 +278,17 @@ class ControlServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def add_routes(self, routes: dict[tuple[str, str], Route], *, token: str | None = None,
+                   max_body_bytes: int | None = None) -> None:
+        """Serves ``routes`` from now on, each path answering only requests that carry
+        ``token`` (default: the server's own) and bodies of at most ``max_body_bytes``."""
+        for (_, path), route in routes.items():
+            if token:
+                self._tokens[path] = f"Bearer {token}".encode()
+            if max_body_bytes is not None:
+                self._limits[path] = max_body_bytes
+        self._routes.update(routes)
 
     def close(self) -> None:
         self._server.shutdown()

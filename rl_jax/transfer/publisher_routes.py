@@ -53,6 +53,13 @@ class ControlRoutes:
                 limits[route[1]] = limit
         return routes, limits
 
+    def add_routes(self, routes: dict, *, token: str | None = None,
+                   max_body_bytes: int | None = None) -> None:
+        """Serves more routes on this publisher's control server (the run's own, e.g. the
+        generator fleet's :mod:`rl_jax.orchestrator.fleet`), with their own ``token`` when
+        given (:meth:`~rl_jax.transfer.control.ControlServer.add_routes`)."""
+        self._server.add_routes(routes, token=token, max_body_bytes=max_body_bytes)
+
     def offered(self, key: str, version: int) -> tuple[Prepared, HostStaging | None]:
         """For transports' routes: layout ``key``'s prepared ``version`` (HTTP 410 when that
         version is no longer offered, 409 when the layout was not prepared for it) and the
