@@ -58,6 +58,7 @@ class Proc:
         self.env: dict[str, str] = {}
         self.pid: int | None = None
         self.exit_code: int | None = None
+        self.received = 0  # bytes of its output stored in its log
         self.restarts = 0
         self.gone = False  # exited for good (or its actor was lost)
 
@@ -305,18 +306,22 @@ class RayLaunch:
         ray = _ray()
         from ray.exceptions import RayActorError
         live = [p for p in procs if not p.gone and p.pid is not None]
-        refs = [p.actor.poll.remote() for p in live]
+        refs = [p.actor.poll.remote(p.received) for p in live]
         for proc, ref in zip(live, refs):
             try:
-                code, data = ray.get(ref, timeout=60)
+                code, offset, data = ray.get(ref, timeout=60)
             except (RayActorError, ray.exceptions.GetTimeoutError) as e:
                 proc.gone, proc.exit_code = True, -1
                 self.say(f"{proc.name}: its supervisor on {proc.node.get('ip')} is lost "
                          f"({type(e).__name__})")
                 continue
-            if data:
+            new = data[max(proc.received - offset, 0):]
+            if offset > proc.received:
+                new = f"[{offset - proc.received} bytes of output dropped]\n".encode() + new
+            if new:
                 with open(proc.log_path, "ab") as f:
-                    f.write(data)
+                    f.write(new)
+            proc.received = offset + len(data)  # the end of the output so far
             proc.exit_code = code
 
     def _log_tail(self, proc: Proc, lines: int = 20) -> str:

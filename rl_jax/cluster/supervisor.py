@@ -30,15 +30,26 @@ from collections.abc import Mapping
 MAX_BUFFERED = 16 << 20  # bytes of output kept between two collections
 
 _PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork
+_SIG_SETMASK = 2
+_NO_SIGNALS = ctypes.create_string_buffer(128)  # an empty sigset_t
+try:  # resolved before any fork
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _prctl, _signal, _sigprocmask = _libc.prctl, _libc.signal, _libc.sigprocmask
+    _signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
 except (OSError, AttributeError):  # not Linux
-    _prctl = None
+    _prctl = _signal = _sigprocmask = None
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _child_setup() -> None:
+    """Runs in the child between fork and exec: SIGKILL when the supervisor dies, no blocked
+    signals and the default SIGINT and SIGTERM actions. (A Ray worker ignores SIGINT and its
+    threads block signals; ignored and blocked signals stay so across exec, and Python would
+    then never raise KeyboardInterrupt.)"""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _sigprocmask(_SIG_SETMASK, _NO_SIGNALS, None)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            _signal(sig, None)  # SIG_DFL
 
 
 def node_ip() -> str:
@@ -64,7 +75,7 @@ class ProcessSupervisor:
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
         self._buffer = bytearray()
-        self._dropped = 0
+        self._base = 0  # the offset in the whole output of the buffer's first byte
         self._lock = threading.Lock()
         self._private: str | None = None  # a 0700 directory of files holding secrets
         self.starts = 0
@@ -121,7 +132,7 @@ class ProcessSupervisor:
             self._process = subprocess.Popen(
                 command, cwd=self.cwd, env=environ, stdin=subprocess.DEVNULL,
                 stdout=write_end, stderr=write_end, start_new_session=True,
-                preexec_fn=_die_with_parent)
+                preexec_fn=_child_setup)
         except OSError:
             os.close(read_end)
             raise
@@ -143,20 +154,23 @@ class ProcessSupervisor:
             excess = len(self._buffer) - MAX_BUFFERED
             if excess > 0:  # nobody collected for a long time: keep the newest output
                 del self._buffer[:excess]
-                self._dropped += excess
+                self._base += excess
 
-    def poll(self) -> tuple[int | None, bytes]:
-        """``(exit code or None while running, output since the last call)``."""
+    def poll(self, received: int = 0) -> tuple[int | None, int, bytes]:
+        """``(exit code or None while running, offset, output)``: the output kept from
+        ``offset`` on, after dropping the first ``received`` bytes of the whole output (what
+        the caller has stored). A reply lost on its way is thus sent again by the next call;
+        ``offset > received`` means output was dropped (more than ``MAX_BUFFERED`` bytes
+        between two calls)."""
         code = None if self._process is None else self._process.poll()
         if code is not None and self._reader is not None:
             self._reader.join(timeout=1)  # everything it wrote before exiting
         with self._lock:
-            data = bytes(self._buffer)
-            self._buffer.clear()
-            if self._dropped:
-                data = f"[{self._dropped} bytes of output dropped]\n".encode() + data
-                self._dropped = 0
-        return code, data
+            if received > self._base:
+                received = min(received, self._base + len(self._buffer))
+                del self._buffer[:received - self._base]
+                self._base = received
+            return code, self._base, bytes(self._buffer)
 
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
