@@ -22,7 +22,6 @@ and this checkout (or the installed package) at the same path on every node.
 import os
 import secrets
 import shlex
-import signal
 import sys
 
 from absl import app, flags
@@ -108,7 +107,6 @@ def main(argv):
     from rl_jax.cluster.spec import LaunchSpec, Resources, RoleSpec, parse_env
     from rl_jax.errors import USER_ERRORS
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
     try:
         spec = LaunchSpec(
             workdir=_WORKDIR.value,

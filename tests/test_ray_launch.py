@@ -5,9 +5,9 @@ On a local two-node Ray cluster (two raylets on this host, each with resources o
 the launcher places two trainer processes on two nodes (``jax.distributed`` over loopback, CPU
 backend), two generator servers on the node holding the ``gen`` resource and SGLang's router on
 the head node; a short RL run goes to its end while a generator server is killed and restarted;
-every process's output is in the run directory and nothing is left running afterwards. Ctrl-C
-stops a run the same way. Without Ray those tests are skipped; the launch spec and the process
-supervisor are tested here without it.
+every process's output is in the run directory and nothing is left running afterwards. SIGTERM
+(or Ctrl-C) stops a run the same way. Without Ray those tests are skipped; the launch spec and
+the process supervisor are tested here without it.
 """
 
 from __future__ import annotations
@@ -361,7 +361,8 @@ def test_a_run_on_two_ray_nodes_restarts_a_killed_server_and_logs_every_process(
 
 @needs_ray
 @pytest.mark.timeout(600)
-def test_ctrl_c_stops_every_process(ray_cluster, checkpoint, tmp_path):
+def test_sigterm_stops_every_process(ray_cluster, checkpoint, tmp_path):
+    """SIGTERM (what `timeout`, Slurm or Kubernetes send) stops a run as Ctrl-C does."""
     cluster, _, _ = ray_cluster
     workdir = tmp_path / "run"
     launcher = ray_launch(cluster, workdir, checkpoint, "--config.trainer.steps=1000",
@@ -372,7 +373,7 @@ def test_ctrl_c_stops_every_process(ray_cluster, checkpoint, tmp_path):
         assert launcher.poll() is None, launcher.stdout.read()[-3000:]
         info = cluster_info(workdir)
         assert all(_alive(pid) for pid in pids(info))
-        os.kill(launcher.pid, signal.SIGINT)
+        os.kill(launcher.pid, signal.SIGTERM)
         output, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:

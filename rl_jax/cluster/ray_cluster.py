@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,10 @@ class RayLaunch:
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ClusterError(f"no Ray cluster at --ray_address={self.ray_address}: "
                                f"{' '.join(str(e).split())[:300]}") from None
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM stops the run as Ctrl-C does (after ray.init, whose handler would end
+            # this process at once, leaving the processes to die with their supervisors).
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             self._place()
             self._start_generators()
