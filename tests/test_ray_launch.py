@@ -285,7 +285,7 @@ def pids(info: dict) -> list[int]:
 
 
 @needs_ray
-@pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_a_run_on_two_ray_nodes_restarts_a_killed_server_and_logs_every_process(
         ray_cluster, checkpoint, tmp_path):
     cluster, head, node1 = ray_cluster
@@ -360,7 +360,7 @@ def test_a_run_on_two_ray_nodes_restarts_a_killed_server_and_logs_every_process(
 
 
 @needs_ray
-@pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_sigterm_stops_every_process(ray_cluster, checkpoint, tmp_path):
     """SIGTERM (what `timeout`, Slurm or Kubernetes send) stops a run as Ctrl-C does."""
     cluster, _, _ = ray_cluster
@@ -383,3 +383,26 @@ def test_sigterm_stops_every_process(ray_cluster, checkpoint, tmp_path):
     _wait(lambda: not any(_alive(pid) for pid in pids(info)), timeout=30,
           what="every process to be gone")
     assert (workdir / "logs" / "trainer-1.log").read_text().startswith("\n==> trainer-1 start 1")
+
+
+@needs_ray
+def test_a_placement_the_cluster_cannot_give_fails_in_one_line(ray_cluster, tmp_path):
+    """Three trainers, one per node, on two nodes: the launch fails naming what it asked for
+    and what the nodes have, and leaves nothing behind."""
+    cluster, _, _ = ray_cluster
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.ray_launch", f"--ray_address={cluster.address}",
+         f"--workdir={tmp_path / 'run'}", "--num_trainers=3", "--generator_model=/m",
+         "--placement_timeout_s=5", "--", *TRAINER], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ClusterError: cannot place 3 trainer processes "
+                           "(STRICT_SPREAD, {'CPU': 1.0} each) within 5 s"), last
+    ip = cluster.head_node.node_ip_address
+    assert f"{ip} {{'CPU': 2.0, 'node0': 1.0}}" in last
+    assert f"{ip} {{'CPU': 2.0, 'gen': 2.0, 'node1': 1.0}}" in last
+    assert last.endswith("(free now: {'CPU': 4.0, 'gen': 2.0, 'node0': 1.0, 'node1': 1.0})"), \
+        last
+    assert not (tmp_path / "run" / "cluster.json").exists()

@@ -151,20 +151,23 @@ class RayLaunch:
         refs = [p.actor.node.remote() for p in procs]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.placement_timeout_s)
         if len(ready) < len(refs):
-            raise ClusterError(f"{what}: not placed after {self.placement_timeout_s:.0f} s; "
-                               f"the cluster's free resources: {self._free_resources()}")
+            raise ClusterError(f"cannot place {what} within {self.placement_timeout_s:.0f} s: "
+                               f"the cluster's nodes: {self._free_resources()}")
         for proc, node in zip(procs, ray.get(refs)):
             proc.node = node
 
     def _free_resources(self) -> str:
+        """Each live node's resources and what is free now (Ray's own bookkeeping resources
+        and byte counts left out)."""
         ray = _ray()
-        nodes = []
-        for node in ray.nodes():
-            if node.get("Alive"):
-                labels = {k: v for k, v in node["Resources"].items()
-                          if not k.startswith("node:") and k != "object_store_memory"}
-                nodes.append(f"{node['NodeManagerAddress']} {labels}")
-        return "; ".join(nodes) + f" (available now: {ray.available_resources()})"
+
+        def shown(resources: dict) -> dict:
+            return {k: v for k, v in sorted(resources.items()) if not k.startswith(
+                ("node:", "bundle_group_")) and k not in ("memory", "object_store_memory")}
+
+        nodes = [f"{node['NodeManagerAddress']} {shown(node['Resources'])}"
+                 for node in ray.nodes() if node.get("Alive")]
+        return "; ".join(nodes) + f" (free now: {shown(ray.available_resources())})"
 
     def _place(self) -> None:
         ray = _ray()
@@ -192,8 +195,8 @@ class RayLaunch:
             for i in range(s.generators.count)]
         if s.router.count:
             self.router = self._actor("router", 0, s.router.resources.actor_options())
-        self._await_nodes(self.trainers, f"{s.trainers.count} trainer processes")
-        self._await_nodes(self.generators, f"{s.generators.count} generator servers "
+        self._await_nodes(self.trainers, f"{s.trainers.count} trainer process(es)")
+        self._await_nodes(self.generators, f"{s.generators.count} generator server(s) "
                           f"({s.generators.resources.bundle()} each)")
         for proc in self.generators:
             ip = proc.node["ip"]
@@ -276,7 +279,7 @@ class RayLaunch:
             return
         ray = _ray()
         proc = self.router
-        self._await_nodes([proc], "the router")
+        self._await_nodes([proc], f"the router ({self.spec.router.resources.bundle()})")
         ip = proc.node["ip"]
         port = self.spec.router_port or ray.get(proc.actor.free_port.remote(ip))
         proc.url = url(ip, port)
