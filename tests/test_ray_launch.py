@@ -64,6 +64,8 @@ def test_launch_spec_refuses_what_would_contradict_the_placement():
     cases = [
         (dict(trainers=RoleSpec(2, args=(*TRAINER, "--coordinator=h:1"))),
          "trainer flag --coordinator is set by the launcher"),
+        (dict(trainers=RoleSpec(2, args=(*TRAINER, "-process_id", "1"))),
+         "trainer flag --process_id is set by the launcher"),
         (dict(trainers=RoleSpec(2, args=(*TRAINER, "--config.transfer.port=5"))),
          "trainer flag --config.transfer.port is set by the launcher"),
         (dict(trainers=RoleSpec(2, args=("--config.trainer.steps=3",))),

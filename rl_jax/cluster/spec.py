@@ -186,7 +186,7 @@ class LaunchSpec:
                                "launch.trainer does")
         for arg in self.trainers.args:
             name = arg.lstrip("-").split("=", 1)[0]
-            if arg.startswith("--") and name in OWNED_TRAINER_FLAGS:
+            if arg.startswith("-") and name in OWNED_TRAINER_FLAGS:
                 raise ClusterError(f"trainer flag --{name} is set by the launcher (from the "
                                    "placement); leave it out")
         for role, args in (("generator", self.generators.args), ("router", self.router.args)):
