@@ -12,6 +12,11 @@ a restarted server of this project pulls the newest published weights before it 
 ``/health``. Every process's output is collected into ``<workdir>/logs/<role>-<i>.log`` (on the
 machine running the launcher), and ``<workdir>/cluster.json`` says where each process runs.
 
+The servers' API keys and the weight publisher's token reach the processes in their environment,
+carried to the nodes as arguments of Ray calls (Ray's own channels: enable Ray's TLS where the
+cluster's network is not trusted); they are on no command line, in no log and not in
+``cluster.json``.
+
 The run ends when every trainer has exited (the launcher's exit code is the first non-zero one,
 else 0), or at once when one fails, on Ctrl-C or SIGTERM (exit code 130): every process is then
 stopped (SIGINT to a trainer's process group, SIGTERM to a server's, SIGKILL after
