@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("recipe",),  # checks names against the registries below it
     ("rollout",),
     ("orchestrator", "sysmodel"),
+    ("cluster",),  # launches the roles on a cluster engine (Ray)
 )
 
 _MODULE_STRING = re.compile(rf"^({PACKAGE}(?:\.\w+)+)(?::\w+)?$")
