@@ -36,19 +36,59 @@ def model_config(name: str, layers: int | None = None):
     return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
 
 
-def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32"):
+def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32",
+                       param_dtype="float32", accumulation="none") -> dict[str, int]:
+    """The compiled peak of each program of the train step on micro-batches of ``batch`` rows:
+    ``{"step": ...}`` (``make_train_step``; two micro-batches in a ``lax.scan`` for
+    ``accumulation="scan"``) or ``{"accumulate": ..., "apply": ...}`` (``StreamingTrainStep``),
+    compiled from abstract shapes (no parameter is allocated)."""
     from rl_jax.sharding import make_mesh
     from rl_jax.trainer.state import ModelSpec, OptimizerConfig, abstract_state, make_optimizer
-    from rl_jax.trainer.step import (LMBatch, causal_lm_loss, default_batch_sharding,
-                                     make_train_step)
+    from rl_jax.trainer.step import (LMBatch, StreamingTrainStep, causal_lm_loss,
+                                     default_batch_sharding, make_train_step)
     devices = jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]]
     mesh = make_mesh(*mesh_shape, devices=devices)
-    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.float32,
+    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),
                      remat=remat, attention="xla")
     tx = make_optimizer(OptimizerConfig())
-    step = make_train_step(spec, tx, functools.partial(causal_lm_loss, block_size=block))
-    abstract = LMBatch.abstract(batch, seq, sharding=default_batch_sharding(spec))
-    return step.lower(abstract_state(tx, spec), abstract).compile()
+    loss = functools.partial(causal_lm_loss, block_size=block)
+    if accumulation == "streaming":
+        step = StreamingTrainStep(spec, tx, loss, micro_rows=batch)
+        abstract = LMBatch.abstract(batch, seq)
+        step.compile(abstract)
+        _, accumulate, apply = step._programs[_shape_key(abstract)]
+        return {"accumulate": compiled_peak(accumulate), "apply": compiled_peak(apply)}
+    micro = 2 if accumulation == "scan" else 1
+    step = make_train_step(spec, tx, loss, num_microbatches=micro)
+    abstract = LMBatch.abstract(micro * batch, seq, sharding=default_batch_sharding(spec))
+    return {"step": compiled_peak(step.lower(abstract_state(tx, spec), abstract).compile())}
+
+
+def _shape_key(abstract):
+    from rl_jax.trainer.step import _shape_key as key
+    return key(abstract)
+
+
+def check_trainer_memory(name, layers, batch, seq, mesh, remat, block, dtype,
+                         param_dtype="float32", accumulation="none"):
+    """Every compiled program of the step within :data:`TOLERANCE` of the model's figure."""
+    cfg = model_config(name, layers)
+    compiled = compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh, remat=remat,
+                                  block=block, dtype=dtype, param_dtype=param_dtype,
+                                  accumulation=accumulation)
+    predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
+                               mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                               logits_block=block, attention="materialised", backend="cpu",
+                               accumulation=accumulation)
+    programs = predicted.notes["programs"]
+    assert set(programs) == set(compiled)
+    errors = {k: programs[k] / compiled[k] - 1 for k in compiled}
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), (
+        f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat} {dtype} over "
+        f"{param_dtype}, accumulation {accumulation}: predicted {predicted.describe()}; "
+        + ", ".join(f"{k} {programs[k] / 2**30:.3f} GiB against compiled "
+                    f"{compiled[k] / 2**30:.3f} GiB ({errors[k]:+.1%})" for k in compiled))
+    return predicted, compiled
 
 
 # (shape, layers, batch, seq, mesh, remat, logits block, computation dtype)
@@ -68,16 +108,66 @@ TRAIN_CASES = [
                          ids=["-".join(map(str, c[:1] + c[4:6] + c[7:])) for c in TRAIN_CASES])
 def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block,
                                                   dtype):
-    cfg = model_config(name, layers)
-    compiled = compiled_peak(compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh,
-                                                remat=remat, block=block, dtype=dtype))
-    predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
-                               mesh=mesh, dtype=dtype, param_dtype="float32", remat=remat,
-                               logits_block=block, attention="materialised", backend="cpu")
-    error = predicted.total / compiled - 1
-    assert abs(error) <= TOLERANCE, (
-        f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat}: predicted "
-        f"{predicted.describe()}, compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
+    check_trainer_memory(name, layers, batch, seq, mesh, remat, block, dtype)
+
+
+# The trainer's precisions (float32; bfloat16 compute over float32 master weights; bfloat16
+# parameters and moments) with and without gradient accumulation and remat, at a reduced
+# shape: (computation dtype, parameter dtype, remat, accumulation).
+PRECISION_CASES = [
+    ("bfloat16", "float32", "none", "none"),
+    ("bfloat16", "bfloat16", "none", "none"),
+    ("bfloat16", "bfloat16", "full", "none"),
+    ("float32", "float32", "none", "scan"),
+    ("bfloat16", "float32", "full", "scan"),
+    ("bfloat16", "bfloat16", "none", "scan"),
+    ("float32", "float32", "full", "streaming"),
+    ("bfloat16", "float32", "none", "streaming"),
+    ("bfloat16", "bfloat16", "none", "streaming"),
+]
+
+
+@pytest.mark.parametrize("dtype,param_dtype,remat,accumulation", PRECISION_CASES,
+                         ids=["-".join(c) for c in PRECISION_CASES])
+def test_trainer_memory_matches_every_precision_and_accumulation(dtype, param_dtype, remat,
+                                                                 accumulation):
+    check_trainer_memory("small", None, 4, 256, (1, 1, 1), remat, 4096, dtype, param_dtype,
+                         accumulation)
+
+
+# At the full qwen2.5-0.5b shape (494M parameters, vocabulary 151,936), compiled only: the
+# recipes' micro-batch of 2 x 128 tokens.
+FULL_SHAPE_CASES = [
+    ("float32", "float32", "full", "none"),
+    ("bfloat16", "float32", "none", "scan"),
+    ("bfloat16", "float32", "full", "streaming"),
+    ("bfloat16", "bfloat16", "none", "streaming"),
+]
+
+
+@pytest.mark.parametrize("dtype,param_dtype,remat,accumulation", FULL_SHAPE_CASES,
+                         ids=["-".join(c) for c in FULL_SHAPE_CASES])
+def test_trainer_memory_matches_the_compiled_step_at_qwen2_5_0_5b(dtype, param_dtype, remat,
+                                                                   accumulation):
+    check_trainer_memory("qwen2.5-0.5b", None, 2, 128, (1, 1, 1), remat, 4096, dtype,
+                         param_dtype, accumulation)
+
+
+def test_the_streaming_step_plans_the_moments_beside_its_accumulation():
+    """The process of a streaming step holds the moments beside the accumulation program
+    (not one of its arguments), and an EMA beside everything."""
+    shape = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    kw = dict(batch=2, seq=128, dtype="bfloat16", param_dtype="bfloat16", remat="none",
+              backend="cpu")
+    streaming = trainer_memory(shape, accumulation="streaming", **kw)
+    programs = streaming.notes["programs"]
+    moments = streaming.terms["moments"]
+    assert streaming.total == max(programs["accumulate"] + moments, programs["apply"])
+    assert streaming.terms["accumulator"] == 4 * streaming.terms["params"] / 2
+    with_ema = trainer_memory(shape, accumulation="streaming", ema=True, **kw)
+    assert with_ema.total == streaming.total + streaming.terms["params"]
+    one = trainer_memory(shape, **kw)
+    assert "accumulator" not in one.terms and one.notes["programs"]["step"] == one.total
 
 
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
@@ -137,6 +227,8 @@ def test_memory_model_refuses_bad_input():
         trainer_memory(shape, batch=0, seq=8)
     with pytest.raises(SysModelError, match="attention"):
         trainer_memory(shape, batch=1, seq=8, attention="flash")
+    with pytest.raises(SysModelError, match="accumulation must be one of"):
+        trainer_memory(shape, batch=1, seq=8, accumulation="sum")
     with pytest.raises(SysModelError, match="max_slots"):
         generator_memory(shape, max_slots=0, max_seq_len=8)
 

@@ -51,6 +51,7 @@ from rl_jax.sysmodel.shape import ModelShape
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION = ("materialised", "fused")
 BACKENDS = ("accelerator", "cpu")
+ACCUMULATION = ("none", "scan", "streaming")
 GiB = 2 ** 30
 
 
@@ -116,6 +117,26 @@ def param_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
         layer += 2 * hd
     tables = (1 if s.tie_word_embeddings else 2) * _cdiv(v, tensor) * dd
     return s.num_layers * layer + tables + d
+
+
+def layer_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
+    """The decoder layers' share of :func:`param_elements_per_device` (the stacked ``[L, ...]``
+    leaves: everything but the embedding tables and the final norm)."""
+    s = shape
+    dd = _cdiv(s.hidden_size, fsdp)
+    tables = (1 if s.tie_word_embeddings else 2) * _cdiv(s.vocab_size, tensor) * dd
+    return param_elements_per_device(s, fsdp, tensor) - tables - s.hidden_size
+
+
+def largest_leaves_per_device(shape: ModelShape, fsdp: int, tensor: int) -> tuple[int, int]:
+    """Elements per device of the largest parameter leaf (an embedding table, ``[V, D]``) and
+    of the largest stacked layer leaf (``[L, D, max(F, H·Dh)]``: an MLP matrix)."""
+    s = shape
+    dd = _cdiv(s.hidden_size, fsdp)
+    table = _cdiv(s.vocab_size, tensor) * dd
+    layer = s.num_layers * dd * max(_cdiv(s.intermediate_size, tensor),
+                                    _cdiv(s.num_heads, tensor) * s.head_dim)
+    return table, layer
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -197,17 +218,31 @@ def layer_backward_bytes_per_token(shape: ModelShape, *, remat: str, attention: 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerMemory(MemoryBreakdown):
-    """:func:`trainer_memory`'s breakdown: ``params``, ``moments``, ``grads``,
-    ``saved_activations`` and the peak phase's transient; ``notes["transients"]`` has every
-    phase's."""
+    """:func:`trainer_memory`'s breakdown: ``params``, ``moments``, the gradients (``grads``,
+    ``accumulator``), ``compute_copies``, ``saved_activations`` and the peak phase's transient,
+    plus ``ema`` when kept; ``notes["transients"]`` has every phase's, ``notes["programs"]``
+    the bytes of each compiled program (what ``memory_analysis()`` reports: arguments +
+    outputs - aliased + temporaries) and ``notes["phases"]`` every phase's live bytes."""
+
+
+def _cpu_update_bytes(elements: int, p: int, table: int, layer_leaf: int) -> float:
+    """Temporaries of the optimizer update on XLA's CPU backend, which does not update the
+    donated state in place (buffer assignments of ``apply_gradients``, qwen2.5-0.5b at 2-24
+    layers): float32 parameters keep the gradient divided by the denominator (every leaf) and
+    the new values of the largest leaf and of two of the largest layer leaves; parameters of a
+    narrower dtype get new parameters and both moments for every leaf (the update is computed
+    in float32 and cast back)."""
+    if p >= 4:
+        return float(elements * p + (table + 2 * layer_leaf) * p)
+    return float(3 * elements * p)
 
 
 def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
                    mesh: tuple[int, int, int] = (1, 1, 1), dtype: str = "bfloat16",
                    param_dtype: str = "float32", remat: str = "full", logits_block: int = 4096,
-                   attention: str = "materialised", backend: str = "accelerator"
-                   ) -> TrainerMemory:
-    """Peak bytes per device of one train step on ``batch × seq`` tokens (one micro-batch; the
+                   attention: str = "materialised", backend: str = "accelerator",
+                   accumulation: str = "none", ema: bool = False) -> TrainerMemory:
+    """Peak bytes per device of one train step on micro-batches of ``batch × seq`` tokens (the
     module docstring lists the terms).
 
     Args:
@@ -224,9 +259,21 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
         products in float32 and does not fuse the elementwise work of the blockwise
         log-probabilities into their matmuls (five ``[tokens, block]`` float32 arrays live in
         its backward instead of two), as its buffer assignment shows.
+      accumulation: how gradients of several micro-batches are summed (always in float32):
+        ``"none"`` (one batch: ``make_train_step(num_microbatches=1)``), ``"scan"``
+        (``make_train_step(num_microbatches>1)``: a ``lax.scan`` over micro-batches in one
+        program) or ``"streaming"`` (``StreamingTrainStep``, the RL trainer with
+        ``trainer.micro_batch_rows``: an accumulation program per micro-batch, then an update
+        program; the accumulator lives between them, and the moments, not arguments of the
+        accumulation program, beside it).
+      ema: an exponential moving average of the parameters is kept (``trainer.ema_decay``):
+        one more copy of the parameters, outside the compiled step.
     """
     data, fsdp, tensor = _check_mesh(mesh)
     _positive(batch=batch, seq=seq, logits_block=logits_block)
+    if accumulation not in ACCUMULATION:
+        raise SysModelError(f"accumulation must be one of {ACCUMULATION}, got "
+                            f"{accumulation!r}")
     kw = dict(remat=remat, attention=attention, dtype=dtype, tensor=tensor, seq=seq,
               backend=backend)
     saved_per_token = saved_bytes_per_token(shape, **kw)  # checks remat, attention, backend
@@ -235,11 +282,19 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     d, v, L = s.hidden_size, s.vocab_size, s.num_layers
     n = _cdiv(batch, data * fsdp) * seq  # tokens per device
     elements = param_elements_per_device(s, fsdp, tensor)
+    cpu = backend == "cpu"
 
     params = elements * p
     moments = 2 * elements * p
-    grads = elements * p
+    # The backward's gradients: in the parameter dtype; XLA's CPU backend computes them in
+    # float32 and casts the stacked result, so a narrower parameter dtype has both.
+    grads = elements * (4 + (p if p < 4 else 0)) if cpu else elements * p
+    accumulator = elements * 4 if accumulation != "none" else 0
     saved = L * n * saved_per_token
+    # Without remat the backward keeps each layer's weights cast to the computation dtype (the
+    # matmuls' residuals), stacked [L, ...]; a rematerialised layer casts them again.
+    copies = (layer_elements_per_device(s, fsdp, tensor) * c
+              if c != p and remat == "none" else 0)
 
     # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
     # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
@@ -253,14 +308,14 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     block = min(logits_block, v)
     v_local = _cdiv(_cdiv(v, block) * block, tensor)
     retyped = s.tie_word_embeddings or c != p
-    copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
+    n_copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
     if s.tie_word_embeddings and fsdp > 1:
         # Tied under fsdp: the transposed table's blocks stay split over fsdp, while the
         # lookup's whole gathered table and its whole gradient stay live through the backward.
-        unembed = copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
+        unembed = n_copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
     else:
-        unembed = copies * d * v_local * c
-    buffers = 5 if backend == "cpu" else 2
+        unembed = n_copies * d * v_local * c
+    buffers = 5 if cpu else 2
     logits_phase = unembed + buffers * n * block * 4 + n * d * 4
 
     layer_phase = n * layer_backward_bytes_per_token(s, **kw)
@@ -269,26 +324,53 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     # of the parameter dtype (the lookup gathered the whole table), next to the unembedding's
     # gradient still in blocks and re-laid out as [V, D] before the two are reduce-scattered
     # (and added, when tied).
+    # A streaming accumulation scatters the lookup's gradient into the donated accumulator.
     split = fsdp if s.tie_word_embeddings else 1  # the tied table's blocks stay split
-    embedding_phase = v * d * p + d * _cdiv(v_local, split) * (p + c)
+    embedding_phase = ((v * d * p if accumulation != "streaming" else 0)
+                       + d * _cdiv(v_local, split) * (p + c))
 
-    transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
-    if backend == "cpu":
-        # XLA's CPU backend does not update the donated state in place: the gradient divided by
-        # the denominator, two of the updated parameter/moment arrays and a copy of a moment
-        # are live together (per leaf), next to the embedding lookup's scattered gradient.
-        transients["update"] = 3 * grads + v * d * p
-    # Saved activations are live through the logits and layer phases; they are freed as the
-    # backward scan ends, before the embedding and update phases.
-    live = {name: value + (saved if name in ("logits", "layer") else 0.0)
-            for name, value in transients.items()}
-    phase = max(live, key=live.get)
-    terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
+    backward = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
+    # Saved activations (and cast weights) are live through the logits and layer phases; they
+    # are freed as the backward scan ends, before the embedding and update phases.
+    held = {name: (saved + copies if name in ("logits", "layer") else 0.0) for name in backward}
+    # The optimizer update reads the gradient (the float32 accumulator, when accumulating, else
+    # the gradient in the parameter dtype) beside the state; on a CPU with its temporaries.
+    update_in = accumulator if accumulation != "none" else elements * p
+    table, layer_leaf = largest_leaves_per_device(s, fsdp, tensor)
+    update = _cpu_update_bytes(elements, p, table, layer_leaf) if cpu else 0.0
+
+    # Live bytes of each phase. The accumulation program of the streaming step takes the
+    # parameters and the accumulator, not the moments.
+    state = params + moments
+    weights = params if accumulation == "streaming" else state
+    phases = {name: weights + accumulator + grads + held[name] + value
+              for name, value in backward.items()}
+    phases["update"] = state + update_in + update
+    transients = {**backward, "update": update}
+    if accumulation == "streaming":
+        backward_peak = max(phases[name] for name in backward)
+        programs = {"accumulate": float(backward_peak), "apply": float(phases["update"])}
+        # The process: the moments live beside the accumulation program.
+        phases = {name: value + (moments if name in backward else 0.0)
+                  for name, value in phases.items()}
+    phase = max(phases, key=phases.get)
+    if accumulation != "streaming":
+        programs = {"step": float(phases[phase])}
+    in_backward = phase in backward
+    terms = {"params": float(params), "moments": float(moments),
+             "grads": float(grads if in_backward else
+                            (update_in if accumulation == "none" else 0.0)),
+             "accumulator": float(accumulator),
+             "compute_copies": float(copies if phase in ("logits", "layer") else 0.0),
              "saved_activations": float(saved if phase in ("logits", "layer") else 0.0),
              phase: float(transients[phase])}
+    if ema:
+        terms["ema"] = float(params)
+    terms = {name: value for name, value in terms.items() if value or name == phase}
     return TrainerMemory(terms, float(sum(terms.values())), phase, notes={
         "tokens_per_device": n, "transients": {k: float(x) for k, x in transients.items()},
-        "saved_activations_all": float(saved)})
+        "phases": {k: float(x) for k, x in phases.items()}, "programs": programs,
+        "saved_activations_all": float(saved), "accumulation": accumulation})
 
 
 # ---- the generator ---------------------------------------------------------------------------
