@@ -14,8 +14,15 @@ Trainer (``rl_jax.trainer.step.make_train_step``, state donated so outputs reuse
 - *state*: parameters (``p`` bytes) and AdamW's two moments (optax keeps them in the parameter
   dtype), split over ``fsdp`` (the ``embed`` axis) and ``tensor`` (heads, MLP, vocabulary);
   norms are replicated. Replicated over ``data``.
-- *grads*: one gradient per parameter (``p`` bytes), live from the backward pass through the
-  update (the global-norm clip reads all of them before any update).
+- *grads*: one gradient per parameter (``p`` bytes; on XLA's CPU backend float32, plus the cast
+  to a narrower parameter dtype), live from the backward pass through the update (the
+  global-norm clip reads all of them before any update).
+- *accumulator*: with gradient accumulation over micro-batches (``accumulation``), the float32
+  sum of their gradients, whatever the parameter dtype: the carry of ``make_train_step``'s
+  ``lax.scan`` over micro-batches, or ``StreamingTrainStep``'s accumulator, which lives
+  between its accumulation programs and its update program.
+- *compute copies*: without remat and with a computation dtype other than the parameters',
+  the layers' weights cast to the computation dtype, kept as residuals of the matmuls.
 - *saved activations*: what the ``lax.scan`` over layers keeps for the backward pass, stacked
   ``[L, ...]``, per remat policy (:func:`saved_bytes_per_token`); tokens are split over
   ``data × fsdp`` (``act_batch``), heads and MLP over ``tensor``.
@@ -27,16 +34,24 @@ Trainer (``rl_jax.trainer.step.make_train_step``, state donated so outputs reuse
   the attention scores when materialised, and the cotangents); both next to the saved
   activations. *embedding*: the end of the backward pass, where the embedding lookup's
   gradient is scattered into a full ``[V, D]`` table (the lookup gathers the whole table:
-  ``Transformer.__call__`` constrains it to be replicated) beside the unembedding's gradient;
+  ``Transformer.__call__`` constrains it to be replicated; a streaming accumulation scatters
+  it into its accumulator) beside the unembedding's gradient;
   *update* (XLA's CPU backend only): the optimizer update, which that backend does not do in
-  place on the donated state.
+  place on the donated state (:func:`_cpu_update_bytes`).
+- *ema*: a parameter average (``trainer.ema_decay``), beside the step.
+
+With a streaming accumulation the model gives each compiled program's bytes
+(``notes["programs"]``: ``accumulate`` takes the parameters and the accumulator, ``apply`` the
+state and the accumulator) and, as ``total``, the process's: the moments beside the
+accumulation program. Host memory outside XLA (the publisher's staging slots, each process's
+runtime) is :func:`host_memory`'s.
 
 ``backend="cpu"`` models what XLA's CPU backend compiles (the validation tests compile there);
 ``"accelerator"`` what GPU/TPU backends keep: the computation dtype, fused elementwise work and
 in-place updates. One H100 (jax 0.11.2, bf16 compute, f32 parameters, qwen2.5-0.5b, cuDNN
 attention where it applied) compiled 8.86 GiB at 8×1024 tokens with full remat (this model:
 8.75 GiB fused), 10.61 GiB at 16×1024 (9.81), 13.16 GiB at 8×1024 with ``dots`` (13.39) and
-87.15 GiB at 16×1024 without remat (78.98 with materialised scores).
+87.15 GiB at 16×1024 without remat (79.65 with materialised scores).
 """
 
 from __future__ import annotations
@@ -53,6 +68,9 @@ ATTENTION = ("materialised", "fused")
 BACKENDS = ("accelerator", "cpu")
 ACCUMULATION = ("none", "scan", "streaming")
 GiB = 2 ** 30
+# Positions per page of the generator's KV cache (rl_jax.generator.kv_cache.DEFAULT_PAGE_SIZE,
+# SGLang's --page-size): the systems model imports nothing of the runtime.
+DEFAULT_PAGE_SIZE = 64
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -384,7 +402,8 @@ class GeneratorMemory(MemoryBreakdown):
 def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: int,
                      max_seq_len: int, dtype: str = "bfloat16", prefill_tokens: int = 2048,
                      prefill_len: int | None = None, cache_dtype: str | None = None,
-                     swap: bool = True) -> GeneratorMemory:
+                     swap: bool = True, page_size: int = DEFAULT_PAGE_SIZE,
+                     kv_cache_bytes: int = 0) -> GeneratorMemory:
     """Bytes per device of one generator server (``rl_jax.generator.runner.ModelRunner`` under
     the engine), tensor parallel over ``tensor_parallel`` chips (``generator_rules()``: heads,
     MLP and vocabulary split; the hidden axis whole).
@@ -395,8 +414,14 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
       decode_weights: ``prepare_decode_weights``: every layer's matrices re-laid out (fused
         q/k/v, fused gate/up) in ``dtype``, and the unembedding ``[D, V]`` (a transposed copy
         when tied; an untied head of the same dtype is the parameter itself).
-      kv_cache: ``ModelRunner.cache_bytes``: ``2·L·slots·max_seq_len·K·Dh`` of ``cache_dtype``,
-        key/value heads split over the chips (a chip keeps at least one head).
+      kv_cache: ``ModelRunner.cache_bytes``, the page pool: ``kv_cache_bytes`` (the server's
+        ``--kv_cache_bytes`` or what ``--mem_fraction_static`` leaves beside the weights, per
+        data-parallel replica) rounded down to whole pages of ``page_size`` positions
+        (``2·L·page_size·K·Dh`` of ``cache_dtype`` each), as ``Engine`` sizes it: sequences
+        take pages for their live tokens only. Without a budget, enough pages for every slot
+        to hold ``max_seq_len`` positions. Key/value heads split over the chips (a chip keeps
+        at least one head). ``notes["kv_pages"]`` and ``notes["kv_tokens"]`` say what it
+        holds.
       weight_update: with ``swap``, a second set of parameters and decode weights, prepared
         while the current ones still decode (``Engine._prepare_loop``).
       prefill / decode: the larger transient of the two programs. Prefill (``runner.prefill``
@@ -426,7 +451,20 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
     tables = (1 if s.tie_word_embeddings else 2) * v_local * d
     params = (L * layer + tables + d) * c
     decode = (L * layer + (v_local * d if s.tie_word_embeddings else 0)) * c
-    kv_cache = 2 * L * max_slots * max_seq_len * k * hd * kv_c
+    _positive(page_size=page_size)
+    if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) \
+            or kv_cache_bytes < 0:
+        raise SysModelError(f"kv_cache_bytes must be an integer >= 0, got {kv_cache_bytes!r}")
+    # Engine/ModelRunner: pages of the whole replica's heads; each chip holds its heads' share.
+    page_bytes = 2 * L * page_size * s.num_kv_heads * hd * kv_c
+    if kv_cache_bytes:
+        pages = kv_cache_bytes // page_bytes
+        if pages < 1:
+            raise SysModelError(f"kv_cache_bytes={kv_cache_bytes} holds no KV-cache page (one "
+                                f"page of {page_size} positions takes {page_bytes} bytes)")
+    else:
+        pages = max_slots * _cdiv(max_seq_len, page_size)
+    kv_cache = 2 * L * pages * page_size * k * hd * kv_c
     length = min(prefill_len or prefill_tokens, max_seq_len, prefill_tokens)
     rows = _cdiv(prefill_tokens, length)
     tokens = rows * length
@@ -450,4 +488,41 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
                 "decode": float((L * layer + 2 * v_local * d + d) * c + kv_cache
                                 + decode_logits)}
     return GeneratorMemory(terms, float(sum(terms.values())), phase, notes={
-        "prefill_rows": rows, "prefill_len": length, "programs": programs})
+        "prefill_rows": rows, "prefill_len": length, "programs": programs, "kv_pages": pages,
+        "kv_tokens": pages * page_size, "page_size": page_size})
+
+
+# ---- the host, outside XLA -----------------------------------------------------------------
+
+# Resident bytes of one trainer or generator process beyond its arrays (Python, JAX's runtime,
+# compiled programs): ~0.5 GiB each at the tiny shape on this project's CPU machines.
+RUNTIME_BYTES = 2 ** 29
+# Staging slots of the publisher's host versions (rl_jax.transfer.staging.HostStaging): a
+# server pulling over shared memory holds the slot of its live version while the next version
+# is written into another; more slots are made only while pullers hold older ones.
+STAGING_SLOTS = 2
+
+
+def host_memory(shape: ModelShape, *, publish_dtype: str = "bfloat16",
+                staging_slots: int = STAGING_SLOTS, processes: int = 2,
+                runtime_bytes: int = RUNTIME_BYTES) -> MemoryBreakdown:
+    """Host bytes of an RL run that no XLA program's memory analysis sees, to be added to the
+    trainer's and the generators' :func:`trainer_memory` / :func:`generator_memory` when they
+    share a host (a CPU machine; on accelerators these bytes are host RAM, not device memory).
+
+    Terms:
+      staging: the weight publisher's host staging slots (``shm`` and ``socket`` transports,
+        files in ``/dev/shm``): ``staging_slots`` whole versions in the generators' dtype
+        ``publish_dtype``. A server that pulls over shared memory keeps arrays that alias its
+        slot's bytes, so with the generator's ``params`` term these bytes are counted twice:
+        the sum is an upper bound by one version per server.
+      runtime: ``processes`` × ``runtime_bytes`` (Python, JAX's runtime, compiled programs;
+        one trainer process and one per generator server).
+    """
+    _positive(staging_slots=staging_slots, processes=processes)
+    if not isinstance(runtime_bytes, int) or runtime_bytes < 0:
+        raise SysModelError(f"runtime_bytes must be an integer >= 0, got {runtime_bytes!r}")
+    terms = {"staging": float(staging_slots * shape.weight_bytes(publish_dtype)),
+             "runtime": float(processes * runtime_bytes)}
+    return MemoryBreakdown(terms, float(sum(terms.values())), notes={
+        "staging_slots": staging_slots, "processes": processes})
