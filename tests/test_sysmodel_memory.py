@@ -23,6 +23,7 @@ from rl_jax.sysmodel.memory import generator_memory, trainer_memory
 from rl_jax.sysmodel.shape import ModelShape
 
 TOLERANCE = 0.15
+GIB = 2 ** 30
 
 
 def compiled_peak(compiled) -> int:
@@ -217,6 +218,50 @@ def test_generator_memory_matches_the_compiled_programs(tensor_parallel):
     assert predicted.terms["kv_cache"] == runner.cache_bytes / tensor_parallel
 
 
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_generator_kv_cache_is_the_page_pool_its_budget_buys(tensor_parallel):
+    """A budget of 37.5 pages of 16 positions: the runner the engine would build (37 pages,
+    ``Engine``'s rounding) allocates exactly the model's bytes per device, whatever the slots
+    and their max_seq_len; the pool's tokens are what sequences may hold together."""
+    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.sharding import make_mesh
+    cfg = model_config("small")
+    page = ModelRunner.page_bytes(cfg, 16, jnp.float32)
+    budget = 37 * page + page // 2
+    mesh = None
+    if tensor_parallel > 1:
+        mesh = make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
+                         devices=jax.devices()[:tensor_parallel])
+    runner = ModelRunner(cfg, max_slots=64, max_seq_len=4096, mesh=mesh, dtype=jnp.float32,
+                         attention="xla", page_size=16, num_pages=budget // page)
+    per_device = sum(shard.data.nbytes for x in (*runner.k_cache, *runner.v_cache)
+                     for shard in x.addressable_shards if shard.device == jax.devices()[0])
+    predicted = generator_memory(ModelShape.from_model_config(cfg),
+                                 tensor_parallel=tensor_parallel, max_slots=64,
+                                 max_seq_len=4096, dtype="float32", page_size=16,
+                                 kv_cache_bytes=budget)
+    assert predicted.terms["kv_cache"] == per_device == runner.cache_bytes / tensor_parallel
+    assert predicted.notes["kv_pages"] == 37 and predicted.notes["kv_tokens"] == 37 * 16
+    unbudgeted = generator_memory(ModelShape.from_model_config(cfg),
+                                  tensor_parallel=tensor_parallel, max_slots=64,
+                                  max_seq_len=4096, dtype="float32", page_size=16)
+    assert unbudgeted.terms["kv_cache"] == 64 * 256 * page / tensor_parallel
+    with pytest.raises(SysModelError, match="holds no KV-cache page"):
+        generator_memory(ModelShape.from_model_config(cfg), max_slots=4, max_seq_len=64,
+                         page_size=16, kv_cache_bytes=page - 1, dtype="float32")
+
+
+def test_host_memory_counts_the_staging_slots_and_runtimes():
+    from rl_jax.sysmodel.memory import RUNTIME_BYTES, host_memory
+    shape = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    host = host_memory(shape, publish_dtype="bfloat16", staging_slots=2, processes=3)
+    assert host.terms["staging"] == 2 * 2 * shape.params
+    assert host.terms["runtime"] == 3 * RUNTIME_BYTES
+    assert host.total == sum(host.terms.values())
+    with pytest.raises(SysModelError, match="staging_slots"):
+        host_memory(shape, staging_slots=0)
+
+
 def test_memory_model_refuses_bad_input():
     shape = ModelShape.from_model_config(named_shape("tiny"))
     with pytest.raises(SysModelError, match="remat"):
@@ -289,6 +334,34 @@ def test_sweep_keeps_layouts_that_fit_with_their_memory():
     refused = [k for k in res.rejected if k.startswith("trainer memory does not fit on ")]
     assert len(refused) == 1 and "GiB per chip" in refused[0]
     assert min(r.layout.num_train for r in res.evaluated) == res.rejected[refused[0]] + 1
+
+
+def test_sweep_plans_the_generators_kv_budget():
+    """A KV-cache budget replaces slots x context: servers whose weights and budget do not fit
+    a chip are refused, as is a budget that cannot hold one sequence of the longest context;
+    one that fits is planned at its pool's size."""
+    from rl_jax.sysmodel import SweepOptions, sweep
+    small = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    h100 = get_accelerator("h100")
+    opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 512),
+                        tensor_parallel=(1,), modes=("async",))
+    budget = h100.memory_capacity * opts.memory_fraction
+    fits = sweep(small, h100, 2, plan_workload(), dataclasses.replace(
+        opts, kv_cache_bytes=int(20 * GIB)))
+    assert fits.best is not None
+    planned = generator_memory(small, max_slots=fits.best.layout.slots_per_server,
+                               max_seq_len=plan_workload().max_context, page_size=64,
+                               kv_cache_bytes=int(20 * GIB))
+    assert planned.terms["kv_cache"] == pytest.approx(20 * GIB, rel=0.001)
+    assert fits.best.generator_bytes >= planned.terms["kv_cache"]
+    with pytest.raises(SysModelError, match="generator memory does not fit at tp=1") as e:
+        sweep(small, h100, 2, plan_workload(), dataclasses.replace(
+            opts, kv_cache_bytes=int(budget)))
+    assert "at 8 slots" in str(e.value)
+    page = 2 * small.num_layers * 64 * small.num_kv_heads * small.head_dim * 2
+    with pytest.raises(SysModelError, match="holds 128 tokens, fewer than one sequence"):
+        sweep(small, h100, 2, plan_workload(), dataclasses.replace(
+            opts, kv_cache_bytes=2 * page))
 
 
 def test_plan_prints_the_chosen_layouts_memory(tmp_path):
