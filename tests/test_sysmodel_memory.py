@@ -2,9 +2,12 @@
 
 Each case compiles a program ahead of time from abstract shapes only (nothing runs) and compares
 ``compiled.memory_analysis()``'s peak (arguments + outputs - aliased + temporaries) with
-:mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``) on one
-device and on 8 forced host devices, and the generator's prefill and decode programs
-(``ModelRunner``). The model is asked for ``backend="cpu"``: XLA's CPU backend carries
+:mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``, and
+``StreamingTrainStep``'s accumulation and update programs) on one device and on 8 forced host
+devices, in float32, bfloat16 over float32 master weights and bfloat16, with and without
+gradient accumulation and remat, at reduced shapes and at the full qwen2.5-0.5b shape (compiled
+only: no parameter is allocated); the generator's prefill and decode programs (``ModelRunner``)
+and its KV page pool as the engine allocates it from a budget. The model is asked for ``backend="cpu"``: XLA's CPU backend carries
 bfloat16 products in float32 and neither fuses the log-probabilities' elementwise work nor
 updates the donated state in place, which accelerators do. Most cases compute in float32, where
 the CPU's activations have the dtype an accelerator's would.
