@@ -7,10 +7,11 @@ Each case compiles a program ahead of time from abstract shapes only (nothing ru
 devices, in float32, bfloat16 over float32 master weights and bfloat16, with and without
 gradient accumulation and remat, at reduced shapes and at the full qwen2.5-0.5b shape (compiled
 only: no parameter is allocated); the generator's prefill and decode programs (``ModelRunner``)
-and its KV page pool as the engine allocates it from a budget. The model is asked for ``backend="cpu"``: XLA's CPU backend carries
-bfloat16 products in float32 and neither fuses the log-probabilities' elementwise work nor
-updates the donated state in place, which accelerators do. Most cases compute in float32, where
-the CPU's activations have the dtype an accelerator's would.
+and its KV page pool as the engine allocates it from a budget. The model is asked for
+``backend="cpu"``: XLA's CPU backend carries bfloat16 products in float32 and neither fuses the
+log-probabilities' elementwise work nor updates the donated state in place, which accelerators
+do. Most cases compute in float32, where the CPU's activations have the dtype an accelerator's
+would.
 """
 
 import dataclasses
