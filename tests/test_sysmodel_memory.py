@@ -2,12 +2,16 @@
 
 Each case compiles a program ahead of time from abstract shapes only (nothing runs) and compares
 ``compiled.memory_analysis()``'s peak (arguments + outputs - aliased + temporaries) with
-:mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``) on one
-device and on 8 forced host devices, and the generator's prefill and decode programs
-(``ModelRunner``). The model is asked for ``backend="cpu"``: XLA's CPU backend carries
-bfloat16 products in float32 and neither fuses the log-probabilities' elementwise work nor
-updates the donated state in place, which accelerators do. Most cases compute in float32, where
-the CPU's activations have the dtype an accelerator's would.
+:mod:`rl_jax.sysmodel.memory`'s prediction: the trainer's step (``make_train_step``, and
+``StreamingTrainStep``'s accumulation and update programs) on one device and on 8 forced host
+devices, in float32, bfloat16 over float32 master weights and bfloat16, with and without
+gradient accumulation and remat, at reduced shapes and at the full qwen2.5-0.5b shape (compiled
+only: no parameter is allocated); the generator's prefill and decode programs (``ModelRunner``)
+and its KV page pool as the engine allocates it from a budget. The model is asked for
+``backend="cpu"``: XLA's CPU backend carries bfloat16 products in float32 and neither fuses the
+log-probabilities' elementwise work nor updates the donated state in place, which accelerators
+do. Most cases compute in float32, where the CPU's activations have the dtype an accelerator's
+would.
 """
 
 import dataclasses
@@ -23,6 +27,7 @@ from rl_jax.sysmodel.memory import generator_memory, trainer_memory
 from rl_jax.sysmodel.shape import ModelShape
 
 TOLERANCE = 0.15
+GIB = 2 ** 30
 
 
 def compiled_peak(compiled) -> int:
@@ -36,19 +41,59 @@ def model_config(name: str, layers: int | None = None):
     return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
 
 
-def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32"):
+def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32",
+                       param_dtype="float32", accumulation="none") -> dict[str, int]:
+    """The compiled peak of each program of the train step on micro-batches of ``batch`` rows:
+    ``{"step": ...}`` (``make_train_step``; two micro-batches in a ``lax.scan`` for
+    ``accumulation="scan"``) or ``{"accumulate": ..., "apply": ...}`` (``StreamingTrainStep``),
+    compiled from abstract shapes (no parameter is allocated)."""
     from rl_jax.sharding import make_mesh
     from rl_jax.trainer.state import ModelSpec, OptimizerConfig, abstract_state, make_optimizer
-    from rl_jax.trainer.step import (LMBatch, causal_lm_loss, default_batch_sharding,
-                                     make_train_step)
+    from rl_jax.trainer.step import (LMBatch, StreamingTrainStep, causal_lm_loss,
+                                     default_batch_sharding, make_train_step)
     devices = jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]]
     mesh = make_mesh(*mesh_shape, devices=devices)
-    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.float32,
+    spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),
                      remat=remat, attention="xla")
     tx = make_optimizer(OptimizerConfig())
-    step = make_train_step(spec, tx, functools.partial(causal_lm_loss, block_size=block))
-    abstract = LMBatch.abstract(batch, seq, sharding=default_batch_sharding(spec))
-    return step.lower(abstract_state(tx, spec), abstract).compile()
+    loss = functools.partial(causal_lm_loss, block_size=block)
+    if accumulation == "streaming":
+        step = StreamingTrainStep(spec, tx, loss, micro_rows=batch)
+        abstract = LMBatch.abstract(batch, seq)
+        step.compile(abstract)
+        _, accumulate, apply = step._programs[_shape_key(abstract)]
+        return {"accumulate": compiled_peak(accumulate), "apply": compiled_peak(apply)}
+    micro = 2 if accumulation == "scan" else 1
+    step = make_train_step(spec, tx, loss, num_microbatches=micro)
+    abstract = LMBatch.abstract(micro * batch, seq, sharding=default_batch_sharding(spec))
+    return {"step": compiled_peak(step.lower(abstract_state(tx, spec), abstract).compile())}
+
+
+def _shape_key(abstract):
+    from rl_jax.trainer.step import _shape_key as key
+    return key(abstract)
+
+
+def check_trainer_memory(name, layers, batch, seq, mesh, remat, block, dtype,
+                         param_dtype="float32", accumulation="none"):
+    """Every compiled program of the step within :data:`TOLERANCE` of the model's figure."""
+    cfg = model_config(name, layers)
+    compiled = compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh, remat=remat,
+                                  block=block, dtype=dtype, param_dtype=param_dtype,
+                                  accumulation=accumulation)
+    predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
+                               mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                               logits_block=block, attention="materialised", backend="cpu",
+                               accumulation=accumulation)
+    programs = predicted.notes["programs"]
+    assert set(programs) == set(compiled)
+    errors = {k: programs[k] / compiled[k] - 1 for k in compiled}
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), (
+        f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat} {dtype} over "
+        f"{param_dtype}, accumulation {accumulation}: predicted {predicted.describe()}; "
+        + ", ".join(f"{k} {programs[k] / 2**30:.3f} GiB against compiled "
+                    f"{compiled[k] / 2**30:.3f} GiB ({errors[k]:+.1%})" for k in compiled))
+    return predicted, compiled
 
 
 # (shape, layers, batch, seq, mesh, remat, logits block, computation dtype)
@@ -68,16 +113,66 @@ TRAIN_CASES = [
                          ids=["-".join(map(str, c[:1] + c[4:6] + c[7:])) for c in TRAIN_CASES])
 def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block,
                                                   dtype):
-    cfg = model_config(name, layers)
-    compiled = compiled_peak(compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh,
-                                                remat=remat, block=block, dtype=dtype))
-    predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
-                               mesh=mesh, dtype=dtype, param_dtype="float32", remat=remat,
-                               logits_block=block, attention="materialised", backend="cpu")
-    error = predicted.total / compiled - 1
-    assert abs(error) <= TOLERANCE, (
-        f"{name} x{cfg.num_layers} {batch}x{seq} mesh {mesh} remat {remat}: predicted "
-        f"{predicted.describe()}, compiled {compiled / 2**20:.1f} MiB ({error:+.1%})")
+    check_trainer_memory(name, layers, batch, seq, mesh, remat, block, dtype)
+
+
+# The trainer's precisions (float32; bfloat16 compute over float32 master weights; bfloat16
+# parameters and moments) with and without gradient accumulation and remat, at a reduced
+# shape: (computation dtype, parameter dtype, remat, accumulation).
+PRECISION_CASES = [
+    ("bfloat16", "float32", "none", "none"),
+    ("bfloat16", "bfloat16", "none", "none"),
+    ("bfloat16", "bfloat16", "full", "none"),
+    ("float32", "float32", "none", "scan"),
+    ("bfloat16", "float32", "full", "scan"),
+    ("bfloat16", "bfloat16", "none", "scan"),
+    ("float32", "float32", "full", "streaming"),
+    ("bfloat16", "float32", "none", "streaming"),
+    ("bfloat16", "bfloat16", "none", "streaming"),
+]
+
+
+@pytest.mark.parametrize("dtype,param_dtype,remat,accumulation", PRECISION_CASES,
+                         ids=["-".join(c) for c in PRECISION_CASES])
+def test_trainer_memory_matches_every_precision_and_accumulation(dtype, param_dtype, remat,
+                                                                 accumulation):
+    check_trainer_memory("small", None, 4, 256, (1, 1, 1), remat, 4096, dtype, param_dtype,
+                         accumulation)
+
+
+# At the full qwen2.5-0.5b shape (494M parameters, vocabulary 151,936), compiled only: the
+# recipes' micro-batch of 2 x 128 tokens.
+FULL_SHAPE_CASES = [
+    ("float32", "float32", "full", "none"),
+    ("bfloat16", "float32", "none", "scan"),
+    ("bfloat16", "float32", "full", "streaming"),
+    ("bfloat16", "bfloat16", "none", "streaming"),
+]
+
+
+@pytest.mark.parametrize("dtype,param_dtype,remat,accumulation", FULL_SHAPE_CASES,
+                         ids=["-".join(c) for c in FULL_SHAPE_CASES])
+def test_trainer_memory_matches_the_compiled_step_at_qwen2_5_0_5b(dtype, param_dtype, remat,
+                                                                   accumulation):
+    check_trainer_memory("qwen2.5-0.5b", None, 2, 128, (1, 1, 1), remat, 4096, dtype,
+                         param_dtype, accumulation)
+
+
+def test_the_streaming_step_plans_the_moments_beside_its_accumulation():
+    """The process of a streaming step holds the moments beside the accumulation program
+    (not one of its arguments), and an EMA beside everything."""
+    shape = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    kw = dict(batch=2, seq=128, dtype="bfloat16", param_dtype="bfloat16", remat="none",
+              backend="cpu")
+    streaming = trainer_memory(shape, accumulation="streaming", **kw)
+    programs = streaming.notes["programs"]
+    moments = streaming.terms["moments"]
+    assert streaming.total == max(programs["accumulate"] + moments, programs["apply"])
+    assert streaming.terms["accumulator"] == 4 * streaming.terms["params"] / 2
+    with_ema = trainer_memory(shape, accumulation="streaming", ema=True, **kw)
+    assert with_ema.total == streaming.total + streaming.terms["params"]
+    one = trainer_memory(shape, **kw)
+    assert "accumulator" not in one.terms and one.notes["programs"]["step"] == one.total
 
 
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
@@ -127,6 +222,50 @@ def test_generator_memory_matches_the_compiled_programs(tensor_parallel):
     assert predicted.terms["kv_cache"] == runner.cache_bytes / tensor_parallel
 
 
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_generator_kv_cache_is_the_page_pool_its_budget_buys(tensor_parallel):
+    """A budget of 37.5 pages of 16 positions: the runner the engine would build (37 pages,
+    ``Engine``'s rounding) allocates exactly the model's bytes per device, whatever the slots
+    and their max_seq_len; the pool's tokens are what sequences may hold together."""
+    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.sharding import make_mesh
+    cfg = model_config("small")
+    page = ModelRunner.page_bytes(cfg, 16, jnp.float32)
+    budget = 37 * page + page // 2
+    mesh = None
+    if tensor_parallel > 1:
+        mesh = make_mesh(data=1, fsdp=1, tensor=tensor_parallel,
+                         devices=jax.devices()[:tensor_parallel])
+    runner = ModelRunner(cfg, max_slots=64, max_seq_len=4096, mesh=mesh, dtype=jnp.float32,
+                         attention="xla", page_size=16, num_pages=budget // page)
+    per_device = sum(shard.data.nbytes for x in (*runner.k_cache, *runner.v_cache)
+                     for shard in x.addressable_shards if shard.device == jax.devices()[0])
+    predicted = generator_memory(ModelShape.from_model_config(cfg),
+                                 tensor_parallel=tensor_parallel, max_slots=64,
+                                 max_seq_len=4096, dtype="float32", page_size=16,
+                                 kv_cache_bytes=budget)
+    assert predicted.terms["kv_cache"] == per_device == runner.cache_bytes / tensor_parallel
+    assert predicted.notes["kv_pages"] == 37 and predicted.notes["kv_tokens"] == 37 * 16
+    unbudgeted = generator_memory(ModelShape.from_model_config(cfg),
+                                  tensor_parallel=tensor_parallel, max_slots=64,
+                                  max_seq_len=4096, dtype="float32", page_size=16)
+    assert unbudgeted.terms["kv_cache"] == 64 * 256 * page / tensor_parallel
+    with pytest.raises(SysModelError, match="holds no KV-cache page"):
+        generator_memory(ModelShape.from_model_config(cfg), max_slots=4, max_seq_len=64,
+                         page_size=16, kv_cache_bytes=page - 1, dtype="float32")
+
+
+def test_host_memory_counts_the_staging_slots_and_runtimes():
+    from rl_jax.sysmodel.memory import RUNTIME_BYTES, host_memory
+    shape = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    host = host_memory(shape, publish_dtype="bfloat16", staging_slots=2, processes=3)
+    assert host.terms["staging"] == 2 * 2 * shape.params
+    assert host.terms["runtime"] == 3 * RUNTIME_BYTES
+    assert host.total == sum(host.terms.values())
+    with pytest.raises(SysModelError, match="staging_slots"):
+        host_memory(shape, staging_slots=0)
+
+
 def test_memory_model_refuses_bad_input():
     shape = ModelShape.from_model_config(named_shape("tiny"))
     with pytest.raises(SysModelError, match="remat"):
@@ -137,6 +276,8 @@ def test_memory_model_refuses_bad_input():
         trainer_memory(shape, batch=0, seq=8)
     with pytest.raises(SysModelError, match="attention"):
         trainer_memory(shape, batch=1, seq=8, attention="flash")
+    with pytest.raises(SysModelError, match="accumulation must be one of"):
+        trainer_memory(shape, batch=1, seq=8, accumulation="sum")
     with pytest.raises(SysModelError, match="max_slots"):
         generator_memory(shape, max_slots=0, max_seq_len=8)
 
@@ -197,6 +338,34 @@ def test_sweep_keeps_layouts_that_fit_with_their_memory():
     refused = [k for k in res.rejected if k.startswith("trainer memory does not fit on ")]
     assert len(refused) == 1 and "GiB per chip" in refused[0]
     assert min(r.layout.num_train for r in res.evaluated) == res.rejected[refused[0]] + 1
+
+
+def test_sweep_plans_the_generators_kv_budget():
+    """A KV-cache budget replaces slots x context: servers whose weights and budget do not fit
+    a chip are refused, as is a budget that cannot hold one sequence of the longest context;
+    one that fits is planned at its pool's size."""
+    from rl_jax.sysmodel import SweepOptions, sweep
+    small = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
+    h100 = get_accelerator("h100")
+    opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 512),
+                        tensor_parallel=(1,), modes=("async",))
+    budget = h100.memory_capacity * opts.memory_fraction
+    fits = sweep(small, h100, 2, plan_workload(), dataclasses.replace(
+        opts, kv_cache_bytes=int(20 * GIB)))
+    assert fits.best is not None
+    planned = generator_memory(small, max_slots=fits.best.layout.slots_per_server,
+                               max_seq_len=plan_workload().max_context, page_size=64,
+                               kv_cache_bytes=int(20 * GIB))
+    assert planned.terms["kv_cache"] == pytest.approx(20 * GIB, rel=0.001)
+    assert fits.best.generator_bytes >= planned.terms["kv_cache"]
+    with pytest.raises(SysModelError, match="generator memory does not fit at tp=1") as e:
+        sweep(small, h100, 2, plan_workload(), dataclasses.replace(
+            opts, kv_cache_bytes=int(budget)))
+    assert "at 8 slots" in str(e.value)
+    page = 2 * small.num_layers * 64 * small.num_kv_heads * small.head_dim * 2
+    with pytest.raises(SysModelError, match="holds 128 tokens, fewer than one sequence"):
+        sweep(small, h100, 2, plan_workload(), dataclasses.replace(
+            opts, kv_cache_bytes=2 * page))
 
 
 def test_plan_prints_the_chosen_layouts_memory(tmp_path):

@@ -59,7 +59,7 @@ from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload, balance, max_staleness_estimate, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
 from rl_jax.sysmodel.memory import (GeneratorMemory, TrainerMemory, generator_memory,
-                                    trainer_memory)
+                                    host_memory, trainer_memory)
 from rl_jax.sysmodel.lengths import (ConstantLengths, EmpiricalLengths, LengthDistribution,
                                      LogNormalLengths, SequenceLengths)
 from rl_jax.sysmodel.predict import RunPrediction, predict_run
@@ -79,5 +79,5 @@ __all__ = [
     "RunPrediction", "predict_run", "ModelShape", "MODES", "SimConfig", "SimResult", "simulate",
     "Layout", "LayoutResult", "SweepOptions", "SweepResult", "format_table", "sweep",
     "WeightSync", "shares_host", "transfer_breakdown",
-    "GeneratorMemory", "TrainerMemory", "generator_memory", "trainer_memory",
+    "GeneratorMemory", "TrainerMemory", "generator_memory", "host_memory", "trainer_memory",
 ]

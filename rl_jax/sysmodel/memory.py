@@ -14,8 +14,15 @@ Trainer (``rl_jax.trainer.step.make_train_step``, state donated so outputs reuse
 - *state*: parameters (``p`` bytes) and AdamW's two moments (optax keeps them in the parameter
   dtype), split over ``fsdp`` (the ``embed`` axis) and ``tensor`` (heads, MLP, vocabulary);
   norms are replicated. Replicated over ``data``.
-- *grads*: one gradient per parameter (``p`` bytes), live from the backward pass through the
-  update (the global-norm clip reads all of them before any update).
+- *grads*: one gradient per parameter (``p`` bytes; on XLA's CPU backend float32, plus the cast
+  to a narrower parameter dtype), live from the backward pass through the update (the
+  global-norm clip reads all of them before any update).
+- *accumulator*: with gradient accumulation over micro-batches (``accumulation``), the float32
+  sum of their gradients, whatever the parameter dtype: the carry of ``make_train_step``'s
+  ``lax.scan`` over micro-batches, or ``StreamingTrainStep``'s accumulator, which lives
+  between its accumulation programs and its update program.
+- *compute copies*: without remat and with a computation dtype other than the parameters',
+  the layers' weights cast to the computation dtype, kept as residuals of the matmuls.
 - *saved activations*: what the ``lax.scan`` over layers keeps for the backward pass, stacked
   ``[L, ...]``, per remat policy (:func:`saved_bytes_per_token`); tokens are split over
   ``data × fsdp`` (``act_batch``), heads and MLP over ``tensor``.
@@ -27,16 +34,24 @@ Trainer (``rl_jax.trainer.step.make_train_step``, state donated so outputs reuse
   the attention scores when materialised, and the cotangents); both next to the saved
   activations. *embedding*: the end of the backward pass, where the embedding lookup's
   gradient is scattered into a full ``[V, D]`` table (the lookup gathers the whole table:
-  ``Transformer.__call__`` constrains it to be replicated) beside the unembedding's gradient;
+  ``Transformer.__call__`` constrains it to be replicated; a streaming accumulation scatters
+  it into its accumulator) beside the unembedding's gradient;
   *update* (XLA's CPU backend only): the optimizer update, which that backend does not do in
-  place on the donated state.
+  place on the donated state (:func:`_cpu_update_bytes`).
+- *ema*: a parameter average (``trainer.ema_decay``), beside the step.
+
+With a streaming accumulation the model gives each compiled program's bytes
+(``notes["programs"]``: ``accumulate`` takes the parameters and the accumulator, ``apply`` the
+state and the accumulator) and, as ``total``, the process's: the moments beside the
+accumulation program. Host memory outside XLA (the publisher's staging slots, each process's
+runtime) is :func:`host_memory`'s.
 
 ``backend="cpu"`` models what XLA's CPU backend compiles (the validation tests compile there);
 ``"accelerator"`` what GPU/TPU backends keep: the computation dtype, fused elementwise work and
 in-place updates. One H100 (jax 0.11.2, bf16 compute, f32 parameters, qwen2.5-0.5b, cuDNN
 attention where it applied) compiled 8.86 GiB at 8×1024 tokens with full remat (this model:
 8.75 GiB fused), 10.61 GiB at 16×1024 (9.81), 13.16 GiB at 8×1024 with ``dots`` (13.39) and
-87.15 GiB at 16×1024 without remat (78.98 with materialised scores).
+87.15 GiB at 16×1024 without remat (79.65 with materialised scores).
 """
 
 from __future__ import annotations
@@ -51,7 +66,11 @@ from rl_jax.sysmodel.shape import ModelShape
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION = ("materialised", "fused")
 BACKENDS = ("accelerator", "cpu")
+ACCUMULATION = ("none", "scan", "streaming")
 GiB = 2 ** 30
+# Positions per page of the generator's KV cache (rl_jax.generator.kv_cache.DEFAULT_PAGE_SIZE,
+# SGLang's --page-size): the systems model imports nothing of the runtime.
+DEFAULT_PAGE_SIZE = 64
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -116,6 +135,26 @@ def param_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
         layer += 2 * hd
     tables = (1 if s.tie_word_embeddings else 2) * _cdiv(v, tensor) * dd
     return s.num_layers * layer + tables + d
+
+
+def layer_elements_per_device(shape: ModelShape, fsdp: int, tensor: int) -> int:
+    """The decoder layers' share of :func:`param_elements_per_device` (the stacked ``[L, ...]``
+    leaves: everything but the embedding tables and the final norm)."""
+    s = shape
+    dd = _cdiv(s.hidden_size, fsdp)
+    tables = (1 if s.tie_word_embeddings else 2) * _cdiv(s.vocab_size, tensor) * dd
+    return param_elements_per_device(s, fsdp, tensor) - tables - s.hidden_size
+
+
+def largest_leaves_per_device(shape: ModelShape, fsdp: int, tensor: int) -> tuple[int, int]:
+    """Elements per device of the largest parameter leaf (an embedding table, ``[V, D]``) and
+    of the largest stacked layer leaf (``[L, D, max(F, H·Dh)]``: an MLP matrix)."""
+    s = shape
+    dd = _cdiv(s.hidden_size, fsdp)
+    table = _cdiv(s.vocab_size, tensor) * dd
+    layer = s.num_layers * dd * max(_cdiv(s.intermediate_size, tensor),
+                                    _cdiv(s.num_heads, tensor) * s.head_dim)
+    return table, layer
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -197,17 +236,31 @@ def layer_backward_bytes_per_token(shape: ModelShape, *, remat: str, attention: 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerMemory(MemoryBreakdown):
-    """:func:`trainer_memory`'s breakdown: ``params``, ``moments``, ``grads``,
-    ``saved_activations`` and the peak phase's transient; ``notes["transients"]`` has every
-    phase's."""
+    """:func:`trainer_memory`'s breakdown: ``params``, ``moments``, the gradients (``grads``,
+    ``accumulator``), ``compute_copies``, ``saved_activations`` and the peak phase's transient,
+    plus ``ema`` when kept; ``notes["transients"]`` has every phase's, ``notes["programs"]``
+    the bytes of each compiled program (what ``memory_analysis()`` reports: arguments +
+    outputs - aliased + temporaries) and ``notes["phases"]`` every phase's live bytes."""
+
+
+def _cpu_update_bytes(elements: int, p: int, table: int, layer_leaf: int) -> float:
+    """Temporaries of the optimizer update on XLA's CPU backend, which does not update the
+    donated state in place (buffer assignments of ``apply_gradients``, qwen2.5-0.5b at 2-24
+    layers): float32 parameters keep the gradient divided by the denominator (every leaf) and
+    the new values of the largest leaf and of two of the largest layer leaves; parameters of a
+    narrower dtype get new parameters and both moments for every leaf (the update is computed
+    in float32 and cast back)."""
+    if p >= 4:
+        return float(elements * p + (table + 2 * layer_leaf) * p)
+    return float(3 * elements * p)
 
 
 def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
                    mesh: tuple[int, int, int] = (1, 1, 1), dtype: str = "bfloat16",
                    param_dtype: str = "float32", remat: str = "full", logits_block: int = 4096,
-                   attention: str = "materialised", backend: str = "accelerator"
-                   ) -> TrainerMemory:
-    """Peak bytes per device of one train step on ``batch × seq`` tokens (one micro-batch; the
+                   attention: str = "materialised", backend: str = "accelerator",
+                   accumulation: str = "none", ema: bool = False) -> TrainerMemory:
+    """Peak bytes per device of one train step on micro-batches of ``batch × seq`` tokens (the
     module docstring lists the terms).
 
     Args:
@@ -224,9 +277,21 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
         products in float32 and does not fuse the elementwise work of the blockwise
         log-probabilities into their matmuls (five ``[tokens, block]`` float32 arrays live in
         its backward instead of two), as its buffer assignment shows.
+      accumulation: how gradients of several micro-batches are summed (always in float32):
+        ``"none"`` (one batch: ``make_train_step(num_microbatches=1)``), ``"scan"``
+        (``make_train_step(num_microbatches>1)``: a ``lax.scan`` over micro-batches in one
+        program) or ``"streaming"`` (``StreamingTrainStep``, the RL trainer with
+        ``trainer.micro_batch_rows``: an accumulation program per micro-batch, then an update
+        program; the accumulator lives between them, and the moments, not arguments of the
+        accumulation program, beside it).
+      ema: an exponential moving average of the parameters is kept (``trainer.ema_decay``):
+        one more copy of the parameters, outside the compiled step.
     """
     data, fsdp, tensor = _check_mesh(mesh)
     _positive(batch=batch, seq=seq, logits_block=logits_block)
+    if accumulation not in ACCUMULATION:
+        raise SysModelError(f"accumulation must be one of {ACCUMULATION}, got "
+                            f"{accumulation!r}")
     kw = dict(remat=remat, attention=attention, dtype=dtype, tensor=tensor, seq=seq,
               backend=backend)
     saved_per_token = saved_bytes_per_token(shape, **kw)  # checks remat, attention, backend
@@ -235,11 +300,19 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     d, v, L = s.hidden_size, s.vocab_size, s.num_layers
     n = _cdiv(batch, data * fsdp) * seq  # tokens per device
     elements = param_elements_per_device(s, fsdp, tensor)
+    cpu = backend == "cpu"
 
     params = elements * p
     moments = 2 * elements * p
-    grads = elements * p
+    # The backward's gradients: in the parameter dtype; XLA's CPU backend computes them in
+    # float32 and casts the stacked result, so a narrower parameter dtype has both.
+    grads = elements * (4 + (p if p < 4 else 0)) if cpu else elements * p
+    accumulator = elements * 4 if accumulation != "none" else 0
     saved = L * n * saved_per_token
+    # Without remat the backward keeps each layer's weights cast to the computation dtype (the
+    # matmuls' residuals), stacked [L, ...]; a rematerialised layer casts them again.
+    copies = (layer_elements_per_device(s, fsdp, tensor) * c
+              if c != p and remat == "none" else 0)
 
     # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
     # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
@@ -253,14 +326,14 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     block = min(logits_block, v)
     v_local = _cdiv(_cdiv(v, block) * block, tensor)
     retyped = s.tie_word_embeddings or c != p
-    copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
+    n_copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
     if s.tie_word_embeddings and fsdp > 1:
         # Tied under fsdp: the transposed table's blocks stay split over fsdp, while the
         # lookup's whole gathered table and its whole gradient stay live through the backward.
-        unembed = copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
+        unembed = n_copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
     else:
-        unembed = copies * d * v_local * c
-    buffers = 5 if backend == "cpu" else 2
+        unembed = n_copies * d * v_local * c
+    buffers = 5 if cpu else 2
     logits_phase = unembed + buffers * n * block * 4 + n * d * 4
 
     layer_phase = n * layer_backward_bytes_per_token(s, **kw)
@@ -269,26 +342,53 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     # of the parameter dtype (the lookup gathered the whole table), next to the unembedding's
     # gradient still in blocks and re-laid out as [V, D] before the two are reduce-scattered
     # (and added, when tied).
+    # A streaming accumulation scatters the lookup's gradient into the donated accumulator.
     split = fsdp if s.tie_word_embeddings else 1  # the tied table's blocks stay split
-    embedding_phase = v * d * p + d * _cdiv(v_local, split) * (p + c)
+    embedding_phase = ((v * d * p if accumulation != "streaming" else 0)
+                       + d * _cdiv(v_local, split) * (p + c))
 
-    transients = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
-    if backend == "cpu":
-        # XLA's CPU backend does not update the donated state in place: the gradient divided by
-        # the denominator, two of the updated parameter/moment arrays and a copy of a moment
-        # are live together (per leaf), next to the embedding lookup's scattered gradient.
-        transients["update"] = 3 * grads + v * d * p
-    # Saved activations are live through the logits and layer phases; they are freed as the
-    # backward scan ends, before the embedding and update phases.
-    live = {name: value + (saved if name in ("logits", "layer") else 0.0)
-            for name, value in transients.items()}
-    phase = max(live, key=live.get)
-    terms = {"params": float(params), "moments": float(moments), "grads": float(grads),
+    backward = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
+    # Saved activations (and cast weights) are live through the logits and layer phases; they
+    # are freed as the backward scan ends, before the embedding and update phases.
+    held = {name: (saved + copies if name in ("logits", "layer") else 0.0) for name in backward}
+    # The optimizer update reads the gradient (the float32 accumulator, when accumulating, else
+    # the gradient in the parameter dtype) beside the state; on a CPU with its temporaries.
+    update_in = accumulator if accumulation != "none" else elements * p
+    table, layer_leaf = largest_leaves_per_device(s, fsdp, tensor)
+    update = _cpu_update_bytes(elements, p, table, layer_leaf) if cpu else 0.0
+
+    # Live bytes of each phase. The accumulation program of the streaming step takes the
+    # parameters and the accumulator, not the moments.
+    state = params + moments
+    weights = params if accumulation == "streaming" else state
+    phases = {name: weights + accumulator + grads + held[name] + value
+              for name, value in backward.items()}
+    phases["update"] = state + update_in + update
+    transients = {**backward, "update": update}
+    if accumulation == "streaming":
+        backward_peak = max(phases[name] for name in backward)
+        programs = {"accumulate": float(backward_peak), "apply": float(phases["update"])}
+        # The process: the moments live beside the accumulation program.
+        phases = {name: value + (moments if name in backward else 0.0)
+                  for name, value in phases.items()}
+    phase = max(phases, key=phases.get)
+    if accumulation != "streaming":
+        programs = {"step": float(phases[phase])}
+    in_backward = phase in backward
+    terms = {"params": float(params), "moments": float(moments),
+             "grads": float(grads if in_backward else
+                            (update_in if accumulation == "none" else 0.0)),
+             "accumulator": float(accumulator),
+             "compute_copies": float(copies if phase in ("logits", "layer") else 0.0),
              "saved_activations": float(saved if phase in ("logits", "layer") else 0.0),
              phase: float(transients[phase])}
+    if ema:
+        terms["ema"] = float(params)
+    terms = {name: value for name, value in terms.items() if value or name == phase}
     return TrainerMemory(terms, float(sum(terms.values())), phase, notes={
         "tokens_per_device": n, "transients": {k: float(x) for k, x in transients.items()},
-        "saved_activations_all": float(saved)})
+        "phases": {k: float(x) for k, x in phases.items()}, "programs": programs,
+        "saved_activations_all": float(saved), "accumulation": accumulation})
 
 
 # ---- the generator ---------------------------------------------------------------------------
@@ -302,7 +402,8 @@ class GeneratorMemory(MemoryBreakdown):
 def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: int,
                      max_seq_len: int, dtype: str = "bfloat16", prefill_tokens: int = 2048,
                      prefill_len: int | None = None, cache_dtype: str | None = None,
-                     swap: bool = True) -> GeneratorMemory:
+                     swap: bool = True, page_size: int = DEFAULT_PAGE_SIZE,
+                     kv_cache_bytes: int = 0) -> GeneratorMemory:
     """Bytes per device of one generator server (``rl_jax.generator.runner.ModelRunner`` under
     the engine), tensor parallel over ``tensor_parallel`` chips (``generator_rules()``: heads,
     MLP and vocabulary split; the hidden axis whole).
@@ -313,8 +414,14 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
       decode_weights: ``prepare_decode_weights``: every layer's matrices re-laid out (fused
         q/k/v, fused gate/up) in ``dtype``, and the unembedding ``[D, V]`` (a transposed copy
         when tied; an untied head of the same dtype is the parameter itself).
-      kv_cache: ``ModelRunner.cache_bytes``: ``2·L·slots·max_seq_len·K·Dh`` of ``cache_dtype``,
-        key/value heads split over the chips (a chip keeps at least one head).
+      kv_cache: ``ModelRunner.cache_bytes``, the page pool: ``kv_cache_bytes`` (the server's
+        ``--kv_cache_bytes`` or what ``--mem_fraction_static`` leaves beside the weights, per
+        data-parallel replica) rounded down to whole pages of ``page_size`` positions
+        (``2·L·page_size·K·Dh`` of ``cache_dtype`` each), as ``Engine`` sizes it: sequences
+        take pages for their live tokens only. Without a budget, enough pages for every slot
+        to hold ``max_seq_len`` positions. Key/value heads split over the chips (a chip keeps
+        at least one head). ``notes["kv_pages"]`` and ``notes["kv_tokens"]`` say what it
+        holds.
       weight_update: with ``swap``, a second set of parameters and decode weights, prepared
         while the current ones still decode (``Engine._prepare_loop``).
       prefill / decode: the larger transient of the two programs. Prefill (``runner.prefill``
@@ -344,7 +451,20 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
     tables = (1 if s.tie_word_embeddings else 2) * v_local * d
     params = (L * layer + tables + d) * c
     decode = (L * layer + (v_local * d if s.tie_word_embeddings else 0)) * c
-    kv_cache = 2 * L * max_slots * max_seq_len * k * hd * kv_c
+    _positive(page_size=page_size)
+    if not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool) \
+            or kv_cache_bytes < 0:
+        raise SysModelError(f"kv_cache_bytes must be an integer >= 0, got {kv_cache_bytes!r}")
+    # Engine/ModelRunner: pages of the whole replica's heads; each chip holds its heads' share.
+    page_bytes = 2 * L * page_size * s.num_kv_heads * hd * kv_c
+    if kv_cache_bytes:
+        pages = kv_cache_bytes // page_bytes
+        if pages < 1:
+            raise SysModelError(f"kv_cache_bytes={kv_cache_bytes} holds no KV-cache page (one "
+                                f"page of {page_size} positions takes {page_bytes} bytes)")
+    else:
+        pages = max_slots * _cdiv(max_seq_len, page_size)
+    kv_cache = 2 * L * pages * page_size * k * hd * kv_c
     length = min(prefill_len or prefill_tokens, max_seq_len, prefill_tokens)
     rows = _cdiv(prefill_tokens, length)
     tokens = rows * length
@@ -368,4 +488,41 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
                 "decode": float((L * layer + 2 * v_local * d + d) * c + kv_cache
                                 + decode_logits)}
     return GeneratorMemory(terms, float(sum(terms.values())), phase, notes={
-        "prefill_rows": rows, "prefill_len": length, "programs": programs})
+        "prefill_rows": rows, "prefill_len": length, "programs": programs, "kv_pages": pages,
+        "kv_tokens": pages * page_size, "page_size": page_size})
+
+
+# ---- the host, outside XLA -----------------------------------------------------------------
+
+# Resident bytes of one trainer or generator process beyond its arrays (Python, JAX's runtime,
+# compiled programs): ~0.5 GiB each at the tiny shape on this project's CPU machines.
+RUNTIME_BYTES = 2 ** 29
+# Staging slots of the publisher's host versions (rl_jax.transfer.staging.HostStaging): a
+# server pulling over shared memory holds the slot of its live version while the next version
+# is written into another; more slots are made only while pullers hold older ones.
+STAGING_SLOTS = 2
+
+
+def host_memory(shape: ModelShape, *, publish_dtype: str = "bfloat16",
+                staging_slots: int = STAGING_SLOTS, processes: int = 2,
+                runtime_bytes: int = RUNTIME_BYTES) -> MemoryBreakdown:
+    """Host bytes of an RL run that no XLA program's memory analysis sees, to be added to the
+    trainer's and the generators' :func:`trainer_memory` / :func:`generator_memory` when they
+    share a host (a CPU machine; on accelerators these bytes are host RAM, not device memory).
+
+    Terms:
+      staging: the weight publisher's host staging slots (``shm`` and ``socket`` transports,
+        files in ``/dev/shm``): ``staging_slots`` whole versions in the generators' dtype
+        ``publish_dtype``. A server that pulls over shared memory keeps arrays that alias its
+        slot's bytes, so with the generator's ``params`` term these bytes are counted twice:
+        the sum is an upper bound by one version per server.
+      runtime: ``processes`` × ``runtime_bytes`` (Python, JAX's runtime, compiled programs;
+        one trainer process and one per generator server).
+    """
+    _positive(staging_slots=staging_slots, processes=processes)
+    if not isinstance(runtime_bytes, int) or runtime_bytes < 0:
+        raise SysModelError(f"runtime_bytes must be an integer >= 0, got {runtime_bytes!r}")
+    terms = {"staging": float(staging_slots * shape.weight_bytes(publish_dtype)),
+             "runtime": float(processes * runtime_bytes)}
+    return MemoryBreakdown(terms, float(sum(terms.values())), notes={
+        "staging_slots": staging_slots, "processes": processes})

@@ -13,10 +13,11 @@ from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
 from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNormalLengths
-from rl_jax.sysmodel.memory import GiB, generator_memory, trainer_memory
+from rl_jax.sysmodel.memory import GiB, trainer_memory
 from rl_jax.sysmodel.recipe import model_shape, recipe_value, rollout_settings
 from rl_jax.sysmodel.simulator import MODES
-from rl_jax.sysmodel.sweep import SweepOptions, SweepResult, format_table, sweep
+from rl_jax.sysmodel.sweep import (SweepOptions, SweepResult, format_table,
+                                  generator_memory_for, sweep)
 from rl_jax.sysmodel.weightsync import PATHS, WeightSync, transfer_breakdown
 
 
@@ -49,6 +50,8 @@ class PlanRequest:
     split_points: int = 8
     top: int = 10
     seed: int = 0
+    kv_cache_bytes: int = 0  # a generator server's KV-cache budget (0: slots x max context)
+    page_size: int = 64  # positions per page of that cache
 
     def validate(self):
         if self.num_accelerators < 2:
@@ -66,6 +69,10 @@ class PlanRequest:
                                 f"{self.transfer_path!r}")
         if self.transfer_gbps is not None and self.transfer_gbps <= 0:
             raise SysModelError(f"--transfer_gbps must be > 0, got {self.transfer_gbps}")
+        if self.kv_cache_bytes < 0:
+            raise SysModelError(f"--kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
+        if self.page_size < 1:
+            raise SysModelError(f"--page_size must be >= 1, got {self.page_size}")
 
 
 @dataclasses.dataclass
@@ -102,6 +109,15 @@ def _transfer_line(weight_bytes: float, accelerator, best, options: SweepOptions
             f"{terms['host_s']:.3g} s host staging + {terms['fixed_s']:.3g} s fixed")
 
 
+def trainer_accumulation(config: Any) -> str:
+    """How the recipe's trainer sums gradients (:data:`memory.ACCUMULATION`):
+    ``trainer.micro_batch_rows`` streams fixed-shape micro-batches (``StreamingTrainStep``),
+    ``trainer.num_microbatches > 1`` scans them in one program, else one batch."""
+    if int(recipe_value(config, "trainer.micro_batch_rows")):
+        return "streaming"
+    return "scan" if int(recipe_value(config, "trainer.num_microbatches")) > 1 else "none"
+
+
 def _memory_lines(shape, accelerator, best, workload: Workload,
                   options: SweepOptions) -> list[str]:
     """Memory per chip of the best layout's trainer and generator, term by term."""
@@ -115,18 +131,16 @@ def _memory_lines(shape, accelerator, best, workload: Workload,
                              mesh=(1, lay.num_train, 1), dtype=options.dtype,
                              param_dtype=options.param_dtype, remat=options.remat,
                              logits_block=options.logits_block, attention=attention,
-                             backend="cpu" if accelerator.name == "cpu" else "accelerator")
-    generator = generator_memory(
-        shape, tensor_parallel=lay.tensor_parallel, max_slots=lay.slots_per_server,
-        max_seq_len=workload.max_context, dtype=options.dtype,
-        prefill_tokens=min(options.prefill_tokens,
-                           lay.slots_per_server * workload.max_context),
-        prefill_len=workload.prompt_len)
+                             backend="cpu" if accelerator.name == "cpu" else "accelerator",
+                             accumulation=options.accumulation, ema=options.ema)
+    generator = generator_memory_for(shape, options, lay.tensor_parallel,
+                                     lay.slots_per_server, workload)
     return [f"trainer memory per chip (FSDP over {lay.num_train}, {rows} rows x "
             f"{workload.max_context} tokens per micro-batch, remat {options.remat}, "
             f"{attention} attention): {trainer.describe()} of {budget / GiB:.1f} GiB usable",
             f"generator memory per chip (tp={lay.tensor_parallel}, {lay.slots_per_server} "
-            f"slots x {workload.max_context} tokens): {generator.describe()} of "
+            f"slots x {workload.max_context} tokens, a KV pool of "
+            f"{generator.notes['kv_tokens']} tokens): {generator.describe()} of "
             f"{budget / GiB:.1f} GiB usable"]
 
 
@@ -167,6 +181,9 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         trainer_tokens_per_s_per_chip=req.trainer_tokens_per_s, measured_latency=measured,
         remat=str(recipe_value(config, "model.remat")),
         micro_batch_rows=int(recipe_value(config, "trainer.micro_batch_rows")) or None,
+        accumulation=trainer_accumulation(config),
+        ema=float(recipe_value(config, "trainer.ema_decay")) > 0,
+        kv_cache_bytes=req.kv_cache_bytes, page_size=req.page_size,
         logits_block=int(recipe_value(config, "trainer.logits_block_size")),
         num_steps=req.steps, simulate_top=req.simulate_top, split_points=req.split_points,
         seed=req.seed)

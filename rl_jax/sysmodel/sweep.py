@@ -96,6 +96,17 @@ class LayoutResult:
         return out
 
 
+def generator_memory_for(shape: ModelShape, opt: SweepOptions, tensor_parallel: int,
+                         slots: int, workload: Workload):
+    """:func:`memory.generator_memory` of one server of a layout."""
+    return generator_memory(shape, tensor_parallel=tensor_parallel, max_slots=slots,
+                            max_seq_len=workload.max_context, dtype=opt.dtype,
+                            prefill_tokens=min(opt.prefill_tokens,
+                                               slots * workload.max_context),
+                            prefill_len=workload.prompt_len, page_size=opt.page_size,
+                            kv_cache_bytes=opt.kv_cache_bytes)
+
+
 @dataclasses.dataclass
 class SweepResult:
     best: LayoutResult | None
@@ -119,7 +130,9 @@ class SweepOptions:
     one per trainer chip) of the workload's longest sample, with ``remat``, ``logits_block``
     and ``attention`` (default: fused kernels on accelerators, materialised scores on a CPU);
     a generator server holds ``slots`` sequences of that length and prefills up to
-    ``prefill_tokens`` prompt tokens at once. Either must fit in ``memory_fraction`` of a chip.
+    ``prefill_tokens`` prompt tokens at once, its KV cache a pool of ``kv_cache_bytes`` when
+    given (weights and pool must fit; a pool that cannot hold one sequence of the longest
+    context is refused). Either must fit in ``memory_fraction`` of a chip.
     """
 
     modes: tuple[str, ...] = MODES
@@ -132,9 +145,17 @@ class SweepOptions:
     memory_fraction: float = 0.9
     remat: str = "full"  # the trainer's layer rematerialisation
     micro_batch_rows: int | None = None  # rows per trainer micro-batch (default one per chip)
+    # how the trainer sums micro-batches' gradients (memory.ACCUMULATION) and whether it keeps a
+    # parameter average (trainer.ema_decay > 0)
+    accumulation: str = "none"
+    ema: bool = False
     logits_block: int = 4096
     attention: str | None = None  # trainer attention: "materialised"/"fused" (None: by chip)
     prefill_tokens: int = 2048  # prompt tokens per generator prefill (engine.max_prefill_tokens)
+    # A generator server's KV-cache budget (bytes per server, its --kv_cache_bytes) in pages of
+    # page_size positions; 0: every slot holds the longest context (slots x max_context).
+    kv_cache_bytes: int = 0
+    page_size: int = 64
     transfer_bandwidth: float | None = None
     weight_sync: WeightSync = WeightSync()
     trainer_tokens_per_s_per_chip: float | None = None
@@ -186,11 +207,13 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
             workload.prompt_len)
         swap = 2 * roof.weight_bytes_per_chip() / accelerator.memory_bandwidth
         for batch in opt.batches:
-            need = generator_memory(shape, tensor_parallel=tp, max_slots=batch,
-                                    max_seq_len=workload.max_context, dtype=opt.dtype,
-                                    prefill_tokens=min(opt.prefill_tokens,
-                                                       batch * workload.max_context),
-                                    prefill_len=workload.prompt_len).total
+            memory = generator_memory_for(shape, opt, tp, batch, workload)
+            if memory.notes["kv_tokens"] < workload.max_context:
+                rejected[f"the KV-cache budget ({opt.kv_cache_bytes / GiB:.2f} GiB per server) "
+                         f"holds {memory.notes['kv_tokens']} tokens, fewer than one sequence "
+                         f"of {workload.max_context}"] += 1
+                continue
+            need = memory.total
             if need > budget_bytes:
                 # One reason per tp, naming the fewest slots tried (batches ascend).
                 first = first_misfit.setdefault(tp, (batch, need))
@@ -208,7 +231,8 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
             shape, batch=rows, seq=workload.max_context, mesh=(1, num_train, 1),
             dtype=opt.dtype, param_dtype=opt.param_dtype, remat=opt.remat,
             logits_block=opt.logits_block, attention=attention,
-            backend="cpu" if accelerator.name == "cpu" else "accelerator").total
+            backend="cpu" if accelerator.name == "cpu" else "accelerator",
+            accumulation=opt.accumulation, ema=opt.ema).total
         if trainer_bytes > budget_bytes:
             trainer_misfits.append((num_train, trainer_bytes))
             continue
