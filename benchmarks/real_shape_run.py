@@ -372,37 +372,32 @@ def predict(recipe, inputs: dict, curve: dict[int, float], steps: int, warmup: i
         ordered_lengths=True, shared_prompts=r.share_prompts, warmup_steps=warmup)
 
 
-# Resident memory of a trainer or generator process beyond its arrays (Python, JAX's runtime,
-# compiled programs): both were ~0.5 GiB at the tiny shape.
-RUNTIME_BYTES = 2 ** 29
-# Staging slots of the publisher's shared-memory versions: a server's live weights alias one
-# while the next version is written into another (rl_jax.transfer.staging.HostStaging).
-STAGING_SLOTS = 2
-
-
 def predicted_memory(recipe) -> dict:
     """The systems model's trainer and generator bytes (one device each) for this recipe, and
-    what the run needs of this machine: both, the publisher's staging slots (versions in the
-    generator's dtype, in ``/dev/shm``) and each process's runtime."""
+    what the run needs of this machine: both, plus what no compiled program holds
+    (``sysmodel.memory.host_memory``: the publisher's staging slots, each process's runtime)."""
     from rl_jax.models.shapes import shape
-    from rl_jax.sysmodel.accelerators import dtype_bytes
-    from rl_jax.sysmodel.memory import generator_memory, trainer_memory
+    from rl_jax.sysmodel.memory import generator_memory, host_memory, trainer_memory
     from rl_jax.sysmodel.shape import ModelShape
     model = ModelShape.from_model_config(shape(recipe.model.shape))
-    trainer = trainer_memory(model, batch=recipe.trainer.micro_batch_rows or 1,
+    t = recipe.trainer
+    accumulation = ("streaming" if t.micro_batch_rows
+                    else "scan" if t.num_microbatches > 1 else "none")
+    trainer = trainer_memory(model, batch=t.micro_batch_rows or 1,
                              seq=recipe.rollout.seq_len, dtype=recipe.model.dtype,
                              param_dtype=recipe.model.param_dtype, remat=recipe.model.remat,
-                             logits_block=recipe.trainer.logits_block_size, backend="cpu")
+                             logits_block=t.logits_block_size, backend="cpu",
+                             accumulation=accumulation, ema=t.ema_decay > 0)
     generator = generator_memory(model, max_slots=recipe.generator.max_slots,
                                  max_seq_len=recipe.generator.max_seq_len,
                                  dtype=recipe.generator.dtype)
-    version = shape(recipe.model.shape).num_params() * dtype_bytes(recipe.generator.dtype)
     servers = max(len(recipe.generator.urls), recipe.generator.num_servers)
-    machine = (trainer.total + servers * generator.total + STAGING_SLOTS * version
-               + (1 + servers) * RUNTIME_BYTES)
+    host = host_memory(model, publish_dtype=recipe.generator.dtype, processes=1 + servers)
+    machine = trainer.total + servers * generator.total + host.total
     return {"trainer": trainer.to_dict(), "generator": generator.to_dict(),
-            "trainer_describe": trainer.describe(), "generator_describe": generator.describe(),
-            "staging_bytes": STAGING_SLOTS * version, "machine_bytes": machine}
+            "host": host.to_dict(), "trainer_describe": trainer.describe(),
+            "generator_describe": generator.describe(),
+            "staging_bytes": host.terms["staging"], "machine_bytes": machine}
 
 
 # ---- report ----------------------------------------------------------------------------------

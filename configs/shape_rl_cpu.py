@@ -34,11 +34,10 @@ def get_config() -> ConfigDict:
     c.base.lm_config = ""
     # bfloat16 compute over bfloat16 parameters and AdamW moments (gradients accumulate in
     # float32 over micro-batches). What fits here: with float32 master weights and moments the
-    # systems model puts the 0.5B trainer's compiled peak at 13.4 GiB (XLA's CPU backend
-    # updates the donated state out of place: 6 GiB of update temporaries beside 7.4 GiB of
-    # parameters, moments and gradients), which with the generator (3.8 GiB) and the shared-
-    # memory weight versions leaves too little of a 23 GiB machine shared with other work;
-    # in bfloat16 it is 6.7 GiB (python -m launch.plan, rl_jax.sysmodel.memory). On a larger
+    # systems model puts the 0.5B trainer's compiled peak at 11.6 GiB, which with the generator
+    # (3.8 GiB) and the shared-memory weight versions leaves too little of a 23 GiB machine
+    # shared with other work; in bfloat16 it is 8.8 GiB (python -m launch.plan,
+    # rl_jax.sysmodel.memory, checked against XLA's compiled figures). On a larger
     # host, --config.model.param_dtype=float32 is the mixed-precision recipe.
     # The layers stay in a lax.scan (faster than unrolled at this size on a CPU, and one layer
     # to compile); remat "none": a micro-batch of 2 x 128 tokens keeps ~1 GB of activations,
