@@ -48,6 +48,11 @@ _TRANSFER_PATH = flags.DEFINE_string("transfer_path", "direct", "Weight updates 
 _TP = flags.DEFINE_list("tp", ["1", "2", "4", "8"], "Tensor-parallel degrees per server.")
 _BATCHES = flags.DEFINE_list("batches", ["8", "16", "32", "64", "128", "256", "512"],
                              "Decode batch sizes (slots per server).")
+_KV_BYTES = flags.DEFINE_integer("kv_cache_bytes", 0, "A generator server's KV-cache budget in "
+                                 "bytes, as the server's --kv_cache_bytes (0: enough pages for "
+                                 "every slot to reach the longest sequence).")
+_PAGE = flags.DEFINE_integer("page_size", 64, "Positions per page of the generators' KV cache "
+                             "(the server's --page_size).")
 _STEPS = flags.DEFINE_integer("steps", 12, "Optimizer steps per simulation.")
 _SIM_TOP = flags.DEFINE_integer("simulate_top", 2, "Best estimates simulated per mode.")
 _SPLITS = flags.DEFINE_integer("split_points", 8, "Train/generate splits simulated per mode.")
@@ -88,7 +93,8 @@ def main(argv):
             transfer_path=_TRANSFER_PATH.value,
             tensor_parallel=tuple(int(t) for t in _TP.value),
             batches=tuple(int(b) for b in _BATCHES.value), steps=_STEPS.value,
-            simulate_top=_SIM_TOP.value, split_points=_SPLITS.value, top=_TOP.value)
+            simulate_top=_SIM_TOP.value, split_points=_SPLITS.value, top=_TOP.value,
+            kv_cache_bytes=_KV_BYTES.value, page_size=_PAGE.value)
     except ValueError as e:
         fail(f"bad flag value: {e}")
     stem = config_flags.get_config_filename(flags.FLAGS["config"]).rsplit("/", 1)[-1]
