@@ -28,7 +28,7 @@ line; a 500 (with its traceback) is a bug.
 
 Requests are bounded before they cost memory or time: bodies past ``max_request_bytes`` (413)
 or slower than ``body_timeout_s`` (408); bodies nested deeper than 32 levels, holding ``NaN``,
-``Infinity`` or integers outside int64 (400 naming the field: ``protocol.parse_json_body``);
+``Infinity`` or integers outside int64 (400 naming the field: ``json_body.parse_json_body``);
 sampling integers outside what the engine stores (int32), ``n`` x prompts above the queue
 limit whatever ``max_new_tokens`` is, texts longer than ``max_text_chars`` before they are
 tokenised. Parsing, tokenising, submitting, detokenising and serialising run in worker threads,
@@ -81,8 +81,9 @@ from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
 from rl_jax.generator.httpio import (EngineStopped, all_results, error_response,
                                     errors_middleware, exit_with_parent, json_response,
                                     read_body, sse_event)
-from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
-                                       error_json, output_json, parse_generate, parse_json_body)
+from rl_jax.generator.json_body import ProtocolError, parse_json_body
+from rl_jax.generator.protocol import ParsedGenerate, parse_generate
+from rl_jax.generator.responses import apply_stop_strings, error_json, output_json
 from rl_jax.generator.server_config import (ServerConfig, device_memory, kv_cache_budget,
                                             resolve_auto, text_limit)
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
