@@ -7,7 +7,8 @@ A sequence is waiting (in :attr:`Bookkeeper.waiting`), in one slot of one replic
 sequences finished or with an error. :class:`Bookkeeper`'s methods are the moves -- queue,
 release, retract, record a step's tokens, finish, abort, fail -- each keeping those invariants.
 Host bookkeeping only: the engine (:mod:`rl_jax.generator.engine`) and its continuous batcher
-(:mod:`rl_jax.generator.continuous_batching`) call them holding the engine's lock.
+(:mod:`rl_jax.generator.continuous_batching`) call them holding the engine's lock, except
+:meth:`Bookkeeper.record` (only the scheduler thread appends tokens).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class Bookkeeper:
     def record(self, work: InFlight) -> list[Sequence]:
         """Appends the tokens of one finished step to their sequences (a sequence finished
         meanwhile takes none) and returns those that stop: on a stop token, on EOS unless
-        ``ignore_eos``, or at ``max_new_tokens``. Needs no lock: the scheduler thread alone
-        appends tokens."""
+        ``ignore_eos``, or at ``max_new_tokens``. Called without the lock, from the scheduler
+        thread."""
         finished = []
         appended = 0
         for out, seqs, columns in work.parts:
