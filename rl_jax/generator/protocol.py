@@ -28,12 +28,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-# Re-exported: the body bounds and the answers were defined here once, and callers import them
-# from here.
+# Re-exported: the body bounds and the answers (with PromptItem, how to answer one prompt) were
+# defined here once, and callers import them from here.
 from rl_jax.generator.json_body import (INT64, MAX_JSON_DEPTH, ProtocolError,  # noqa: F401
                                         parse_json_body)
-from rl_jax.generator.responses import (apply_stop_strings, error_json,  # noqa: F401
-                                        output_json, output_text, outputs_from_json)
+from rl_jax.generator.responses import (PromptItem, apply_stop_strings,  # noqa: F401
+                                        error_json, output_json, output_text,
+                                        outputs_from_json)
 from rl_jax.generator.types import GenerateRequest, GeneratorError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -108,17 +109,6 @@ UNSUPPORTED_SAMPLING = {
     "min_new_tokens": 0, "logit_bias": None, "json_schema": None, "regex": None, "ebnf": None,
     "structural_tag": None, "stop_regex": None, "beam_width": 1}
 KNOWN_SAMPLING = HONOURED_SAMPLING | IGNORED_SAMPLING | set(UNSUPPORTED_SAMPLING)
-
-
-@dataclasses.dataclass
-class PromptItem:
-    """One prompt of a ``/generate`` call, ready for the engine, and how to answer it."""
-
-    request: GenerateRequest
-    return_logprob: bool = False
-    stop_strings: tuple[str, ...] = ()
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
 
 
 @dataclasses.dataclass

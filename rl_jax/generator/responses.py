@@ -2,21 +2,30 @@
 client (:func:`outputs_from_json`), side by side so that both ends of a field change together.
 
 The engine stops on token ids only, so ``stop`` strings are applied to the finished completion
-(:func:`apply_stop_strings`) and trimmed from its text (:func:`output_text`). Errors are JSON
-``{"error": {"message", "type", "code"}}`` (:func:`error_json`). The requests are
-:mod:`rl_jax.generator.protocol`'s.
+(:func:`apply_stop_strings`) and trimmed from its text (:func:`output_text`), as each prompt's
+:class:`PromptItem` asks. Errors are JSON ``{"error": {"message", "type", "code"}}``
+(:func:`error_json`). The requests are :mod:`rl_jax.generator.protocol`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError
 
-if TYPE_CHECKING:  # protocol imports this module
-    from rl_jax.generator.protocol import PromptItem
+
+@dataclasses.dataclass
+class PromptItem:
+    """One prompt of a ``/generate`` call, ready for the engine, and how to answer it
+    (``protocol.parse_generate`` makes them)."""
+
+    request: GenerateRequest
+    return_logprob: bool = False
+    stop_strings: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
 
 
 def apply_stop_strings(out: GenerateOutput, stops: Sequence[str],
