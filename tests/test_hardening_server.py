@@ -38,12 +38,18 @@ POISON = [1, 13, 13, 13, 13]  # the prompt the test engine fails on
 
 class PoisonEngine(Engine):
     """The real engine with one injected fault: admitting the prompt :data:`POISON` raises,
-    as a bug in prefill or slot packing would."""
+    as a bug in prefill or slot packing would (in its continuous batcher's ``_admit_to``,
+    replaced before any request is submitted)."""
 
-    def _admit_to(self, replica, groups):
-        if any(list(g[0].request.input_ids) == POISON for g in groups):
-            raise RuntimeError("injected admission failure")
-        return super()._admit_to(replica, groups)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        admit_to = self._batcher._admit_to
+
+        def poisoned(replica, groups):
+            if any(list(g[0].request.input_ids) == POISON for g in groups):
+                raise RuntimeError("injected admission failure")
+            return admit_to(replica, groups)
+        self._batcher._admit_to = poisoned
 
 
 class UncheckedEngine(Engine):

@@ -1,5 +1,7 @@
-"""The package layering of rl_jax (tools/import_graph.py): no upward edge, no package cycle."""
+"""The package layering of rl_jax (tools/import_graph.py): no upward edge, no package cycle; and
+the size of its modules: none over MAX_MODULE_LINES lines without a stated reason."""
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -46,3 +48,52 @@ def test_function_level_and_registry_imports_are_edges(tmp_path):
     assert folded == {("data", "envs"): {"function"}, ("envs", "data"): {"module"}}
     assert import_graph.upward_edges(folded) == [("data", "envs")]
     assert import_graph.cycles(folded) == [["data", "envs"]]
+
+
+# ---- module size ------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 500
+LONG_MODULE_MARKER = "Long module:"
+
+
+def long_modules_without_reason(root: Path) -> list[str]:
+    """``path (N lines)`` of every module under ``root/rl_jax`` longer than
+    :data:`MAX_MODULE_LINES` whose module docstring has no line starting with
+    :data:`LONG_MODULE_MARKER` followed by a reason."""
+    found = []
+    for path in sorted((root / "rl_jax").rglob("*.py")):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines <= MAX_MODULE_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text, filename=str(path))) or ""
+        reasons = [line.strip()[len(LONG_MODULE_MARKER):].strip() for line in doc.splitlines()
+                   if line.strip().startswith(LONG_MODULE_MARKER)]
+        if not any(reasons):
+            found.append(f"{path.relative_to(root)} ({lines} lines)")
+    return found
+
+
+def test_no_module_is_long_without_saying_why():
+    """A module of rl_jax has at most MAX_MODULE_LINES (500) lines; a longer one must say why in
+    its module docstring, on a line of its own that starts with ``Long module:`` and gives the
+    reason (e.g. ``Long module: the N endpoint handlers share one request lifecycle.``). Split
+    by concern instead where there is a seam."""
+    assert long_modules_without_reason(ROOT) == []
+
+
+def test_the_size_check_sees_long_modules(tmp_path):
+    body = "x = 1\n" * MAX_MODULE_LINES
+    _write(tmp_path, {
+        "rl_jax/__init__.py": "",
+        "rl_jax/short.py": '"""Short."""\n' + "x = 1\n" * (MAX_MODULE_LINES - 1),
+        "rl_jax/pkg/long.py": '"""Long, and silent about it."""\n' + body,
+        "rl_jax/pkg/marker_only.py": '"""Says nothing.\n\nLong module:\n"""\n' + body,
+        "rl_jax/pkg/explained.py": '"""Long.\n\nLong module: one table, read whole.\n"""\n'
+                                   + body,
+        "rl_jax/pkg/comment.py": '# Long module: a comment is not the docstring\n' + body,
+    })
+    assert long_modules_without_reason(tmp_path) == [
+        f"rl_jax/pkg/comment.py ({MAX_MODULE_LINES + 1} lines)",
+        f"rl_jax/pkg/long.py ({MAX_MODULE_LINES + 1} lines)",
+        f"rl_jax/pkg/marker_only.py ({MAX_MODULE_LINES + 4} lines)"]

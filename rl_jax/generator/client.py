@@ -40,7 +40,8 @@ import aiohttp
 
 from rl_jax.generator.auth import NO_KEYS, Keys
 from rl_jax.generator.base import Generator
-from rl_jax.generator.protocol import outputs_from_json, request_json
+from rl_jax.generator.protocol import request_json
+from rl_jax.generator.responses import outputs_from_json
 from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rl_jax.generator.protocol import error_json
+from rl_jax.generator.responses import error_json
 from rl_jax.generator.types import GeneratorError, Overloaded
 from rl_jax.models.hf import CheckpointError
 

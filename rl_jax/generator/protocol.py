@@ -1,9 +1,9 @@
-"""SGLang's ``/generate`` request and response shapes, shared by the server and the client.
+"""SGLang's ``/generate`` requests, shared by the server and the client.
 
 The server turns a JSON body (SGLang's ``GenerateReqInput``) into engine requests with
-:func:`parse_generate` and answers with :func:`output_json`; the client builds bodies with
-:func:`request_json` and reads answers with :func:`outputs_from_json`, for this project's servers
-and real SGLang servers alike.
+:func:`parse_generate`; the client builds bodies with :func:`request_json`, for this project's
+servers and real SGLang servers alike. Both ends of every request field are here, so they change
+together and can be read side by side.
 
 Every field of SGLang's request and sampling parameters is recognised. A field is either
 honoured, ignored (it cannot change what this engine computes: routing hints, metadata,
@@ -13,116 +13,43 @@ than the one asked for (penalties, grammars, logit bias, LoRA, images, input log
 started with ``strict=False`` ignores unsupported values instead (logged once per field).
 Unknown top-level fields are ignored, as SGLang does; unknown sampling fields are refused.
 
-It stays one module: every field is written by the client (:func:`request_json`), read and
-bounded by the server (:func:`parse_json_body`, :func:`parse_generate`), answered
-(:func:`output_json`) and read back (:func:`outputs_from_json`) here, so the two ends of a field
-change together and can be read side by side.
+Beside it, and re-exported here: :mod:`rl_jax.generator.json_body` (:func:`parse_json_body`, the
+bounds every request body meets before its fields are read, and :class:`ProtocolError`) and
+:mod:`rl_jax.generator.responses` (:func:`output_json`, the server's answer, and
+:func:`outputs_from_json`, the client's reading of it; stop strings).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError, SamplingParams
+# Re-exported: the body bounds and the answers (with PromptItem, how to answer one prompt) were
+# defined here once, and callers import them from here.
+from rl_jax.generator.json_body import (INT64, MAX_JSON_DEPTH, ProtocolError,  # noqa: F401
+                                        parse_json_body)
+from rl_jax.generator.responses import (PromptItem, apply_stop_strings,  # noqa: F401
+                                        error_json, output_json, output_text,
+                                        outputs_from_json)
+from rl_jax.generator.types import GenerateRequest, GeneratorError, SamplingParams
 
 log = logging.getLogger(__name__)
 
 # SGLang treats temperatures below this as greedy.
 GREEDY_TEMPERATURE = 1e-6
-# Request bodies nest at most this deep (SGLang's deepest field, a per-prompt list of sampling
-# params with their stop-token lists, is 4 levels down).
-MAX_JSON_DEPTH = 32
-# Integers anywhere in a request body lie in int64; fields check their own, narrower ranges.
-INT64 = (-(1 << 63), (1 << 63) - 1)
 # The engine's per-slot sampling state holds top_k as int32.
 INT32_MAX = (1 << 31) - 1
 # Largest finite float32: a temperature above it would become infinite on the device.
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-class ProtocolError(GeneratorError):
-    """A malformed or unservable request (HTTP 400)."""
-
-
 def _is_default(value: Any) -> bool:
     return value is None or value is False or value == 0 or value in ("", [], {}) or (
         isinstance(value, list) and all(v is None or v in ([], [None]) for v in value))
-
-
-# ---- JSON bodies --------------------------------------------------------------------------------
-
-class _HugeInt:
-    """An integer literal too long for Python's int conversion (over 4300 digits), kept as a
-    marker so that the field holding it can be named."""
-
-    def __init__(self, digits: str):
-        self.digits = len(digits.lstrip("-"))
-
-    def __repr__(self) -> str:
-        return f"<an integer of {self.digits} digits>"
-
-
-def _field(path: tuple) -> str:
-    """``("sampling_params", 0, "top_k")`` → ``sampling_params[0].top_k``."""
-    out = ""
-    for key in path:
-        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
-    return out or "the request body"
-
-
-def _check_json_values(value: Any, max_depth: int):
-    """Refuses nesting deeper than ``max_depth``, non-finite numbers (``NaN``, ``Infinity``,
-    ``1e999``) and integers outside int64 anywhere in a parsed body, naming the field.
-    Iterative (a stack), so a deep body cannot exhaust Python's recursion."""
-    stack: list[tuple[Any, tuple, int]] = [(value, (), 1)]
-    while stack:
-        node, path, depth = stack.pop()
-        if isinstance(node, dict):
-            items = node.items()
-        elif isinstance(node, list):
-            if all(type(x) is int for x in node):  # token ids: the common, large case
-                if node and (min(node) < INT64[0] or max(node) > INT64[1]):
-                    i = next(i for i, x in enumerate(node) if not INT64[0] <= x <= INT64[1])
-                    raise ProtocolError(f"{_field(path + (i,))} is an integer outside int64")
-                continue
-            items = enumerate(node)
-        else:
-            items = ()
-        if items and depth > max_depth:
-            raise ProtocolError(f"{_field(path)} nests deeper than {max_depth} levels")
-        for key, x in items:
-            if isinstance(x, (dict, list)):
-                stack.append((x, path + (key,), depth + 1))
-            elif isinstance(x, float) and not math.isfinite(x):
-                raise ProtocolError(f"{_field(path + (key,))} is not a finite number ({x!r})")
-            elif isinstance(x, _HugeInt) or (type(x) is int and not INT64[0] <= x <= INT64[1]):
-                raise ProtocolError(f"{_field(path + (key,))} is an integer outside int64 "
-                                    f"({x!r:.40})")
-
-
-def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
-    """A request body → its JSON object, refusing (:class:`ProtocolError`, naming the field)
-    invalid JSON, non-objects, nesting deeper than ``max_depth``, ``NaN``/``Infinity`` and
-    numbers that overflow, and integers outside int64 (including literals of thousands of
-    digits, which Python's ``int`` would refuse with a bare ``ValueError``)."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise ProtocolError(f"the request body nests deeper than {max_depth} levels") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"the request body is not valid JSON: {e}") from None
-    except ValueError:  # an integer literal beyond Python's digit limit: find its field
-        body = json.loads(raw, parse_int=lambda s: int(s) if len(s) <= 40 else _HugeInt(s))
-    if not isinstance(body, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
-    _check_json_values(body, max_depth)
-    return body
 
 
 # ---- request fields -----------------------------------------------------------------------------
@@ -182,17 +109,6 @@ UNSUPPORTED_SAMPLING = {
     "min_new_tokens": 0, "logit_bias": None, "json_schema": None, "regex": None, "ebnf": None,
     "structural_tag": None, "stop_regex": None, "beam_width": 1}
 KNOWN_SAMPLING = HONOURED_SAMPLING | IGNORED_SAMPLING | set(UNSUPPORTED_SAMPLING)
-
-
-@dataclasses.dataclass
-class PromptItem:
-    """One prompt of a ``/generate`` call, ready for the engine, and how to answer it."""
-
-    request: GenerateRequest
-    return_logprob: bool = False
-    stop_strings: tuple[str, ...] = ()
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
 
 
 @dataclasses.dataclass
@@ -461,90 +377,6 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
                           return_text_in_logprobs=in_text)
 
 
-# ---- responses ----------------------------------------------------------------------------------
-
-def apply_stop_strings(out: GenerateOutput, stops: Sequence[str],
-                       decode: Callable[[list[int]], str]) -> GenerateOutput:
-    """Cuts ``out`` after the first token whose text completes one of ``stops`` (the engine stops
-    on token ids only, so stop strings are applied to the finished completion)."""
-    if not stops or not out.output_ids:
-        return out
-    ids = out.output_ids
-
-    def hit(k):
-        text = decode(ids[:k])
-        return min(((text.find(s), s) for s in stops if s in text), default=None)
-
-    if hit(len(ids)) is None:
-        return out
-    lo, hi = 1, len(ids)  # smallest prefix whose text contains a stop string
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if hit(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    _, matched = hit(lo)
-    return dataclasses.replace(
-        out, output_ids=ids[:lo], output_logprobs=out.output_logprobs[:lo],
-        output_unfiltered_logprobs=None if out.output_unfiltered_logprobs is None
-        else out.output_unfiltered_logprobs[:lo],
-        output_versions=out.output_versions[:lo],
-        finish_reason={"type": "stop", "matched": matched})
-
-
-def output_text(out: GenerateOutput, item: PromptItem,
-                decode: Callable[[list[int], bool], str]) -> str:
-    """The completion's text, trimmed of what matched a stop condition unless ``no_stop_trim``
-    (as SGLang's detokenizer does)."""
-    ids = out.output_ids
-    matched = out.finish_reason.get("matched")
-    if not item.no_stop_trim and isinstance(matched, int) and ids and ids[-1] == matched:
-        ids = ids[:-1]
-    text = decode(ids, item.skip_special_tokens)
-    if not item.no_stop_trim and isinstance(matched, str) and matched in text:
-        text = text[:text.find(matched)]
-    return text
-
-
-def output_json(out: GenerateOutput, item: PromptItem, *, weight_version: int,
-                decode: Callable[[list[int], bool], str] | None = None,
-                token_text: Callable[[int], str] | None = None,
-                return_text_in_logprobs: bool = False) -> dict[str, Any]:
-    """One completion as SGLang returns it, plus ``meta_info.weight_version`` (the version that
-    produced the last token), ``meta_info.output_token_weight_versions`` (one per token) and,
-    when top-k/top-p/min-p filtered the sampling, ``meta_info.output_token_unfiltered_logprobs``
-    (``output_token_logprobs`` are under the filtered distribution the tokens were drawn
-    from)."""
-    meta: dict[str, Any] = {
-        "id": out.rid,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "cached_tokens": out.cached_tokens,
-        "e2e_latency": out.e2e_latency,
-        "weight_version": out.output_versions[-1] if out.output_versions else weight_version,
-        "output_token_weight_versions": list(out.output_versions),
-    }
-    if item.return_logprob:
-        name = token_text if return_text_in_logprobs and token_text else (lambda _: None)
-        meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = [
-            [lp, tok, name(tok)] for lp, tok in zip(out.output_logprobs, out.output_ids)]
-        if out.output_unfiltered_logprobs is not None:
-            meta["output_token_unfiltered_logprobs"] = list(out.output_unfiltered_logprobs)
-    result: dict[str, Any] = {}
-    if decode is not None:
-        result["text"] = output_text(out, item, decode)
-    result["output_ids"] = list(out.output_ids)
-    result["meta_info"] = meta
-    return result
-
-
-def error_json(message: str, kind: str, status: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
 # ---- client side --------------------------------------------------------------------------------
 
 def request_json(request: GenerateRequest, *, return_logprob: bool = True) -> dict[str, Any]:
@@ -562,57 +394,3 @@ def request_json(request: GenerateRequest, *, return_logprob: bool = True) -> di
     if request.rid is not None:
         body["rid"] = request.rid
     return body
-
-
-def _version(value: Any) -> int:
-    """SGLang reports weight versions as strings ("default" before any update)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return -1
-
-
-def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutput]:
-    """A ``/generate`` answer for one request (a dict, or a list of ``n``) → its outputs.
-
-    Works for real SGLang servers too: without ``output_token_weight_versions`` every token gets
-    ``meta_info.weight_version`` (-1 when that is not an integer).
-    """
-    items = data if isinstance(data, list) else [data]
-    if len(items) != request.sampling.n:
-        raise GeneratorError(f"expected {request.sampling.n} completions, got {len(items)}")
-    outputs = []
-    for item in items:
-        try:
-            meta = item["meta_info"]
-            ids = [int(t) for t in item["output_ids"]]
-        except (KeyError, TypeError) as e:
-            raise GeneratorError(f"malformed /generate answer (missing {e}): {item!r:.200}") from e
-        triples = meta.get("output_token_logprobs") or []
-        if len(triples) != len(ids):
-            raise GeneratorError(f"server returned {len(triples)} log-probs for {len(ids)} "
-                                 f"tokens (was return_logprob set?)")
-        if any(int(t[1]) != tok for t, tok in zip(triples, ids)):
-            raise GeneratorError("output_token_logprobs token ids differ from output_ids")
-        versions = meta.get("output_token_weight_versions")
-        if versions is None:
-            versions = [_version(meta.get("weight_version"))] * len(ids)
-        unfiltered = meta.get("output_token_unfiltered_logprobs")
-        if unfiltered is not None:
-            if not isinstance(unfiltered, list) or len(unfiltered) != len(ids):
-                raise GeneratorError("output_token_unfiltered_logprobs must be a list of one "
-                                     f"log-prob per output token ({len(ids)})")
-            try:
-                unfiltered = [float(x) for x in unfiltered]
-            except (TypeError, ValueError):
-                raise GeneratorError("output_token_unfiltered_logprobs holds a value that is "
-                                     "not a number") from None
-        outputs.append(GenerateOutput(
-            rid=str(meta.get("id", request.rid)), input_ids=list(request.input_ids),
-            output_ids=ids, output_logprobs=[float(t[0]) for t in triples],
-            output_unfiltered_logprobs=unfiltered,
-            output_versions=[int(v) for v in versions],
-            finish_reason=meta.get("finish_reason") or {"type": "unknown"},
-            cached_tokens=int(meta.get("cached_tokens") or 0),
-            e2e_latency=float(meta.get("e2e_latency") or 0.0)))
-    return outputs

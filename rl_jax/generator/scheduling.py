@@ -4,7 +4,9 @@ A :class:`Request` is one ``GenerateRequest`` with its ``n`` :class:`Sequence` s
 :class:`Replica` is one data-parallel copy of the model with its slots and running sequences; an
 :class:`InFlight` is device work whose tokens are not read yet. :func:`plan_admission` decides
 which waiting sequences a scheduler pass admits (as slots, prefill tokens and KV-cache pages
-allow), where, and which share a prefill;
+allow), where, and which share a prefill; :class:`PageBudget` is the paged KV cache's side of
+admission and retraction (the pages an admission takes and reserves, the pages a decode step
+needs, which sequence gives its pages back when the pool runs dry);
 :func:`prefill_batch` lays their prompts out for one prefill. All of it is host bookkeeping: the
 engine (:mod:`rl_jax.generator.engine`) owns the records and calls these under its lock.
 """
@@ -14,14 +16,16 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from rl_jax.generator.kv_cache import pages_for
 from rl_jax.generator.runner import ModelRunner
-from rl_jax.generator.types import SamplingParams
+from rl_jax.generator.types import GeneratorError, SamplingParams
 
 
 @dataclasses.dataclass(slots=True)
@@ -158,6 +162,101 @@ def plan_admission(waiting: collections.deque[Sequence], free: list[int], budget
         free[groups[-1][0]] -= 1
         pages[groups[-1][0]] -= taken
     return groups
+
+
+
+class PageBudget:
+    """The paged KV cache's admission and retraction, as SGLang's scheduler has them.
+
+    A sequence holds pages for its live tokens only, taking one as it grows and giving all back
+    when it finishes. It is admitted when its replica's free pages cover its prompt plus a share
+    -- the *new-token ratio* -- of the pages the running and admitted sequences may still take
+    for their completions (:meth:`admissible_pages`, :meth:`admission_pages`). The ratio starts
+    at ``init_ratio`` and decays towards ``min_ratio`` over ``decay_steps`` decode steps
+    (:meth:`decay`), so the pool fills up. Before each decode step every running sequence takes
+    the pages its next tokens write (:meth:`grow`); when the pool runs dry, running sequences are
+    retracted as SGLang's ``retract_decode`` does -- :meth:`retraction_victim`, the one with the
+    fewest generated tokens first (ties: the longest prompt) -- and the ratio goes back to
+    ``init_ratio`` (:meth:`reset`). A request that could never fit the whole pool is refused when
+    submitted (:meth:`check_fits`).
+
+    Every replica's pool is ``runner``'s size (the engine builds them alike). Host bookkeeping
+    only: the engine calls it under its lock.
+    """
+
+    def __init__(self, runner: ModelRunner, *, init_ratio: float, min_ratio: float,
+                 decay_steps: int):
+        self.page_size = runner.page_size
+        self.num_pages = runner.num_pages
+        self.cache_bytes = runner.cache_bytes
+        self.init_ratio = init_ratio
+        self.min_ratio = min_ratio
+        self.decay_steps = decay_steps
+        self.new_token_ratio = init_ratio
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int):
+        """Refuses a request whose one sequence needs more pages than the whole pool holds."""
+        need = pages_for(prompt_len + max_new_tokens - 1, self.page_size)
+        if need > self.num_pages:
+            raise GeneratorError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} needs "
+                f"{need} KV-cache pages of {self.page_size} tokens, more than the whole cache "
+                f"holds ({self.num_pages} pages, kv_cache_bytes={self.cache_bytes}; "
+                f"{self.num_pages * self.page_size} tokens)")
+
+    def decay(self, steps: int):
+        """Lowers the new-token ratio for ``steps`` decode steps, down to ``min_ratio``."""
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - steps * (
+            self.init_ratio - self.min_ratio) / self.decay_steps)
+
+    def reset(self):
+        """Back to ``init_ratio`` (after a retraction: the reserve was too small)."""
+        self.new_token_ratio = self.init_ratio
+
+    def future_pages(self, seq: Sequence, held: int) -> int:
+        """Pages ``seq`` may still take beyond the ``held`` ones, reserved at the current
+        new-token ratio."""
+        future = pages_for(seq.horizon - 1, self.page_size) - held
+        return math.ceil(future * self.new_token_ratio) if future > 0 else 0
+
+    def reserved_pages(self, replica: Replica) -> int:
+        """Pages a replica's running sequences may still take, at the new-token ratio."""
+        held = replica.runner.pages.held
+        return sum(self.future_pages(seq, int(held[slot]))
+                   for slot, seq in replica.running.items())
+
+    def admissible_pages(self, replica: Replica) -> int:
+        """Free pages of ``replica`` that admissions may take (``plan_admission``'s ``pages``):
+        the free ones less the running sequences' reserve."""
+        return replica.runner.pages.free_pages - self.reserved_pages(replica)
+
+    def admission_pages(self, seq: Sequence, joins: bool) -> int:
+        """Free pages admitting ``seq`` takes (``plan_admission``'s ``page_cost``): its prompt's
+        pages (when it joins the prefill before it, only its own copy of the prompt's last,
+        partly filled page), plus its reserve for its completion."""
+        size = self.page_size
+        prefill = seq.prompt_len + max(len(seq.output_ids) - 1, 0)
+        own = int(prefill % size != 0) if joins else pages_for(prefill, size)
+        return own + self.future_pages(seq, pages_for(prefill, size))
+
+    @staticmethod
+    def grow(replica: Replica, steps: int) -> Sequence | None:
+        """Gives every running sequence of ``replica`` the pages of the positions its next
+        ``steps`` decode steps write; the first sequence that cannot get them, or None."""
+        table = replica.runner.pages
+        for slot, seq in sorted(replica.running.items()):
+            # Positions up to prompt + dispatched + steps - 2 are written; none past the last
+            # one its completion can have (later steps of a multi-step run are dropped).
+            if not table.grow(slot, min(seq.prompt_len + seq.dispatched + steps - 1,
+                                        seq.horizon - 1)):
+                return seq
+        return None
+
+    @staticmethod
+    def retraction_victim(running: dict[int, Sequence]) -> Sequence:
+        """The running sequence to retract first: fewest generated tokens, then the longest
+        prompt, then the highest slot."""
+        return min(running.values(), key=lambda s: (len(s.output_ids), -s.prompt_len, -s.slot))
 
 
 def prefill_batch(prompts: list[list[int]], min_len: int, max_seq_len: int, max_slots: int

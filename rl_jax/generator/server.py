@@ -28,7 +28,7 @@ line; a 500 (with its traceback) is a bug.
 
 Requests are bounded before they cost memory or time: bodies past ``max_request_bytes`` (413)
 or slower than ``body_timeout_s`` (408); bodies nested deeper than 32 levels, holding ``NaN``,
-``Infinity`` or integers outside int64 (400 naming the field: ``protocol.parse_json_body``);
+``Infinity`` or integers outside int64 (400 naming the field: ``json_body.parse_json_body``);
 sampling integers outside what the engine stores (int32), ``n`` x prompts above the queue
 limit whatever ``max_new_tokens`` is, texts longer than ``max_text_chars`` before they are
 tokenised. Parsing, tokenising, submitting, detokenising and serialising run in worker threads,
@@ -50,7 +50,8 @@ incremental text; ``/update_weights_from_disk`` swaps weights in flight instead 
 running requests to finish.
 
 This module holds the application (routes, ``/generate``, the control and information
-endpoints, serving); its settings are :mod:`~rl_jax.generator.server_config`'s, the weight-update
+endpoints, serving); its settings are :mod:`~rl_jax.generator.server_config`'s, loading the
+checkpoint into an engine :mod:`~rl_jax.generator.server_setup`'s, the weight-update
 endpoints :mod:`~rl_jax.generator.weight_endpoints`', compiling before serving
 :mod:`~rl_jax.generator.warmup`'s, the aiohttp plumbing (bounded bodies, JSON errors, the error
 middleware) :mod:`~rl_jax.generator.httpio`'s; ``python -m rl_jax.generator.serve`` runs it.
@@ -68,30 +69,27 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-import jax
 from aiohttp import web
 
 import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
-from rl_jax.generator import auth, kernels
-from rl_jax.generator.engine import PAUSE_MODES, Engine, EngineConfig
+from rl_jax.generator import auth
+from rl_jax.generator.engine import PAUSE_MODES, Engine
 from rl_jax.generator.httpio import (EngineStopped, all_results, error_response,
                                     errors_middleware, exit_with_parent, json_response,
                                     read_body, sse_event)
-from rl_jax.generator.protocol import (ParsedGenerate, ProtocolError, apply_stop_strings,
-                                       error_json, output_json, parse_generate, parse_json_body)
-from rl_jax.generator.server_config import (ServerConfig, device_memory, kv_cache_budget,
-                                            resolve_auto, text_limit)
+from rl_jax.generator.json_body import ProtocolError, parse_json_body
+from rl_jax.generator.protocol import ParsedGenerate, parse_generate
+from rl_jax.generator.responses import apply_stop_strings, error_json, output_json
+from rl_jax.generator.server_config import ServerConfig, text_limit
+from rl_jax.generator.server_setup import build_engine
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
 from rl_jax.generator.warmup import compile_engine
 from rl_jax.generator.weight_endpoints import WeightUpdateEndpoints
-from rl_jax.generator.weights import generator_rules, load_params, make_generator_meshes
 from rl_jax.heap import GcMonitor, freeze_long_lived
-from rl_jax.models.config import DTYPES, ConfigError, eos_ids
-from rl_jax.models.hf import load_tokenizer
+from rl_jax.models.config import eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -124,65 +122,15 @@ class GeneratorServer(WeightUpdateEndpoints):
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "GeneratorServer":
-        config = resolve_auto(config)
-        for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
-                     "tensor_parallel", "data_parallel", "decode_steps"):
-            if getattr(config, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
-        if config.page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {config.page_size}")
-        if config.kv_cache_bytes < 0:
-            raise ConfigError(f"kv_cache_bytes must be >= 0, got {config.kv_cache_bytes}")
-        if not 0 <= config.mem_fraction_static < 1:
-            raise ConfigError(f"mem_fraction_static must be in [0, 1), got "
-                              f"{config.mem_fraction_static}")
-        if config.kv_cache_bytes and config.mem_fraction_static:
-            raise ConfigError("give kv_cache_bytes or mem_fraction_static, not both")
-        if config.max_slots % config.data_parallel:
-            raise ConfigError(f"max_slots={config.max_slots} must split evenly over "
-                              f"data_parallel={config.data_parallel} replicas")
-        if config.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        if config.attention_backend not in kernels.BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {kernels.BACKENDS}, got "
-                              f"{config.attention_backend!r}")
-        dtype = DTYPES[config.dtype]
-        meshes = None  # one device
-        if config.tensor_parallel * config.data_parallel > 1:
-            meshes = make_generator_meshes(config.tensor_parallel, config.data_parallel)
-        mesh = meshes[0] if meshes else None
-        rules = generator_rules()
-        model_config, params = load_params(config.model, mesh=mesh, rules=rules, dtype=dtype)
-        tokenizer = None
-        if (Path(config.model) / "tokenizer.json").is_file():
-            tokenizer = load_tokenizer(config.model)
-        kv_cache_bytes = config.kv_cache_bytes
-        if config.mem_fraction_static:
-            # The engine holds the parameters and their decode layout (the same bytes again).
-            weight_bytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-            devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-            try:
-                kv_cache_bytes = kv_cache_budget(
-                    config.mem_fraction_static, device_memory(devices, config.data_parallel),
-                    weight_bytes)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        engine = Engine(model_config, params, version=config.weight_version, meshes=meshes,
-                        rules=rules, dtype=dtype, eos_token_ids=eos_ids(model_config),
-                        engine_config=EngineConfig(
-                            max_slots=config.max_slots, max_seq_len=config.max_seq_len,
-                            max_waiting=config.max_waiting,
-                            max_prefill_tokens=config.max_prefill_tokens,
-                            decode_steps=config.decode_steps,
-                            attention=config.attention_backend, page_size=config.page_size,
-                            kv_cache_bytes=kv_cache_bytes))
-        usage = engine.cache_usage()
-        log.info("KV cache: %d pages of %d tokens (%.1f MiB over %d replicas)", usage["pages"],
-                 usage["page_size"], usage["bytes"] / 2**20, engine.data_parallel)
-        server = cls(engine, config, tokenizer=tokenizer, mesh=mesh, rules=rules, dtype=dtype)
-        if config.publisher_url and config.pull_on_start:
+        """Checks ``config``, loads its checkpoint into a new engine
+        (:func:`~rl_jax.generator.server_setup.build_engine`), then pulls the first weights and
+        compiles as ``config`` asks."""
+        built = build_engine(config, Engine)
+        server = cls(built.engine, built.config, tokenizer=built.tokenizer, mesh=built.mesh,
+                     rules=built.rules, dtype=built.dtype)
+        if built.config.publisher_url and built.config.pull_on_start:
             server.pull_initial_weights()
-        if config.warmup:
+        if built.config.warmup:
             server.warmup()
         return server
 

@@ -1,11 +1,13 @@
 """The generator server's settings (:class:`ServerConfig`, the flags of
-:mod:`rl_jax.generator.serve`) and how its automatic ones resolve for a backend."""
+:mod:`rl_jax.generator.serve`), their checks, and how the automatic ones resolve for a
+backend."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from rl_jax.generator import auth
+from rl_jax.generator import auth, kernels
+from rl_jax.models.config import DTYPES, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,32 @@ def resolve_auto(config: ServerConfig, backend: str | None = None) -> ServerConf
         else config.dtype,
         decode_steps=(ACCELERATOR_DECODE_STEPS if accelerator else 1)
         if config.decode_steps == 0 else config.decode_steps)
+
+
+def check_server_config(config: ServerConfig):
+    """Refuses (:class:`ConfigError`, naming the setting) settings no engine can run with;
+    ``config``'s automatic settings must be resolved (:func:`resolve_auto`)."""
+    for name in ("max_slots", "max_seq_len", "max_waiting", "max_prefill_tokens",
+                 "tensor_parallel", "data_parallel", "decode_steps"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.page_size < 1:
+        raise ConfigError(f"page_size must be >= 1, got {config.page_size}")
+    if config.kv_cache_bytes < 0:
+        raise ConfigError(f"kv_cache_bytes must be >= 0, got {config.kv_cache_bytes}")
+    if not 0 <= config.mem_fraction_static < 1:
+        raise ConfigError(f"mem_fraction_static must be in [0, 1), got "
+                          f"{config.mem_fraction_static}")
+    if config.kv_cache_bytes and config.mem_fraction_static:
+        raise ConfigError("give kv_cache_bytes or mem_fraction_static, not both")
+    if config.max_slots % config.data_parallel:
+        raise ConfigError(f"max_slots={config.max_slots} must split evenly over "
+                          f"data_parallel={config.data_parallel} replicas")
+    if config.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    if config.attention_backend not in kernels.BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {kernels.BACKENDS}, got "
+                          f"{config.attention_backend!r}")
 
 
 def text_limit(tokenizer, max_seq_len: int) -> int | None:

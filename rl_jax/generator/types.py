@@ -14,6 +14,10 @@ class Overloaded(RuntimeError):
     """The generator's waiting queue is full; retry later (HTTP 503)."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine raised while serving one request: that request fails, the others go on."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling controls, named as in SGLang's ``sampling_params``.

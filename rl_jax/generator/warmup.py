@@ -74,7 +74,7 @@ def _compile_by_serving(engine: Engine, max_seq_len: int, slots: int, sizes: lis
         for n in sizes:
             if prompts * n <= slots and (n == 1 or prompts * n > MIN_ADMIT):
                 _burst(engine, prompts, n, tag=f"{prompts}x{n}")
-    for runner in engine.runners:  # moving sequences to lower slots (see Engine._compact)
+    for runner in engine.runners:  # moving sequences to lower slots (ContinuousBatcher._compact)
         runner.compile_move()
     # Decode steps whose attention reads whole pages take one program per page table width
     # (the native and Pallas kernels take the whole table: one width).

@@ -18,7 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from rl_jax.generator.httpio import EngineStopped, error_response, json_response
-from rl_jax.generator.protocol import ProtocolError, error_json
+from rl_jax.generator.json_body import ProtocolError
+from rl_jax.generator.responses import error_json
 from rl_jax.generator.weights import (SWAP_TIMEOUT_S, WeightsRefused, check_update, load_params,
                                       wait_for_swap)
 from rl_jax.models.hf import CheckpointError

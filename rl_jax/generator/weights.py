@@ -1,5 +1,6 @@
 """The generator's weights: sharding rules and meshes, loading checkpoints, checking new weights
-before a swap (:func:`check_weights`) and awaiting swaps.
+before a swap (:func:`check_weights`), laying them out for decode off the decode path
+(:class:`WeightPreparer`) and awaiting swaps.
 
 Everything here sits below the engine's front ends (the HTTP server, the in-process
 :class:`rl_jax.generator.base.LocalGenerator`), which both load and swap weights through it.
@@ -8,6 +9,8 @@ Everything here sits below the engine's front ends (the HTTP server, the in-proc
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,8 @@ from rl_jax.generator.types import GeneratorError
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.hf import CheckpointError, load_pretrained, read_config
 from rl_jax.sharding import ShardingRules
+
+log = logging.getLogger(__name__)
 
 SWAP_TIMEOUT_S = 300.0
 # Fields that may differ between checkpoints served by one engine (its compiled functions
@@ -119,6 +124,92 @@ def check_weights(params: dict[str, Any], reference: dict[str, Any], *, finite: 
         bad = [n for n, ok in zip(names, flags) if not ok]
         raise WeightsRefused(f"new weights hold non-finite values (NaN or infinity) in "
                              f"{len(bad)} tensor(s): {bad[:5]}")
+
+
+class WeightPreparer:
+    """Lays new weights out for decode in a helper thread, off the decode path.
+
+    The engine offers checked weights (:meth:`offer`); the thread places them on every replica's
+    mesh and builds their decode layout (``replica.runner.prepare``) -- the newest offer only,
+    when several came meanwhile -- and leaves them in :attr:`pending` (``(params, version, [(the
+    replica's params, its decode weights)] per replica)``), notifying ``ready``, for the
+    scheduler to :meth:`take` and swap in between two decode steps. Weights the scheduler
+    replaced come back through :meth:`retire` and are freed by the thread, outside the lock and
+    the scheduler. A layout that fails is logged and counted (``weight_update_errors``); the
+    engine keeps its weights. :meth:`offer`, :meth:`take`, :meth:`retire` and :meth:`stop` are
+    called holding the lock of ``ready``.
+
+    Args:
+      replicas: the engine's data-parallel replicas (``place`` and ``runner.prepare``).
+      mutex: the engine's lock.
+      ready: the engine's condition on ``mutex``, notified when new weights are ready.
+      stats: the engine's counters (``weight_prepare_ms``, ``weight_update_errors``).
+    """
+
+    def __init__(self, replicas: list, mutex: threading.RLock, ready: threading.Condition,
+                 stats: dict[str, int]):
+        self._replicas = replicas
+        self._ready = ready
+        self._wake = threading.Condition(mutex)  # the helper waits on this
+        self.stats = stats
+        self._to_prepare: list[tuple[dict[str, Any], int]] = []
+        self._retired: list[Any] = []
+        self.pending: tuple[dict[str, Any], int, list] | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-weights", daemon=True)
+        self._thread.start()
+
+    def offer(self, params: dict[str, Any], version: int):
+        """Queues ``params`` (version ``version``) to be laid out; supersedes older offers."""
+        self._to_prepare.append((params, version))
+        self._wake.notify_all()
+
+    def take(self) -> tuple[dict[str, Any], int, list] | None:
+        """The weights laid out and not yet taken, or None."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def retire(self, old: Any):
+        """Hands over replaced weights, to be freed by the helper thread."""
+        self._retired.append(old)
+        self._wake.notify_all()
+
+    def stop(self):
+        self._stop = True
+        self._wake.notify_all()
+
+    def join(self, timeout: float):
+        self._thread.join(timeout=timeout)
+
+    def _loop(self):
+        while True:
+            with self._wake:
+                while not self._stop and not self._to_prepare and not self._retired:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                retired, self._retired = self._retired, []
+                job = self._to_prepare[-1] if self._to_prepare else None  # newest supersedes
+                self._to_prepare.clear()
+            del retired  # frees replaced weights here, outside the lock and the scheduler
+            if job is None:
+                continue
+            params, version = job
+            start = time.perf_counter()
+            try:
+                prepared = []
+                for replica in self._replicas:
+                    placed = replica.place(params)
+                    prepared.append((placed, replica.runner.prepare(placed)))
+                jax.block_until_ready(prepared)
+            except Exception:  # keep serving with the current weights
+                log.exception("laying out weights version %d for decode failed", version)
+                self.stats["weight_update_errors"] += 1
+                continue
+            self.stats["weight_prepare_ms"] += int((time.perf_counter() - start) * 1000)
+            with self._ready:
+                self.pending = (params, version, prepared)
+                self._ready.notify_all()
 
 
 def wait_for_swap(engine, params, timeout: float = SWAP_TIMEOUT_S) -> bool:

@@ -10,7 +10,8 @@ loads). SGLang's distributed protocol lives in :mod:`rl_jax.transfer.sglang` (ne
 
 Modules: ``publisher`` (publish and announce), ``publisher_routes`` (its control channel),
 ``preparing`` (a version staged for each layout and its manifest), ``staging`` (host staging
-slots), ``shard_copy`` (the copy-and-hash kernels filling them), ``device_staging`` and
+slots), ``shard_geometry`` (how each slot shard is filled from the trainer's shards),
+``shard_copy`` (the copy-and-hash kernels filling them), ``device_staging`` and
 ``disk_staging`` (the other copies); ``puller`` and ``generator_puller`` (pulling), ``pulling``
 (checks shared by the transports); ``manifest``, ``layout``, ``chunks``, ``checksum``,
 ``finite``, ``control``, ``config``, ``errors`` below them.

@@ -18,7 +18,7 @@ lock exclusively while it writes (shared once a streamed version's pullers may r
 Streamed versions (every transport of the layout streams, ``PublisherConfig.stream``): the
 manifest is announced while the version is staged, its checksums ``"pending"``, with a progress
 table (``slotN.progress``, ``uint64 [blocks, 2]``: digest, version, the version's top bit
-:data:`~rl_jax.transfer.shard_copy.NONFINITE` set where the block's shard holds a non-finite
+:data:`~rl_jax.transfer.shard_geometry.NONFINITE` set where the block's shard holds a non-finite
 value) whose row for each 1 MiB block is written once the block is copied and hashed; a waiting
 puller verifies blocks as their rows appear, so its hashing overlaps the copy, and hands out its
 arrays (views of the slot, laid out and checked against the manifest before the first block
@@ -52,8 +52,8 @@ from rl_jax.transfer.errors import LayoutError, StagingSpaceError, TransferError
 from rl_jax.transfer.layout import (Index, Layout, check_layout, flat_signature, index_shape,
                                     target_dtype)
 from rl_jax.transfer.manifest import ShardInfo, TensorInfo
-from rl_jax.transfer.shard_copy import (Geometry, ShardJob, finish_staging, host_shards,
-                                        plan_geometry, start_staging)
+from rl_jax.transfer.shard_copy import finish_staging, start_staging
+from rl_jax.transfer.shard_geometry import Geometry, ShardJob, host_shards, plan_geometry
 
 STAMP_WRITING = -1  # the slot is being written
 STAMP_SUPERSEDED = -2  # the slot holds a version that is no longer offered

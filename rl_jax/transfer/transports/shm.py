@@ -29,7 +29,7 @@ from rl_jax.transfer.errors import (IntegrityError, PublisherUnavailable, Transf
 from rl_jax.transfer.layout import Index
 from rl_jax.transfer.manifest import Manifest, verify
 from rl_jax.transfer.pulling import contained
-from rl_jax.transfer.shard_copy import NONFINITE
+from rl_jax.transfer.shard_geometry import NONFINITE
 from rl_jax.transfer.staging import STAMP_SUPERSEDED, STAMP_WRITING
 from rl_jax.transfer.transports.base import Fetched, Transport
 
