@@ -225,6 +225,28 @@ def test_a_body_sent_without_its_length_is_bounded_too(served):
     assert "larger than" in json.loads(info.value.read())["error"]["message"]
 
 
+@pytest.mark.parametrize("raw", [
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # an HTTP/2 preface (routers probe with one)
+    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # past the line limit
+])
+def test_malformed_http_is_one_warning_line(served, server_log, raw):
+    """A request aiohttp cannot parse is answered 400 and logged as one warning line naming
+    the peer, without a traceback."""
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(raw)
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400") or answer.startswith(b"HTTP/1.0 400"), answer[:80]
+    deadline = time.monotonic() + 5
+    while not server_log and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mine = [r for r in server_log if r.name.startswith("rl_jax.generator")]
+    assert [r.levelno for r in mine] == [logging.WARNING], [r.getMessage() for r in mine]
+    assert mine[0].exc_info is None and "\n" not in mine[0].getMessage()
+    assert "malformed HTTP request from 127.0.0.1" in mine[0].getMessage()
+
+
 def test_the_server_still_serves_after_hostile_requests(served):
     data = gen(served.url, [1, 2], max_new_tokens=3)
     assert data["meta_info"]["completion_tokens"] == 3

@@ -22,6 +22,27 @@ from rl_jax.models.hf import CheckpointError
 log = logging.getLogger("rl_jax.generator.server")
 
 
+class ProtocolLog(logging.LoggerAdapter):
+    """The logger of aiohttp's request handler (``web.AppRunner(logger=...)``): a request that
+    is not HTTP/1.1 aiohttp can parse (an HTTP/2 preface such as routers' probes send, a bad
+    request line, headers past the limits) is one warning line naming the peer and the problem
+    (aiohttp answers it 400 and closes the connection); every other error keeps its
+    traceback."""
+
+    def __init__(self):
+        super().__init__(logging.getLogger("rl_jax.generator.server.http"), {})
+
+    def exception(self, msg, *args, exc_info=True, **kwargs):
+        from aiohttp.http_exceptions import HttpProcessingError
+        if isinstance(exc_info, HttpProcessingError):
+            peer = args[0] if args else "?"
+            text = " ".join(str(exc_info.message or exc_info).split())
+            self.warning("refused a malformed HTTP request from %s: %s: %.200s", peer,
+                         type(exc_info).__name__, text)
+            return
+        self.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
 class EngineStopped(RuntimeError):
     """The engine's scheduler thread is not running (HTTP 503): nothing would be served."""
 

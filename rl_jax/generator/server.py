@@ -77,7 +77,7 @@ import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator import auth
 from rl_jax.generator.engine import PAUSE_MODES, Engine
-from rl_jax.generator.httpio import (EngineStopped, all_results, error_response,
+from rl_jax.generator.httpio import (EngineStopped, ProtocolLog, all_results, error_response,
                                     errors_middleware, exit_with_parent, json_response,
                                     read_body, sse_event)
 from rl_jax.generator.json_body import ProtocolError, parse_json_body
@@ -441,7 +441,8 @@ class GeneratorServer(WeightUpdateEndpoints):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                               keepalive_timeout=self.config.keepalive_timeout_s)
+                               keepalive_timeout=self.config.keepalive_timeout_s,
+                               logger=ProtocolLog())
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         await site.start()
