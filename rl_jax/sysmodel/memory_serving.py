@@ -47,7 +47,7 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
         at least one head). ``notes["kv_pages"]`` and ``notes["kv_tokens"]`` say what it
         holds.
       weight_update: with ``swap``, a second set of parameters and decode weights, prepared
-        while the current ones still decode (``Engine._prepare_loop``).
+        while the current ones still decode (``generator.weights.WeightPreparer``).
       prefill / decode: the larger transient of the two programs. Prefill (``runner.prefill``
         on ``prefill_tokens`` tokens in rows of ``prefill_len``, default one row): its keys and
         values ``[L, tokens, K, Dh]``, one layer's live activations per token (the residual
