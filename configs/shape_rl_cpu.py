@@ -18,13 +18,6 @@ from ml_collections import ConfigDict
 
 from rl_jax.recipe import base_config
 
-# glibc's malloc keeps freed blocks instead of returning them (the server's setting, below).
-# Not for the trainer here: its steps are faster with it, but its process then kept up to
-# 14.7 GB resident at the 0.5B shape (freed blocks held) and beside the server and other work
-# an out-of-memory kill ended the run.
-GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
-
-
 def get_config() -> ConfigDict:
     """The base recipe (rl_jax.recipe, where every field is described) with what differs."""
     c = base_config()
@@ -71,13 +64,11 @@ def get_config() -> ConfigDict:
 
     # One server of this project started here, in bfloat16 (versions are published in it);
     # 16 slots hold the two batches max_lag=1 keeps in flight. Every decode shape is compiled
-    # before serving, so no step waits for a compilation later.
-    # glibc's malloc keeps freed blocks instead of mapping them afresh: XLA's CPU backend
-    # computes bfloat16 in float32 and allocates the upcast weights every decode step, and
-    # without this the page faults make a 0.5B decode step ~10x slower (1.36 s against
-    # 0.13 s at batch 8 here).
+    # before serving, so no step waits for a compilation later. (XLA's CPU backend runs
+    # bfloat16 matmuls several times slower than float32 ones: on a CPU host this recipe's
+    # decode is slower than a float32 server's; see docs/performance.md.)
     c.generator.update(max_slots=16, max_seq_len=32, dtype="bfloat16", warmup_shapes=True,
-                       startup_timeout_s=1800.0, env=(("GLIBC_TUNABLES", GLIBC_TUNABLES),))
+                       startup_timeout_s=1800.0)
     # Trainer and the rollout's host threads on core 0, the generator alone on core 1 at a
     # lower priority (as configs/tiny_rl.py).
     c.cpus.update(trainer="0", generators="1", rollout="0", generators_nice=10)
