@@ -236,10 +236,41 @@ def main_shape(args, ceiling: float) -> None:
         rows.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": jax.default_backend(), "devices": jax.device_count(),
-                               "matmul_ceiling_flops": ceiling, "shape": args.shape,
-                               "params": cfg.num_params(), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    result = {"backend": jax.default_backend(), "devices": jax.device_count(),
+              "matmul_ceiling_flops": ceiling, "shape": args.shape,
+              "params": cfg.num_params(), "rows": rows}
+    out.write_text(json.dumps(result, indent=2))
+    plot_shape(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot_shape(result: dict, path: Path) -> None:
+    """Tokens/s and MFU (against the run's matmul ceiling) of each batch shape, JAX beside
+    PyTorch where it ran."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    labels = [f"{r['jax']['batch']}x{r['jax']['seq']}" for r in rows]
+    at = np.arange(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "tokens_per_s", "tokens/s"),
+                           (axes[1], "mfu_vs_matmul_ceiling", "MFU vs the matmul ceiling")):
+        ax.bar(at - 0.2, [r["jax"][key] for r in rows], width=0.4, label="JAX (this project)")
+        if any("torch" in r for r in rows):
+            ax.bar(at + 0.2, [r.get("torch", {}).get(key, 0.0) for r in rows], width=0.4,
+                   label="PyTorch (transformers)")
+        ax.set_xticks(at, labels)
+        ax.set_xlabel("batch x tokens")
+        ax.set_title(f"{result['shape']} train step: {title}")
+        ax.legend(fontsize=8)
+    for i, r in enumerate(rows):
+        if "jax_over_torch" in r:
+            axes[0].annotate(f"{r['jax_over_torch']:.2f}x", (i, r["jax"]["tokens_per_s"]),
+                             ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
