@@ -61,6 +61,34 @@ def _block_for(cache_len: int, block: int) -> int:
     return size
 
 
+def _online_step(carry, q, keys, values, valid, valid_rows, *, dtype, precision):
+    """One block of the online softmax: ``q [Gp, Dh]``, ``keys [Dh, n]``, ``values [n, Dh]``
+    in ``dtype``, ``valid [1, n]`` / ``valid_rows [n, 1]`` the positions attended; the carry is
+    the running weighted value sum, maximum and weight sum."""
+    acc, top, total = carry
+    scores = jnp.dot(q, keys, preferred_element_type=jnp.float32, precision=precision)
+    scores = jnp.where(valid, scores, _MASKED)  # [Gp, n]
+    new_top = jnp.maximum(top, jnp.max(scores, axis=1, keepdims=True))
+    weights = jnp.exp(scores - new_top)
+    # cache past the position may hold anything (even NaN): it must not reach the sum
+    values = jnp.where(valid_rows, values, jnp.zeros_like(values))
+    rescale = jnp.exp(top - new_top)
+    acc = acc * rescale + jnp.dot(weights.astype(dtype), values,
+                                  preferred_element_type=jnp.float32, precision=precision)
+    total = total * rescale + jnp.sum(weights, axis=1, keepdims=True)
+    return acc, new_top, total
+
+
+def _finish(o_ref, loop_steps, step):
+    """Runs ``step`` ``loop_steps`` times from an empty carry and writes the normalised sum."""
+    groups, head_dim = o_ref.shape
+    init = (jnp.zeros((groups, head_dim), jnp.float32),
+            jnp.full((groups, 1), _MASKED, jnp.float32),
+            jnp.zeros((groups, 1), jnp.float32))
+    acc, _, total = lax.fori_loop(0, loop_steps, step, init)
+    o_ref[...] = (acc / total).astype(o_ref.dtype)
+
+
 def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, cache_len: int,
             precision: Any):
     """One (slot, kv head): ``q_ref [Gp, Dh]`` (already scaled), ``k_ref [Dh, T]``,
@@ -73,31 +101,16 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, cache_len: int,
     column = lax.broadcasted_iota(jnp.int32, (block, 1), 0)  # along a value column
 
     def step(i, carry):
-        acc, top, total = carry
         first = i * block
         start = jnp.minimum(first, cache_len - block)  # the last block may start earlier
         valid = (start + row >= first) & (start + row < seen)  # [1, block]
         valid_rows = (start + column >= first) & (start + column < seen)  # [block, 1]
         keys = k_ref[:, pl.ds(start, block)].astype(dtype)  # [Dh, block]
         values = v_ref[pl.ds(start, block), :].astype(dtype)  # [block, Dh]
-        scores = jnp.dot(q, keys, preferred_element_type=jnp.float32, precision=precision)
-        scores = jnp.where(valid, scores, _MASKED)  # [Gp, block]
-        new_top = jnp.maximum(top, jnp.max(scores, axis=1, keepdims=True))
-        weights = jnp.exp(scores - new_top)
-        # cache past the position may hold anything (even NaN): it must not reach the sum
-        values = jnp.where(valid_rows, values, jnp.zeros_like(values))
-        rescale = jnp.exp(top - new_top)
-        acc = acc * rescale + jnp.dot(weights.astype(dtype), values,
-                                      preferred_element_type=jnp.float32, precision=precision)
-        total = total * rescale + jnp.sum(weights, axis=1, keepdims=True)
-        return acc, new_top, total
+        return _online_step(carry, q, keys, values, valid, valid_rows, dtype=dtype,
+                            precision=precision)
 
-    groups, head_dim = q_ref.shape
-    init = (jnp.zeros((groups, head_dim), jnp.float32),
-            jnp.full((groups, 1), _MASKED, jnp.float32),
-            jnp.zeros((groups, 1), jnp.float32))
-    acc, _, total = lax.fori_loop(0, pl.cdiv(seen, block), step, init)
-    o_ref[...] = (acc / total).astype(o_ref.dtype)
+    _finish(o_ref, pl.cdiv(seen, block), step)
 
 
 def _compiler_params(platform: str) -> Any:
@@ -176,31 +189,16 @@ def _paged_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, num_pages: 
     column = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
 
     def step(i, carry):
-        acc, top, total = carry
         entry = table_ref[i]
         inside = entry < num_pages
         page = jnp.clip(entry, 0, num_pages - 1)
         keys = jnp.where(inside, k_ref[page].astype(dtype), 0)  # [Dh, P]
         values = jnp.where(inside, v_ref[page].astype(dtype), 0)  # [P, Dh]
         first = i * size
-        valid = first + row < seen  # [1, P]
-        values = jnp.where(first + column < seen, values, jnp.zeros_like(values))
-        scores = jnp.dot(q, keys, preferred_element_type=jnp.float32, precision=precision)
-        scores = jnp.where(valid, scores, _MASKED)  # [Gp, P]
-        new_top = jnp.maximum(top, jnp.max(scores, axis=1, keepdims=True))
-        weights = jnp.exp(scores - new_top)
-        rescale = jnp.exp(top - new_top)
-        acc = acc * rescale + jnp.dot(weights.astype(dtype), values,
-                                      preferred_element_type=jnp.float32, precision=precision)
-        total = total * rescale + jnp.sum(weights, axis=1, keepdims=True)
-        return acc, new_top, total
+        return _online_step(carry, q, keys, values, first + row < seen,
+                            first + column < seen, dtype=dtype, precision=precision)
 
-    groups, head_dim = q_ref.shape
-    init = (jnp.zeros((groups, head_dim), jnp.float32),
-            jnp.full((groups, 1), _MASKED, jnp.float32),
-            jnp.zeros((groups, 1), jnp.float32))
-    acc, _, total = lax.fori_loop(0, pl.cdiv(seen, size), step, init)
-    o_ref[...] = (acc / total).astype(o_ref.dtype)
+    _finish(o_ref, pl.cdiv(seen, size), step)
 
 
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
