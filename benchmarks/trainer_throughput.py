@@ -73,8 +73,11 @@ def bench_train_step(cfg: ModelConfig, batch: int, seq: int, scan_layers: bool =
                      repeats: int = 5) -> dict:
     spec = ModelSpec(cfg, mesh=None, scan_layers=scan_layers)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-4, warmup_steps=1, total_steps=1000))
-    state = init_state(tx, spec, spec.init_params(seed=0))
-    step = make_train_step(spec, tx, causal_lm_loss, donate=False)
+    # The state is donated and carried from step to step, as the trainer runs it (PyTorch's
+    # optimizer updates in place too): without donation every step allocates a new copy of the
+    # parameters and moments.
+    holder = [init_state(tx, spec, spec.init_params(seed=0))]
+    step = make_train_step(spec, tx, causal_lm_loss)
     rng = np.random.RandomState(0)
     data = LMBatch.from_numpy(dict(
         tokens=rng.randint(0, cfg.vocab_size, (batch, seq)),
@@ -82,8 +85,11 @@ def bench_train_step(cfg: ModelConfig, batch: int, seq: int, scan_layers: bool =
         loss_mask=np.ones((batch, seq)), positions=np.tile(np.arange(seq), (batch, 1)),
         segment_ids=np.ones((batch, seq))))
     data = jax.device_put(data)
-    seconds = timed(lambda: step(state, data)[1]["loss"], warmup=2 if repeats >= 5 else 1,
-                    repeats=repeats)
+    def run():
+        holder[0], metrics = step(holder[0], data)
+        return metrics["loss"]
+
+    seconds = timed(run, warmup=2 if repeats >= 5 else 1, repeats=repeats)
     flops = train_step_flops(cfg, batch, seq)
     return {"params": cfg.num_params(), "batch": batch, "seq": seq, "scan_layers": scan_layers,
             "step_s": seconds, "tokens_per_s": batch * seq / seconds,
