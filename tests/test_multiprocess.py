@@ -91,7 +91,10 @@ def test_auto_coordinator_joins_through_jax_cluster_detection():
         for p in procs:
             out, err = p.communicate(timeout=240)
             assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-3000:]}"
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            # Gloo writes its own lines to stdout (from C++, unordered with Python's): the
+            # worker's result is its last JSON line.
+            results.append(json.loads([line for line in out.splitlines()
+                                       if line.startswith("{")][-1]))
     finally:
         for p in procs:
             if p.poll() is None:
