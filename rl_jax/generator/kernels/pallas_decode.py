@@ -122,6 +122,18 @@ def _compiler_params(platform: str) -> Any:
     return None
 
 
+def _query(q: jax.Array, interpret: bool) -> tuple[jax.Array, int, Any]:
+    """``q [S, K, G, Dh]`` scaled by ``Dh ** -0.5`` in its dtype (as ``attend``), its query
+    heads padded to a power of two of at least 16 for Triton's dots (not in the interpreter);
+    the padded head count and the dots' precision."""
+    groups, head_dim = q.shape[2], q.shape[3]
+    padded = groups if interpret else _power_of_two_at_least(groups, MIN_DOT)
+    q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
+    if padded != groups:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - groups), (0, 0)))
+    return q, padded, lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
                      *, interpret: bool = False, block: int = BLOCK,
                      platform: str | None = None) -> jax.Array:
@@ -146,11 +158,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions
         raise ValueError(f"block must be a power of two, got {block}")
     dtype = q.dtype
     step_block = _block_for(cache_len, block)
-    padded = groups if interpret else _power_of_two_at_least(groups, MIN_DOT)
-    q = q * jnp.asarray(head_dim ** -0.5, dtype)  # as attend: scaled in the computation dtype
-    if padded != groups:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - groups), (0, 0)))
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    q, padded, precision = _query(q, interpret)
     kernel = functools.partial(_kernel, block=step_block, cache_len=cache_len,
                                precision=precision)
     out = pl.pallas_call(
@@ -226,11 +234,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"positions {positions.shape} must be [{slots}]")
     dtype = q.dtype
     width = table.shape[1]
-    padded = groups if interpret else _power_of_two_at_least(groups, MIN_DOT)
-    q = q * jnp.asarray(head_dim ** -0.5, dtype)  # as attend: scaled in the computation dtype
-    if padded != groups:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - groups), (0, 0)))
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    q, padded, precision = _query(q, interpret)
     kernel = functools.partial(_paged_kernel, num_pages=num_pages, width=width,
                                precision=precision)
     out = pl.pallas_call(
