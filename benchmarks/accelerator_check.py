@@ -42,7 +42,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -161,17 +160,20 @@ def device_memory_limit() -> int | None:
 # ---- generator --------------------------------------------------------------------------------------
 
 def raw_decode(runner: ModelRunner, params, weights, prompts: np.ndarray, new_tokens: int,
-               steps: int) -> float:
+               steps: int) -> tuple[float, float]:
     """Seconds per decode step of ``new_tokens`` steps run ``steps`` per program, tokens kept on
-    the device (no host round trip inside the loop)."""
+    the device (no host round trip inside the loop), and seconds to prefill and install the
+    prompts."""
     b, p = prompts.shape
+    start = time.perf_counter()
     block(admit_prompts(runner, params, prompts))
+    prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     out = None
     for i in range(0, new_tokens, steps):
         out = runner.decode(weights, b, p + i + 1, False, steps=steps)
     block(out)
-    return (time.perf_counter() - start) / (math.ceil(new_tokens / steps) * steps)
+    return (time.perf_counter() - start) / (math.ceil(new_tokens / steps) * steps), prefill_s
 
 
 def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
@@ -200,11 +202,14 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
                 weights = block(runner.prepare(params))
                 row["attention_used"] = getattr(runner, "attention_backend", None) or (
                     "native" if runner.native_attention else "xla")
+                row["prefill_attention_used"] = runner.prefill_attention_backend
                 start = time.perf_counter()
                 raw_decode(runner, params, weights, prompts, n, args.decode_steps)  # compiles
                 row["compile_s"] = time.perf_counter() - start
-                raw = min(raw_decode(runner, params, weights, prompts, n, args.decode_steps)
-                          for _ in range(args.repeats))
+                runs = [raw_decode(runner, params, weights, prompts, n, args.decode_steps)
+                        for _ in range(args.repeats)]
+                raw, prefill_s = min(r[0] for r in runs), min(r[1] for r in runs)
+                row.update(prefill_s=prefill_s, prefill_tok_s=b * p / prefill_s)
                 row.update(raw_step_s=raw, raw_tok_s=b / raw,
                            raw_over_roofline=roof_s / raw,
                            raw_over_memory_roofline=roof.memory_seconds(b, context) / raw,
@@ -498,8 +503,9 @@ def record_markdown(record: dict) -> str:
                   f"{c['h2d_bytes_per_s'] / 1e9:.1f} GB/s, device->host "
                   f"{c['d2h_bytes_per_s'] / 1e9:.1f} GB/s.", "",
                   "| batch | attention | raw ms/step | raw tok/s | / roofline | / mem roofline "
-                  "| predicted ms | engine tok/s | engine ms/step | error |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| predicted ms | engine tok/s | engine ms/step | prefill (attention) tok/s "
+                  "| error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in entry.get("decode", []):
             lines.append(
                 f"| {r['batch']} | {r.get('attention_used', r['attention'])} | "
@@ -508,7 +514,8 @@ def record_markdown(record: dict) -> str:
                 f"{fmt(r.get('raw_over_memory_roofline'), '.2f')} | "
                 f"{r['predicted_step_s'] * 1e3:.3f} | {fmt(r.get('engine_tok_s'), ',.0f')} | "
                 f"{fmt(r.get('engine_step_s', None) and r['engine_step_s'] * 1e3, '.3f')} | "
-                f"{r.get('error', '')[:120]} |")
+                f"{fmt(r.get('prefill_tok_s'), ',.0f')} ({r.get('prefill_attention_used', '-')})"
+                f" | {r.get('error', '')[:120]} |")
         lines += ["", "| train BxT | remat | ms/step | tok/s | MFU | MFU vs matmul | "
                   "predicted ms | compiled peak GiB | predicted peak GiB | error |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

@@ -29,7 +29,8 @@ def test_accelerator_check_runs_on_cpu_and_writes_the_comparison(tmp_path):
         assert row["raw_tok_s"] > 0 and row["engine_tok_s"] > 0
         # a measured step cannot beat the roofline of the ceilings measured in the same run
         assert 0 < row["raw_over_memory_roofline"] < 1.5, row
-        assert row["attention_used"] == "xla"
+        assert row["attention_used"] == "xla" and row["prefill_attention_used"] == "xla"
+        assert row["prefill_tok_s"] > 0
     [train] = entry["trainer"]
     assert "error" not in train, train
     assert 0 < train["mfu"] < 1.5 and train["tokens_per_s"] > 0

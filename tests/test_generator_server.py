@@ -80,6 +80,7 @@ def test_info_and_health_endpoints(server, ckpts):
         assert status == 200 and info["dp_size"] == 1 and info["tp_size"] == 1
         assert info["max_running_requests"] == 8 and info["context_length"] == MAX_SEQ_LEN
         assert info["num_continuous_decode_steps"] == 1
+        assert info["prefill_attention_backend"] == "xla"  # no fused prompt kernel on CPU
         # CPU seconds per thread since start: the scheduler's and XLA's among them
         assert info["cpu_seconds_by_thread"]["engine"] > 0
         assert sum(info["cpu_seconds_by_thread"].values()) > 1.0  # it loaded and compiled

@@ -41,8 +41,13 @@ from rl_jax.models.transformer import (apply_rotary, attention_mask, decoder_lay
 # ---- prefill -------------------------------------------------------------------------------------
 
 def prefill(params: dict[str, Any], tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig,
-            dtype: Any, constrain=None):
+            dtype: Any, constrain=None, attention_impl: str = "xla", num_devices: int = 1):
     """Runs prompts ``tokens [B, P]`` (right-padded to ``P``; true ``lengths [B]``).
+
+    ``attention_impl``: the prompts' causal self-attention kernel
+    (:mod:`rl_jax.models.fused_attention`; ``"auto"``: cuDNN flash attention on a GPU, splash
+    on a TPU, where this ``P`` and dtype fit them, else XLA's); ``num_devices``: devices the
+    arrays are spread over. Each prompt is one segment and its padding another.
 
     Returns ``(k, v, logits)``: keys/values ``[L, B, P, K, Dh]`` and float32 next-token logits
     ``[B, V]`` at each prompt's last position.
@@ -56,7 +61,8 @@ def prefill(params: dict[str, Any], tokens: jax.Array, lengths: jax.Array, *, cf
 
     def layer(h, w):
         return decoder_layer(h, w, cfg, cos=cos, sin=sin, mask=mask, dtype=dtype,
-                             constrain=constrain)
+                             constrain=constrain, attention_impl=attention_impl,
+                             segment_ids=segment, num_devices=num_devices)
 
     h, (k, v) = jax.lax.scan(layer, x, params["layers"])
     last = h[jnp.arange(b), lengths - 1]

@@ -120,7 +120,8 @@ class Engine:
             runner = ModelRunner(config, max_slots=engine_config.max_slots // len(meshes),
                                  max_seq_len=engine_config.max_seq_len, mesh=m, rules=rules,
                                  dtype=dtype or jnp.float32, attention=engine_config.attention,
-                                 page_size=engine_config.page_size, num_pages=num_pages)
+                                 page_size=engine_config.page_size, num_pages=num_pages,
+                                 prefill_attention=engine_config.prefill_attention)
             self._replicas.append(Replica(i, runner, params))
         self._budget = PageBudget(self._replicas[0].runner,
                                   init_ratio=engine_config.init_new_token_ratio,
@@ -131,6 +132,8 @@ class Engine:
         # the decode attention the replicas run: "native" (the CPU kernel), "pallas" or "xla"
         backends = {r.runner.attention_backend for r in self._replicas}
         self.attention_backend = backends.pop() if len(backends) == 1 else "xla"
+        # the prefill attention for prompts of a fused kernel's block length (same on each)
+        self.prefill_attention_backend = self._replicas[0].runner.prefill_attention_backend
         self.eos_token_ids = tuple(eos_token_ids)
         mutex = threading.RLock()
         self._lock = threading.Condition(mutex)  # the scheduler and callers wait on this

@@ -9,6 +9,7 @@ import dataclasses
 from rl_jax.generator import kernels
 from rl_jax.generator.kv_cache import DEFAULT_PAGE_SIZE
 from rl_jax.generator.types import GeneratorError
+from rl_jax.models import fused_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class EngineConfig:
     # where it compiles, else XLA's), "native", "pallas" or "xla" (see rl_jax.generator.kernels
     # and ModelRunner).
     attention: str = "auto"
+    # Prefill attention (SGLang's --prefill-attention-backend): "auto" (cuDNN flash attention
+    # on NVIDIA GPUs, splash on TPUs, for the prompt buckets they take, else XLA's), "xla",
+    # "cudnn" or "splash" (see rl_jax.models.fused_attention and ModelRunner).
+    prefill_attention: str = "auto"
     # Positions per page of the paged KV cache (SGLang's --page-size).
     page_size: int = DEFAULT_PAGE_SIZE
     # Bytes of KV cache per data-parallel replica (the page pool: keys and values of every
@@ -63,3 +68,7 @@ class EngineConfig:
         if self.attention not in kernels.BACKENDS:
             raise GeneratorError(f"attention must be one of {kernels.BACKENDS}, got "
                                  f"{self.attention!r}")
+        if self.prefill_attention not in fused_attention.IMPLEMENTATIONS:
+            raise GeneratorError(f"prefill_attention must be one of "
+                                 f"{fused_attention.IMPLEMENTATIONS}, got "
+                                 f"{self.prefill_attention!r}")

@@ -31,6 +31,7 @@ from rl_jax.generator.kv_cache import (DEFAULT_PAGE_SIZE, K_CACHE_AXES, MIN_ADMI
                                        pages_for)
 from rl_jax.generator.types import GeneratorError
 from rl_jax.generator.weights import generator_rules
+from rl_jax.models import fused_attention
 from rl_jax.models.config import ModelConfig
 from rl_jax.sharding import ShardingRules
 
@@ -65,7 +66,8 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, *, max_slots: int, max_seq_len: int,
                  mesh: Mesh | None = None, rules: ShardingRules | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, attention: str = "auto",
-                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 prefill_attention: str = "auto"):
         if page_size < 1:
             raise GeneratorError(f"page_size must be >= 1, got {page_size}")
         if num_pages is not None and num_pages < 1:
@@ -101,7 +103,11 @@ class ModelRunner:
         self.native_attention = self.attention_backend == "native"
         # the kernels read each slot's pages up to its own position: one page table width
         self.reads_own_length = self.attention_backend in ("native", "pallas")
-        self._prefill = jax.jit(partial(prefill, **kw))
+        # the prefill attention: what prompts of a fused kernel's block length run on
+        self.prefill_attention_backend = self._choose_prefill_attention(prefill_attention)
+        self._prefill = jax.jit(partial(
+            prefill, attention_impl="xla" if self.prefill_attention_backend == "xla" else "auto",
+            num_devices=len(self._devices()), **kw))
         kw["attention"] = self._attention_kernel()
         self._decode = jax.jit(partial(decode, max_seq_len=max_seq_len, **kw),
                                static_argnames=("batch", "filtered"), donate_argnums=(1, 2, 3))
@@ -155,6 +161,21 @@ class ModelRunner:
                         platform, problem)
             return "xla"
         return "pallas"
+
+    def _choose_prefill_attention(self, requested: str) -> str:
+        """The prompts' attention kernel (:mod:`rl_jax.models.fused_attention`): ``"xla"``, or
+        ``"auto"``/a named fused kernel, checked here against the backend, dtype and heads (an
+        error naming why a named one cannot run). The fused kernel takes each prefill bucket it
+        fits (splash: multiples of 128 tokens, one device); other buckets run on XLA."""
+        try:
+            fused_attention.check_implementation(requested)
+            return fused_attention.select_implementation(
+                requested, backend=fused_attention.current_backend(), dtype=self.dtype,
+                head_dim=self.config.head_dim, q_len=fused_attention.SPLASH_BLOCK,
+                kv_len=fused_attention.SPLASH_BLOCK, causal_self=True, has_segment_ids=True,
+                num_devices=len(self._devices()))
+        except ValueError as e:
+            raise GeneratorError(f"prefill attention: {e}") from None
 
     def _pallas_problem(self, platform: str) -> str | None:
         """Why the Pallas kernel cannot run for this runner (``None`` where it can)."""

@@ -51,6 +51,11 @@ _ATTENTION = flags.DEFINE_enum(
     "(SGLang's --attention-backend): the native CPU kernel, compiled on first use, or the "
     "Pallas kernel (GPU; interpreted, slow, on CPU), both of which read each sequence's cache "
     "up to its length only; XLA's; or auto: native on CPU, pallas on GPU, where they run.")
+_PREFILL_ATTENTION = flags.DEFINE_enum(
+    "prefill_attention_backend", "auto", ["auto", "xla", "cudnn", "splash"], "Prompt attention "
+    "(SGLang's --prefill-attention-backend): cuDNN flash attention (NVIDIA GPUs, bf16/fp16), "
+    "the splash kernel (TPUs, prompt buckets of multiples of 128 tokens, one device), XLA's, "
+    "or auto: cudnn on GPU, splash on TPU, where they take the prompt bucket, else XLA's.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "Tokens per page of the paged KV cache "
                                   "(SGLang's --page-size).")
 _KV_BYTES = flags.DEFINE_integer("kv_cache_bytes", 0, "Bytes of KV cache per data-parallel "
@@ -120,7 +125,8 @@ def main(argv):
         max_seq_len=_MAX_SEQ_LEN.value, max_waiting=_MAX_WAITING.value,
         max_prefill_tokens=_MAX_PREFILL.value, dtype=_DTYPE.value, tensor_parallel=_TP.value,
         data_parallel=_DP.value, decode_steps=_DECODE_STEPS.value,
-        attention_backend=_ATTENTION.value, page_size=_PAGE_SIZE.value,
+        attention_backend=_ATTENTION.value,
+        prefill_attention_backend=_PREFILL_ATTENTION.value, page_size=_PAGE_SIZE.value,
         kv_cache_bytes=_KV_BYTES.value, mem_fraction_static=_MEM_FRACTION.value,
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,

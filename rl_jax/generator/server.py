@@ -329,6 +329,7 @@ class GeneratorServer(WeightUpdateEndpoints):
             "tp_size": c.tensor_parallel, "dp_size": c.data_parallel, "dtype": c.dtype,
             "num_continuous_decode_steps": c.decode_steps,
             "attention_backend": self.engine.attention_backend,
+            "prefill_attention_backend": self.engine.prefill_attention_backend,
             "max_running_requests": c.max_slots, "context_length": c.max_seq_len,
             "max_total_num_tokens": cache["pages"] * cache["page_size"], "page_size":
             cache["page_size"], "kv_cache_bytes": cache["bytes"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from rl_jax.generator import auth, kernels
+from rl_jax.models import fused_attention
 from rl_jax.models.config import DTYPES, ConfigError
 
 
@@ -29,6 +30,9 @@ class ServerConfig:
     # decode attention (SGLang's --attention-backend): "auto" | "native" | "xla"
     # (see EngineConfig.attention)
     attention_backend: str = "auto"
+    # prefill attention (SGLang's --prefill-attention-backend): "auto" | "xla" | "cudnn" |
+    # "splash" (see EngineConfig.prefill_attention)
+    prefill_attention_backend: str = "auto"
     # The paged KV cache (see EngineConfig): positions per page (SGLang's --page-size), and
     # its size per data-parallel replica, either in bytes (kv_cache_bytes) or, like SGLang's
     # --mem-fraction-static, as the share of a replica's memory (GPU/TPU memory; on CPU, the
@@ -112,6 +116,10 @@ def check_server_config(config: ServerConfig):
     if config.attention_backend not in kernels.BACKENDS:
         raise ConfigError(f"attention_backend must be one of {kernels.BACKENDS}, got "
                           f"{config.attention_backend!r}")
+    if config.prefill_attention_backend not in fused_attention.IMPLEMENTATIONS:
+        raise ConfigError(f"prefill_attention_backend must be one of "
+                          f"{fused_attention.IMPLEMENTATIONS}, got "
+                          f"{config.prefill_attention_backend!r}")
 
 
 def text_limit(tokenizer, max_seq_len: int) -> int | None:

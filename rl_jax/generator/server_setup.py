@@ -69,7 +69,9 @@ def build_engine(config: ServerConfig, engine_class: type = Engine) -> BuiltEngi
                               max_waiting=config.max_waiting,
                               max_prefill_tokens=config.max_prefill_tokens,
                               decode_steps=config.decode_steps,
-                              attention=config.attention_backend, page_size=config.page_size,
+                              attention=config.attention_backend,
+                              prefill_attention=config.prefill_attention_backend,
+                              page_size=config.page_size,
                               kv_cache_bytes=kv_cache_bytes))
     usage = engine.cache_usage()
     log.info("KV cache: %d pages of %d tokens (%.1f MiB over %d replicas)", usage["pages"],
