@@ -19,10 +19,11 @@ measures, in this order, side by side in one run:
    compiled step's peak memory against the systems model's, and the model's prediction at
    its default MFU;
 4. weight publication: one version of the model in the generator's dtype published from the
-   trainer's float32 arrays to a puller already waiting for it (``shm``, streamed, as a live
-   generator's), GB/s from the publish call to the pulled arrays, against one host memcpy of
-   the same bytes measured in the same run and against the measured device->host plus
-   host->device copies.
+   trainer's float32 arrays to a puller already waiting for it, per transport (``shm``,
+   streamed, as a live generator's; ``jax_transfer``, device memory to device memory), GB/s
+   from the publish call to the pulled arrays, against one host memcpy of the same bytes
+   measured in the same run, the measured device->host plus host->device copies, and a copy
+   within device memory at the measured bandwidth.
 
 Writes ``benchmarks/results/pools/checks/<device>.json`` (one entry per shape, merged with
 earlier shapes of that device), ``checks/<device>.md``, and the accelerator table of
@@ -356,12 +357,13 @@ def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
-def measure_publication(cfg, args, dtype, repeats: int) -> dict:
+def measure_publication(cfg, args, dtype, repeats: int, transport: str = "shm") -> dict:
     """One version of the model in the generator's dtype, published from the trainer's
-    float32 parameters over ``shm`` to a puller already waiting for it (as a live generator's
-    is: the version streams, verified block by block as it is staged), timed from the
-    ``publish`` call to the pulled arrays ready; against one host memcpy of the same bytes,
-    measured in the same run."""
+    float32 parameters over ``transport`` to a puller already waiting for it (as a live
+    generator's is: over ``shm`` the version streams, verified block by block as it is staged;
+    ``jax_transfer`` moves device arrays between device memories with no host bounce), timed
+    from the ``publish`` call to the pulled arrays ready; against one host memcpy of the same
+    bytes, measured in the same run, and a device-memory copy at the measured bandwidth."""
     from rl_jax.generator.weights import generator_rules
     from rl_jax.transfer import Publisher, PublisherConfig, Puller, PullerConfig
 
@@ -372,13 +374,13 @@ def measure_publication(cfg, args, dtype, repeats: int) -> dict:
                           gen_spec.abstract_params, gen_spec.param_shardings)
     version_bytes = int(sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
                             for t in jax.tree.leaves(target)))
-    config = PublisherConfig(transports=("shm",))
+    config = PublisherConfig(transports=(transport,))
     if args.staging_threads is not None:
         config = dataclasses.replace(config, staging_threads=args.staging_threads)
     publisher = Publisher(config, spec=spec)
     rows, memcpy = [], []
     try:
-        puller = Puller(publisher.url, target, transports=["shm"],
+        puller = Puller(publisher.url, target, transports=[transport],
                         config=PullerConfig(timeout_s=600))
         puller.register()
         publisher.wait_for_layouts(1, 60)
@@ -406,15 +408,20 @@ def measure_publication(cfg, args, dtype, repeats: int) -> dict:
     best = min(rows, key=lambda r: r["total_s"])
     ceil = args.ceilings
     copy_s = version_bytes / ceil["d2h_bytes_per_s"] + version_bytes / ceil["h2d_bytes_per_s"]
+    device_copy_s = 2 * version_bytes / ceil["read_bytes_per_s"]  # read and write once
     memcpy_s = min(memcpy)
-    out = {"version_bytes": version_bytes, "dtype": jnp.dtype(dtype).name, "transport": "shm",
-           "streamed": True, "staging_threads": config.staging_threads, "runs": rows,
+    out = {"version_bytes": version_bytes, "dtype": jnp.dtype(dtype).name,
+           "transport": transport, "streamed": transport == "shm",
+           "staging_threads": config.staging_threads, "runs": rows,
+           "device_copy_s": device_copy_s,
+           "end_to_end_over_device_copy": device_copy_s / best["total_s"],
            "publish_gbps": version_bytes / best["publish_s"] / 1e9,
            "end_to_end_gbps": version_bytes / best["total_s"] / 1e9,
            "memcpy_s": memcpy_s, "memcpy_gbps": version_bytes / memcpy_s / 1e9,
            "end_to_end_over_memcpy": memcpy_s / best["total_s"],
            "host_copies_s": copy_s, "end_to_end_over_host_copies": copy_s / best["total_s"]}
-    log(f"publication of {version_bytes / 1e9:.2f} GB ({out['dtype']}) to a waiting puller: "
+    log(f"publication of {version_bytes / 1e9:.2f} GB ({out['dtype']}, {transport}) to a "
+        f"waiting puller: "
         f"{out['end_to_end_gbps']:.2f} GB/s end to end (publish call {out['publish_gbps']:.2f} "
         f"GB/s) = {out['end_to_end_over_memcpy']:.2f}x one memcpy of the same bytes "
         f"({out['memcpy_gbps']:.2f} GB/s)")
@@ -529,27 +536,29 @@ def record_markdown(record: dict) -> str:
                 f"{fmt(r.get('compiled_peak_bytes', None) and r['compiled_peak_bytes'] / 2**30, '.2f')}"
                 f" | {fmt(gib(r.get('predicted_peak_bytes')), '.2f')} | "
                 f"{r.get('error', '')[:120]} |")
-        pub = entry.get("publication") or {}
-        if "end_to_end_gbps" in pub:
-            if "end_to_end_over_memcpy" in pub:  # the puller waiting, the version streamed
-                text = (f"to a waiting puller ({pub['dtype']}, {pub['transport']}, streamed): "
-                        f"{pub['end_to_end_gbps']:.2f} GB/s from the publish call to the "
-                        f"pulled arrays, {pub['end_to_end_over_memcpy']:.2f}x one memcpy of "
-                        f"the same bytes ({pub['memcpy_gbps']:.2f} GB/s, same run); "
-                        f"{pub['end_to_end_over_host_copies']:.2f} of a device->host plus a "
-                        "host->device copy.")
-            else:
-                text = (f"({pub['dtype']}, {pub['transport']}): publish "
-                        f"{pub['publish_gbps']:.2f} GB/s, pull {pub['pull_gbps']:.2f} GB/s, end "
-                        f"to end {pub['end_to_end_gbps']:.2f} GB/s "
-                        f"({pub['end_to_end_over_host_copies']:.2f} of a device->host plus a "
-                        "host->device copy).")
-            lines += ["", f"Publication of one {pub['version_bytes'] / 1e9:.2f} GB version "
-                      + text]
-        elif pub.get("error"):
-            lines += ["", f"Publication failed: {pub['error'][:300]}"]
+        for pub in (entry.get("publication_by_transport")
+                    or {"shm": entry.get("publication") or {}}).values():
+            lines += publication_lines(pub)
         lines.append("")
     return "\n".join(lines)
+
+
+def publication_lines(pub: dict) -> list[str]:
+    """The report's sentence on one publication row."""
+    if "end_to_end_gbps" not in pub:
+        return (["", f"Publication ({pub.get('transport', 'shm')}) failed: {pub['error'][:300]}"]
+                if pub.get("error") else [])
+    streamed = ", streamed" if pub.get("streamed") else ""
+    text = (f"to a waiting puller ({pub['dtype']}, {pub['transport']}{streamed}): "
+            f"{pub['end_to_end_gbps']:.2f} GB/s from the publish call to the pulled arrays")
+    if "end_to_end_over_memcpy" in pub:
+        text += (f", {pub['end_to_end_over_memcpy']:.2f}x one memcpy of the same bytes "
+                 f"({pub['memcpy_gbps']:.2f} GB/s, same run)")
+    text += (f"; {pub['end_to_end_over_host_copies']:.2f} of a device->host plus a host->device "
+             "copy")
+    if "end_to_end_over_device_copy" in pub:
+        text += f", {pub['end_to_end_over_device_copy']:.2f} of a device-memory copy"
+    return ["", f"Publication of one {pub['version_bytes'] / 1e9:.2f} GB version {text}."]
 
 
 def write_comparison(results_dir: Path):
@@ -592,6 +601,8 @@ def main():
     parser.add_argument("--no_engine", dest="engine", action="store_false",
                         help="decode: the raw step only, not the engine end to end")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transports", default="shm,jax_transfer",
+                        help="publication: transports measured, the first one in the summary")
     parser.add_argument("--staging_threads", type=int, default=None,
                         help="publication: PublisherConfig.staging_threads (default: its own)")
     parser.add_argument("--budget_s", type=float, default=420.0,
@@ -671,15 +682,24 @@ def main():
             entry["trainer"] = []
             measure_trainer(cfg, args, acc, dtype, dtype_name, deadline, entry["trainer"], save)
             entry["trainer_attention"] = args.attention_check
-        elif time.perf_counter() > deadline:
-            entry["publication"] = {"error": "skipped: time budget spent"}
         else:
-            try:
-                entry["publication"] = measure_publication(cfg, args, dtype, args.repeats)
-            except Exception as e:
-                entry["publication"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-                log(f"publication: FAILED {entry['publication']['error'][:300]}")
-                traceback.print_exc()
+            entry["publication_by_transport"] = by_transport = {}
+            for transport in args.transports.split(","):
+                if time.perf_counter() > deadline:
+                    by_transport[transport] = {"transport": transport,
+                                               "error": "skipped: time budget spent"}
+                    continue
+                try:
+                    by_transport[transport] = measure_publication(cfg, args, dtype,
+                                                                  args.repeats, transport)
+                except Exception as e:
+                    by_transport[transport] = {"transport": transport,
+                                               "error": f"{type(e).__name__}: {e}"[:2000]}
+                    log(f"publication ({transport}): FAILED "
+                        f"{by_transport[transport]['error'][:300]}")
+                    traceback.print_exc()
+                save()
+            entry["publication"] = next(iter(by_transport.values()))
         gc.collect()
         save()
     entry["summary"] = summary(entry)

@@ -41,7 +41,11 @@ def test_accelerator_check_runs_on_cpu_and_writes_the_comparison(tmp_path):
     pub = entry["publication"]
     assert "error" not in pub, pub
     assert pub["version_bytes"] == 4 * SHAPES["tiny"].num_params()
-    assert pub["end_to_end_gbps"] > 0
+    assert pub["end_to_end_gbps"] > 0 and pub["transport"] == "shm"
+    # device memory to device memory, no host bounce: measured beside shm
+    direct = entry["publication_by_transport"]["jax_transfer"]
+    assert "error" not in direct, direct
+    assert direct["version_bytes"] == pub["version_bytes"] and direct["end_to_end_gbps"] > 0
     assert set(entry["summary"]) == {"decode", "trainer", "publication"}
     table = (out / "comparison.md").read_text()
     assert "## Accelerator check" in table and "| tiny | float32 |" in table
