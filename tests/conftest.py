@@ -1,12 +1,31 @@
-"""Test set-up: 8 host CPU devices (must be set before jax is imported anywhere)."""
+"""Test set-up: 8 host CPU devices (must be set before jax is imported anywhere), and one JAX
+persistent compilation cache for the session."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tests build the same small models again and again, in this process and in the servers and
+# trainers they start: a session-wide compilation cache (a fresh private directory, removed at
+# the end; the same variables as rl_jax.compile_cache.environment) compiles each program once.
+# Tests of the cache itself give their processes directories of their own.
+_SESSION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="rl_jax-tests-xla-")
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _SESSION_CACHE,
+                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 # Per-test time limit of tests marked `slow` (end-to-end runs that launch several training
