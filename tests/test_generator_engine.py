@@ -6,6 +6,7 @@ import concurrent.futures
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,13 +44,21 @@ def engine(weights):
     eng.shutdown()
 
 
+_TRAINER_PROGRAMS: dict = {}  # id(spec) -> (spec, the jitted forward)
+
+
 def trainer_logprobs(spec, params, prompt, output):
-    """Log-probs of ``output`` given ``prompt`` from the trainer's forward pass."""
-    model = spec.merge(params)
-    tokens = jnp.asarray([prompt + output[:-1]])
-    targets = jnp.asarray([prompt[1:] + output])
-    lp, _ = model.token_logprobs(tokens, targets)
-    return np.asarray(lp[0, len(prompt) - 1:])
+    """Log-probs of ``output`` given ``prompt`` from the trainer's forward pass, compiled once
+    per 64-token bucket (the padding after the sequence cannot reach it: attention is
+    causal)."""
+    n = len(prompt) + len(output) - 1
+    tokens, targets = np.zeros((2, 1, 64 * -(-n // 64)), np.int32)
+    tokens[0, :n], targets[0, :n] = prompt + output[:-1], prompt[1:] + output
+    held, forward = _TRAINER_PROGRAMS.get(id(spec), (None, None))
+    if held is not spec:
+        forward = jax.jit(lambda p, t, y: spec.merge(p).token_logprobs(t, y)[0])
+        _TRAINER_PROGRAMS[id(spec)] = (spec, forward)
+    return np.asarray(forward(params, tokens, targets)[0, len(prompt) - 1:n])
 
 
 def req(prompt, **sampling):
@@ -210,7 +219,6 @@ def _generate_across_update(weights, recompute: bool, meshes=None, decode_steps:
 
 
 def _place(params, mesh):
-    import jax
     from jax.sharding import NamedSharding, PartitionSpec
     return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
 
@@ -409,7 +417,6 @@ def test_many_concurrent_clients_with_few_slots(weights):
 def test_tensor_parallel_engine_matches_single_device(weights):
     mesh = make_mesh(data=1, fsdp=1, tensor=2, devices=__import__("jax").devices()[:2])
     tp_spec = ModelSpec(CFG, mesh=mesh, rules=generator_rules())
-    import jax
     params = jax.device_put(weights[0], tp_spec.param_shardings)
     assert params["layers"]["wq"].sharding.spec[2] == "tensor"
     tp = Engine(CFG, params, engine_config=EngineConfig(max_slots=4, max_seq_len=64),
@@ -430,7 +437,6 @@ def test_data_parallel_replicas_match_single_device(spec, weights, tensor):
     """Two replicas (each on one device, or tensor-parallel over two) share out the requests
     and produce the tokens and log-probs one device does; samples of one request admitted
     together share one prefill on one replica."""
-    import jax
     meshes = make_generator_meshes(tensor, 2)
     params = jax.device_put(weights[0], ModelSpec(CFG, mesh=meshes[0],
                                                   rules=generator_rules()).param_shardings)
@@ -570,7 +576,6 @@ def reference_filter(scaled, top_k, top_p, min_p):
 def test_filter_mask_matches_a_sorting_reference(filters):
     """Batches whose rows mix every filter, and batches where no row asks for top-p, or for
     top-k, or for either (the searches nobody asks for are skipped)."""
-    import jax
     from rl_jax.generator.sampling import filter_mask
     rng = np.random.default_rng(0)
     rows, vocab = 24, 300
@@ -760,7 +765,6 @@ def test_the_next_cache_length_is_compiled_ahead(weights):
 
 
 def _decode_across_a_cache_length(weights, compiles):
-    import jax
     from rl_jax.generator.kv_cache import SLOT_FIELDS
     from rl_jax.generator.runner import ModelRunner
     runner = ModelRunner(CFG, max_slots=8, max_seq_len=96, page_size=16)

@@ -312,17 +312,24 @@ def test_shared_prompt_packing_gives_the_same_loss_and_gradient(setup, loss="grp
     loss_fn = make_policy_loss(loss, temperature=0.8)
     model_params = weights[1]  # not the weights that sampled: ratios differ from 1
 
-    def value(params, batch):
-        out = loss_fn(spec.merge(params), PolicyBatch.from_numpy(batch))
-        return out[0] / out[1], out
+    @jax.jit
+    def value_and_grad(params, batch: PolicyBatch):
+        def value(params):
+            out = loss_fn(spec.merge(params), batch)
+            return out[0] / out[1], out
+        return jax.value_and_grad(value, has_aux=True)(params)
+
+    @jax.jit
+    def logprobs(params, batch: PolicyBatch):
+        return spec.merge(params).token_stats(batch.tokens, batch.targets, batch.positions,
+                                              batch.segment_ids,
+                                              prefix_ids=batch.prefix_ids)["logprobs"]
 
     results = []
     for batch in (plain, shared):
-        (v, out), grads = jax.value_and_grad(value, has_aux=True)(model_params, batch)
-        stats = spec.merge(model_params).token_stats(
-            batch["tokens"], batch["targets"], batch["positions"], batch["segment_ids"],
-            prefix_ids=batch["prefix_ids"])
-        lp = np.asarray(stats["logprobs"])[batch["loss_mask"] > 0]
+        policy_batch = PolicyBatch.from_numpy(batch)
+        (v, out), grads = value_and_grad(model_params, policy_batch)
+        lp = np.asarray(logprobs(model_params, policy_batch))[batch["loss_mask"] > 0]
         results.append((float(v), grads, np.sort(lp), out[2]))
     (v1, g1, lp1, m1), (v2, g2, lp2, m2) = results
     np.testing.assert_allclose(lp2, lp1, rtol=1e-5, atol=1e-5)
