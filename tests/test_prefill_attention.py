@@ -1,9 +1,9 @@
 """The generator's prompt attention through the trainer's fused kernels: the splash kernel (run
 in Pallas' interpreter, the backend taken for a TPU) against XLA's attention in the prefill and
-in the engine's generations, per-bucket fallback to XLA, and the selection by backend, dtype and
-devices with the errors a named kernel gives where it cannot run. cuDNN's kernel needs a GPU to
-lower; its selection rules are checked here and its numbers by ``benchmarks/accelerator_check.py``
-on a GPU."""
+in the engine's generations, per-bucket fallback to XLA, the selection by backend, dtype and
+devices with its start-up compile probe, and the errors a named kernel gives where it cannot run.
+cuDNN's kernel needs a GPU to lower: its selection and fallback are checked here, its numbers by
+``benchmarks/accelerator_check.py`` on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +108,7 @@ def test_engine_generates_the_same_tokens_with_splash_prefill(params, on_tpu):
         np.testing.assert_allclose(splash.output_logprobs, xla.output_logprobs, atol=1e-4)
 
 
-def test_selection_by_backend_dtype_and_devices(monkeypatch):
+def test_selection_by_backend_dtype_and_devices(monkeypatch, caplog):
     def runner(**kw):
         return ModelRunner(CFG, max_slots=2, max_seq_len=32, **kw).prefill_attention_backend
 
@@ -118,7 +118,15 @@ def test_selection_by_backend_dtype_and_devices(monkeypatch):
         runner(prefill_attention="cudnn")
     with pytest.raises(GeneratorError, match="attention must be one of .*'flash'"):
         runner(prefill_attention="flash")
+    # Taken for a GPU, cuDNN is chosen, and compiled once at start: here (no cuDNN) that fails,
+    # so auto falls back to XLA saying why, and the named kernel is an error naming why.
     monkeypatch.setattr(fa, "current_backend", lambda: "cuda")
+    with caplog.at_level("WARNING"):
+        assert runner(dtype=jnp.bfloat16) == "xla"
+    assert "cudnn prefill attention does not compile here, using XLA's" in caplog.text
+    with pytest.raises(GeneratorError, match="prefill attention 'cudnn' does not compile here"):
+        runner(dtype=jnp.bfloat16, prefill_attention="cudnn")
+    monkeypatch.setattr(fa, "compile_problem", lambda *a, **k: None)  # as on a GPU
     assert runner(dtype=jnp.bfloat16) == "cudnn"
     assert runner(dtype=jnp.bfloat16, prefill_attention="xla") == "xla"
     assert runner() == "xla"  # float32: cuDNN takes bfloat16/float16 only

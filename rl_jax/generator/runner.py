@@ -164,18 +164,31 @@ class ModelRunner:
 
     def _choose_prefill_attention(self, requested: str) -> str:
         """The prompts' attention kernel (:mod:`rl_jax.models.fused_attention`): ``"xla"``, or
-        ``"auto"``/a named fused kernel, checked here against the backend, dtype and heads (an
-        error naming why a named one cannot run). The fused kernel takes each prefill bucket it
-        fits (splash: multiples of 128 tokens, one device); other buckets run on XLA."""
+        ``"auto"``/a named fused kernel, checked here against the backend, dtype and heads and
+        compiled once (``"auto"`` falls back to XLA with one log line; a named kernel that
+        cannot run is an error naming why). The fused kernel takes each prefill bucket it fits
+        (splash: multiples of 128 tokens, one device); other buckets run on XLA."""
         try:
             fused_attention.check_implementation(requested)
-            return fused_attention.select_implementation(
+            chosen = fused_attention.select_implementation(
                 requested, backend=fused_attention.current_backend(), dtype=self.dtype,
                 head_dim=self.config.head_dim, q_len=fused_attention.SPLASH_BLOCK,
                 kv_len=fused_attention.SPLASH_BLOCK, causal_self=True, has_segment_ids=True,
                 num_devices=len(self._devices()))
         except ValueError as e:
             raise GeneratorError(f"prefill attention: {e}") from None
+        if chosen == "xla":
+            return chosen
+        problem = fused_attention.compile_problem(
+            chosen, dtype=self.dtype, heads=self.config.num_heads,
+            kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim)
+        if problem and requested == "auto":
+            log.warning("%s prefill attention does not compile here, using XLA's: %s", chosen,
+                        problem)
+            return "xla"
+        if problem:
+            raise GeneratorError(f"prefill attention {chosen!r} does not compile here: {problem}")
+        return chosen
 
     def _pallas_problem(self, platform: str) -> str | None:
         """Why the Pallas kernel cannot run for this runner (``None`` where it can)."""

@@ -196,6 +196,29 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
     return xla_attention(q, k, v, mask)
 
 
+def compile_problem(implementation: str, *, dtype: Any, heads: int, kv_heads: int,
+                    head_dim: int, length: int = SPLASH_BLOCK) -> str | None:
+    """Why ``implementation`` does not compile on the current backend for these heads (one
+    causal-within-segments attention of ``length`` tokens, compiled), or ``None`` when it does:
+    a start-up probe, so that ``"auto"`` can fall back to XLA instead of failing later."""
+    q = jax.ShapeDtypeStruct((1, length, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), dtype)
+    segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def probe(q, k, v, segment_ids):
+        index = jnp.arange(length, dtype=jnp.int32)[None]
+        mask = ((index[:, :, None] >= index[:, None, :])
+                & (segment_ids[:, :, None] == segment_ids[:, None, :]))
+        return fused_attention(q, k, v, mask, implementation=implementation,
+                               segment_ids=segment_ids, causal_self=True)
+
+    try:
+        jax.jit(probe).lower(q, kv, kv, segments).compile()
+    except Exception as e:  # any lowering or compilation failure is the answer
+        return f"{type(e).__name__}: {e}"[:500]
+    return None
+
+
 # ---- self-check on the current backend ---------------------------------------------------------
 
 def packed_example(*, batch: int = 2, length: int = 512, heads: int = 8, kv_heads: int = 2,
