@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -353,6 +354,17 @@ def test_sglang_kind_needs_the_sglang_extra():
         pytest.skip("sglang is installed here")
     with pytest.raises(LaunchError, match=r"rl_jax\[sglang\]"):
         ServerPool(PoolConfig(model="m", kind="sglang", ports=(30001,))).start()
+
+
+def test_a_pool_makes_its_temporary_log_directory_only_when_it_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes directories
+    pool = ServerPool(PoolConfig(model="m", ports=(30001, 30002)))
+    pool.commands()
+    assert list(tmp_path.iterdir()) == []  # built, never started: nothing left behind
+    assert pool.log_files == [pool.log_dir / "rl_jax-server-0.log",
+                              pool.log_dir / "rl_jax-server-1.log"]
+    assert pool.log_dir.parent == tmp_path and pool.log_dir.name.startswith("rl_jax-generators-")
+    assert pool.log_dir.stat().st_mode & 0o777 == 0o700
 
 
 def test_a_crashing_server_is_reported_with_its_log(tmp_path):

@@ -211,9 +211,7 @@ class ServerPool:
         own = self.config.kind == "rl_jax"
         self.ports = [p or (0 if own else free_port(self.config.host)) for p in self.config.ports]
         self.processes: list[subprocess.Popen | None] = [None] * len(self.ports)
-        self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="rl_jax-generators-"))
-        self.log_files = [self.log_dir / f"{self.config.kind}-server-{i}.log"
-                          for i in range(len(self.ports))]
+        self._log_dir = Path(self.config.log_dir) if self.config.log_dir else None
         self._log_offsets = [0] * len(self.ports)
         # The servers get the pool's keys and no others (not ones this process inherited).
         self.env = child_environ({**os.environ, **dict(self.config.env)}, self.config.keys)
@@ -224,6 +222,19 @@ class ServerPool:
             root = str(Path(__file__).resolve().parents[2])
             self.env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (root, self.env.get("PYTHONPATH")) if p)
+
+    @property
+    def log_dir(self) -> Path:
+        """The servers' log directory: the configured one, else a temporary directory made when
+        first needed (a pool never started leaves none behind) and kept after ``stop`` so that
+        the logs can be read."""
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="rl_jax-generators-"))
+        return self._log_dir
+
+    @property
+    def log_files(self) -> list[Path]:
+        return [self.log_dir / f"{self.config.kind}-server-{i}.log" for i in range(len(self.ports))]
 
     @property
     def urls(self) -> list[str]:
