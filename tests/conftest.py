@@ -13,14 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Tests build the same small models again and again, in this process and in the servers and
 # trainers they start: a session-wide compilation cache (a fresh private directory, removed at
-# the end; the same variables as rl_jax.compile_cache.environment) compiles each program once.
-# Tests of the cache itself give their processes directories of their own.
+# the end) compiles each program once. Tests of the cache itself give their processes
+# directories of their own. (rl_jax.compile_cache does not import jax.)
 _SESSION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    from rl_jax import compile_cache
+
     _SESSION_CACHE = tempfile.mkdtemp(prefix="rl_jax-tests-xla-")
-    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _SESSION_CACHE,
-                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+    os.environ.update(compile_cache.environment(_SESSION_CACHE))
 
 
 def pytest_unconfigure(config):

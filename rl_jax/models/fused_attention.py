@@ -201,14 +201,15 @@ def compile_problem(implementation: str, *, dtype: Any, heads: int, kv_heads: in
     """Why ``implementation`` does not compile on the current backend for these heads (one
     causal-within-segments attention of ``length`` tokens, compiled), or ``None`` when it does:
     a start-up probe, so that ``"auto"`` can fall back to XLA instead of failing later."""
+    from rl_jax.models.transformer import attention_mask
+
     q = jax.ShapeDtypeStruct((1, length, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), dtype)
     segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
 
     def probe(q, k, v, segment_ids):
         index = jnp.arange(length, dtype=jnp.int32)[None]
-        mask = ((index[:, :, None] >= index[:, None, :])
-                & (segment_ids[:, :, None] == segment_ids[:, None, :]))
+        mask = attention_mask(index, segment_ids, index, segment_ids)
         return fused_attention(q, k, v, mask, implementation=implementation,
                                segment_ids=segment_ids, causal_self=True)
 
