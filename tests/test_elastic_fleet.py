@@ -443,6 +443,10 @@ def test_a_request_on_a_server_that_leaves_raises_server_left_at_once(how):
     loop = BackgroundLoop("leave-test")
     client = GeneratorClient([stalled.url, other], ClientConfig(health_check_interval=3600))
     client.servers[1].healthy = False
+    # No background health probe during the test: a probe of the stalled server that timed out
+    # on a loaded machine would mark it down and abandon the request before it is removed.
+    for server in client.servers:
+        server.next_probe = time.monotonic() + 3600
     try:
         request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4), rid="prompt-5-0")
         future = loop.submit(client.generate(request))
