@@ -47,6 +47,10 @@ _NUM_GENERATORS = flags.DEFINE_integer("num_generators", 1, "Generator servers."
 _GENERATOR_KIND = flags.DEFINE_enum("generator_kind", "rl_jax", ["rl_jax", "sglang"],
                                     "rl_jax: launch.generator_server; sglang: "
                                     "python -m sglang.launch_server.")
+_GENERATOR_PYTHON = flags.DEFINE_string(
+    "generator_python", "", "The Python that runs the generator servers on their nodes (\"\": "
+    "the node's own). SGLang runs in an environment of its own: its venv's or container's "
+    "python, at the same path on every generator node.")
 _GENERATOR_MODEL = flags.DEFINE_string("generator_model", None, "The checkpoint the servers "
                                        "load (a path every generator node sees).")
 _GENERATOR_RESOURCES = flags.DEFINE_string(
@@ -119,6 +123,7 @@ def main(argv):
                                 _split(_GENERATOR_ARGS),
                                 parse_env(_GENERATOR_ENV.value, "--generator_env")),
             generator_kind=_GENERATOR_KIND.value, generator_model=_GENERATOR_MODEL.value,
+            generator_python=_GENERATOR_PYTHON.value,
             router=RoleSpec(int(_ROUTER.value),
                             Resources.parse(_ROUTER_RESOURCES.value, "--router_resources"),
                             _split(_ROUTER_ARGS)),

@@ -39,7 +39,20 @@ ADMIN_ENDPOINTS = [
     ("GET", "/flush_cache", None),
     ("POST", "/update_weights_from_disk", "CHECKPOINT"),
     ("POST", "/update_weights_from_transfer", {"publisher_url": "http://127.0.0.1:9"}),
+    # SGLang's broadcast protocol; with the admin key the last three are refused for what they
+    # ask (no such group, a backend this server lacks, a bucket of an unknown group), not
+    # for the key
+    ("POST", "/begin_weight_update", {}),
+    ("POST", "/end_weight_update", {}),
+    ("POST", "/destroy_weights_update_group", {"group_name": "nobody"}),
+    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 9,
+                                            "rank_offset": 1, "world_size": 2,
+                                            "group_name": "g", "backend": "nccl"}),
+    ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                  "group_name": "g"}),
 ]
+REFUSED_FOR_WHAT_THEY_ASK = {"/destroy_weights_update_group", "/init_weights_update_group",
+                             "/update_weights_from_distributed"}
 NORMAL_ENDPOINTS = [
     ("POST", "/generate", {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 2}}),
     ("PUT", "/generate", {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 2}}),
@@ -167,8 +180,10 @@ def test_every_server_endpoint_is_classified():
     server is an admin path."""
     from rl_jax.generator.server import GeneratorServer
     from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.distributed_endpoints import DistributedWeightEndpoints
     fake = GeneratorServer.__new__(GeneratorServer)
     fake.config, fake.http_requests = ServerConfig(model="m", keys=Keys(API, ADMIN)), {}
+    fake.distributed = DistributedWeightEndpoints(fake)
     routes = {(r.method, r.resource.canonical) for r in fake.app().router.routes()}
     listed = {(m, p) for m, p, _ in ADMIN_ENDPOINTS + NORMAL_ENDPOINTS + OPEN_ENDPOINTS}
     assert routes == listed
@@ -351,12 +366,14 @@ def test_admin_endpoints_refuse_all_but_the_admin_key(servers, ckpts):
 
 def test_admin_endpoints_run_with_the_admin_key(servers, ckpts):
     url = url_of(servers["both"])
-    for method, path, body in ADMIN_ENDPOINTS:
-        for headers in (bearer(ADMIN), {"x-api-key": ADMIN}):
+    for headers in (bearer(ADMIN), {"x-api-key": ADMIN}):
+        for method, path, body in ADMIN_ENDPOINTS:
             status, data, _ = call(url, method, path, body, ckpts["b"], headers)
             if path == "/update_weights_from_transfer":  # authorised (a keyed server's admin
                 # may name any publisher); nobody publishes there
                 assert status == 400 and "transfer_error" in data["error"]["type"], data
+            elif path in REFUSED_FOR_WHAT_THEY_ASK:
+                assert status == 400 and data["success"] is False, (path, data)
             else:
                 assert status == 200, (method, path, data)
     paused, version, _ = server_state(url)

@@ -98,14 +98,15 @@ def test_outputs_carry_logprobs_versions_and_n_samples(pool):
     run(main())
 
 
-def test_a_batch_goes_to_one_server_in_one_exchange(pool):
+def test_a_batch_goes_in_one_exchange_per_n(pool):
     async def main():
         async with GeneratorClient(pool.urls) as client:
             requests = [req((1, 5, 7), max_new_tokens=3 + i, seed=10 + i, n=1 + i % 2)
                         for i in range(4)]
             before = sum(served(client))
             outs = await client.generate_batch(requests)
-            assert sum(served(client)) == before + 1  # one exchange, one server
+            # one exchange per n (SGLang needs one n per batch), each with one server
+            assert sum(served(client)) == before + 2
             assert [len(o) for o in outs] == [1, 2, 1, 2]
             assert [[len(x.output_ids) for x in o] for o in outs] == [[3], [4, 4], [5], [6, 6]]
             # The same completions as the prompts sent one by one.
@@ -349,11 +350,17 @@ def test_server_commands():
             PoolConfig(model="/ckpt", nice=bad)
 
 
-def test_sglang_kind_needs_the_sglang_extra():
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("sglang is installed here")
-    with pytest.raises(LaunchError, match=r"rl_jax\[sglang\]"):
+def test_sglang_kind_needs_the_python_of_sglangs_own_environment(tmp_path):
+    assert importlib.util.find_spec("sglang") is None  # never in the trainer's environment
+    with pytest.raises(LaunchError, match=r"give generator\.python.*tools/sglang_cpu"):
         ServerPool(PoolConfig(model="m", kind="sglang", ports=(30001,))).start()
+    for python in (str(tmp_path / "missing" / "python"), str(tmp_path)):
+        with pytest.raises(LaunchError, match="is not an executable"):
+            ServerPool(PoolConfig(model="m", kind="sglang", ports=(30001,),
+                                  python=python)).start()
+    command = ServerPool(PoolConfig(model="m", kind="sglang", ports=(30001,),
+                                    python="/opt/sglang/bin/python")).commands()[0]
+    assert command[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
 
 
 def test_a_pool_makes_its_temporary_log_directory_only_when_it_starts(tmp_path, monkeypatch):

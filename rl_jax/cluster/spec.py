@@ -129,6 +129,9 @@ class LaunchSpec:
       generators: the generator servers (``args``: extra server flags).
       generator_kind: ``rl_jax`` (this project's server) or ``sglang``.
       generator_model: the checkpoint the servers load (a path every generator node sees).
+      generator_python: the Python that runs the generator servers on their nodes ("" = the
+        node's own, the one running Ray). SGLang runs in an environment of its own: the python
+        of that venv or container, at the same path on every generator node.
       router: SGLang's router in front of the servers (``count`` 0 or 1; ``args``: its flags).
       trainer_strategy: the trainers' placement-group strategy.
       coordinator_port / publisher_port / generator_port / router_port: 0 for a free port of
@@ -144,6 +147,7 @@ class LaunchSpec:
     generators: RoleSpec
     generator_model: str
     generator_kind: str = "rl_jax"
+    generator_python: str = ""
     router: RoleSpec = RoleSpec(0, Resources(num_cpus=0.0))
     trainer_strategy: str = "STRICT_SPREAD"
     coordinator_port: int = 0
@@ -222,13 +226,14 @@ def generator_command(spec: LaunchSpec, *, host: str, port: int, parent_pid: int
     supervisor (``parent_pid``) and, given ``publisher_url`` (a restart), pulls the newest
     published weights before it answers ``/health``."""
     if spec.generator_kind == "rl_jax":
-        cmd = [python, "-m", "launch.generator_server", f"--model={spec.generator_model}",
+        cmd = [spec.generator_python or python, "-m", "launch.generator_server",
+               f"--model={spec.generator_model}",
                f"--host={host}", f"--port={port}", f"--parent_pid={parent_pid}"]
         if publisher_url:
             cmd.append(f"--publisher_url={publisher_url}")
     else:
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", spec.generator_model,
-               "--host", host, "--port", str(port)]
+        cmd = [spec.generator_python or python, "-m", "sglang.launch_server", "--model-path",
+               spec.generator_model, "--host", host, "--port", str(port)]
         if sglang_config:
             cmd += ["--config", sglang_config]
     return cmd + list(spec.generators.args)

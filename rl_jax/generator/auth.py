@@ -47,6 +47,7 @@ ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/update_weights_from_transfer",
     "/update_weights_from_distributed", "/update_weights_from_tensor",
     "/init_weights_update_group", "/destroy_weights_update_group",
+    "/begin_weight_update", "/end_weight_update",
     "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
     "/release_memory_occupation", "/resume_memory_occupation", "/update_weight_version",
     "/load_lora_adapter", "/unload_lora_adapter", "/set_internal_state",

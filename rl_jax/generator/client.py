@@ -43,6 +43,7 @@ from rl_jax.generator.client_control import (  # noqa: F401 - the errors' public
     BroadcastControl, GeneratorRequestError, GeneratorUnavailable, ServerLeft, _message)
 from rl_jax.generator.protocol import request_json
 from rl_jax.generator.responses import outputs_from_json
+from rl_jax.generator.server_identity import ServerIdentity, warn_if_seed_ignored
 from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class ServerState:
     failures: int = 0  # consecutive failed attempts or probes
     next_probe: float = 0.0  # time.monotonic() of the next health check
     weight_version: int | None = None  # as last seen
+    identity: ServerIdentity | None = None  # once identify_servers() has read it
+    seed_warned: bool = False
 
 
 class GeneratorClient(BroadcastControl, Generator):
@@ -148,6 +151,12 @@ class GeneratorClient(BroadcastControl, Generator):
         status, data, _ = await self._request(ServerState(url.rstrip("/")), method, path, body,
                                               timeout=self.config.health_timeout)
         return status, data
+
+    async def version_of(self, url: str) -> int | None:
+        """The weight version the server ``url`` (in the pool or not) serves; None where it
+        refuses (see :meth:`read_version`). Raises aiohttp/asyncio errors on transport failure."""
+        status, version = await self.read_version(ServerState(url.rstrip("/")))
+        return version if status == 200 else None
 
     def _signal_lost(self, url: str):
         """Wakes the requests in flight on ``url`` (from any thread)."""
@@ -261,8 +270,7 @@ class GeneratorClient(BroadcastControl, Generator):
             weights = self._replay.get("weights")
             if weights is not None:
                 path, weights = weights
-                status, data, _ = await self._request(server, "GET", "/get_weight_version")
-                current = data.get("weight_version") if isinstance(data, dict) else None
+                status, current = await self.read_version(server)
                 behind = path == "/update_weights_from_transfer" and isinstance(current, int) \
                     and current >= int(weights["weight_version"])
                 if status != 200 or (str(current) != str(weights["weight_version"])
@@ -320,9 +328,24 @@ class GeneratorClient(BroadcastControl, Generator):
                              ) -> list[list[GenerateOutput]]:
         """Completions of several prompts in one SGLang batch request: one HTTP exchange with
         one server (the least loaded; another one if it fails), whose answer lists each prompt's
-        ``n`` completions in turn. In request order."""
+        ``n`` completions in turn (prompts asking for different ``n`` go in one batch per ``n``,
+        as SGLang needs). In request order."""
         if len(requests) <= 1:
             return [await self.generate(r) for r in requests]
+        by_n: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_n.setdefault(r.sampling.n, []).append(i)
+        if len(by_n) > 1:
+            # SGLang refuses a batch whose prompts ask for different n ("The parallel_sample_num
+            # should be the same for all samples"): one batch per n, side by side.
+            groups = list(by_n.values())
+            answers = await asyncio.gather(*(self.generate_batch([requests[i] for i in g])
+                                             for g in groups))
+            out: list[list[GenerateOutput]] = [[] for _ in requests]
+            for g, answer in zip(groups, answers):
+                for i, outputs in zip(g, answer):
+                    out[i] = outputs
+            return out
         await self._ensure_started()
         requests = [r if r.rid is not None else dataclasses.replace(r, rid=uuid.uuid4().hex)
                     for r in requests]
@@ -369,6 +392,7 @@ class GeneratorClient(BroadcastControl, Generator):
                 problems.append("no healthy server")
                 continue
             tried.add(server.url)
+            warn_if_seed_ignored(server, body)
             server.outstanding += 1
             self.stats["attempts"] += 1
             try:

@@ -14,7 +14,12 @@ from typing import Any
 
 import aiohttp
 
+from rl_jax.generator.server_identity import ServerIdentity, identify
 from rl_jax.generator.types import GeneratorError
+
+# Where a server reports the weight version it serves, in the order asked: SGLang 0.5 and this
+# project's servers in /model_info, older SGLang servers at /get_weight_version.
+VERSION_PATHS = ("/model_info", "/get_weight_version")
 
 
 class GeneratorRequestError(GeneratorError):
@@ -110,17 +115,70 @@ class BroadcastControl:
                 versions[server.url] = server.weight_version
         return versions
 
+    async def read_version(self, server: Any) -> tuple[int | None, int | None]:
+        """``(HTTP status, weight version)`` of one server (a ``ServerState``): ``/model_info``'s
+        ``weight_version`` (SGLang 0.5 and this project's servers), else ``/get_weight_version``
+        (older SGLang servers, where ``/model_info`` is missing); the version is -1 where it is not
+        an integer (SGLang's "default" before any update) and None where the server refused.
+        Raises aiohttp/asyncio errors when the server cannot be reached."""
+        status = None
+        for path in VERSION_PATHS:
+            status, data, _ = await self._request(server, "GET", path,
+                                                  timeout=self.config.health_timeout)
+            if status == 404:
+                continue
+            if status != 200 or not isinstance(data, dict) or "weight_version" not in data:
+                return status, None
+            try:
+                return status, int(data["weight_version"])
+            except (TypeError, ValueError):
+                return status, -1
+        return status, None
+
     async def weight_versions(self) -> dict[str, int]:
-        """url → weight version of every server up (-1 where it is not an integer)."""
-        results = await self.broadcast("GET", "/get_weight_version")
-        versions = {}
-        for url, (status, data) in results.items():
-            if status == 200 and isinstance(data, dict):
-                try:
-                    versions[url] = int(data.get("weight_version"))
-                except (TypeError, ValueError):
-                    versions[url] = -1
+        """url → weight version of every server up (-1 where it is not an integer); servers that
+        cannot be reached are marked down and left out."""
+        await self._ensure_started()
+        targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            await self.check_health()
+            targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            raise GeneratorUnavailable("weight versions: no generator server is up")
+
+        async def one(server):
+            try:
+                return await self.read_version(server)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._mark_down(server, repr(e))
+                return None, None
+
+        results = await asyncio.gather(*map(one, targets))
+        refused = [(s.url, status) for s, (status, _) in zip(targets, results)
+                   if status is not None and status != 200]
+        if refused:
+            url, status = refused[0]
+            if 400 <= status < 500:
+                raise GeneratorRequestError(f"{VERSION_PATHS[0]}: refused", status=status,
+                                            url=url)
+            raise GeneratorUnavailable(f"weight versions: {refused} answered with an error")
+        versions = {s.url: v for s, (_, v) in zip(targets, results) if v is not None}
+        if not versions:
+            raise GeneratorUnavailable("weight versions: no server answered")
         return versions
+
+    async def identify_servers(self) -> dict[str, ServerIdentity]:
+        """url → :class:`~rl_jax.generator.server_identity.ServerIdentity` of every server up,
+        from its ``/server_info``; raises ``UnsupportedServer`` for an SGLang release this
+        project does not support. Kept on each server's state (seeded requests sent to a server
+        that ignores seeds are reported once)."""
+        results = await self.broadcast("GET", "/server_info")
+        found = {url: identify(data, url) for url, (status, data) in results.items()
+                 if status == 200}
+        for server in self.servers:
+            if server.url in found:
+                server.identity = found[server.url]
+        return found
 
     async def weight_version(self) -> int:
         return min((await self.weight_versions()).values())

@@ -1,10 +1,12 @@
 """Starts a pool of generator servers from one config block and stops it cleanly.
 
 ``kind = "rl_jax"`` runs this project's JAX server (``python -m rl_jax.generator.serve``);
-``kind = "sglang"`` runs real SGLang servers (``python -m sglang.launch_server``, needs the
-``[sglang]`` extra and GPUs; server ``i`` gets GPUs ``i*tp .. i*tp+tp-1`` via
-``--base-gpu-id``). Both speak the same API, so :class:`~rl_jax.generator.client.
-GeneratorClient` drives either::
+``kind = "sglang"`` runs real SGLang servers (``python -m sglang.launch_server``; server ``i``
+gets GPUs ``i*tp .. i*tp+tp-1`` via ``--base-gpu-id``) with the Python of SGLang's own
+environment (``PoolConfig.python``: a venv or a container's interpreter; SGLang pins packages
+this project's environment cannot share, so the trainer never imports it), plus the recipe's
+environment variables and flags (on CPU: ``tools/sglang_cpu/``). Both speak the same API, so
+:class:`~rl_jax.generator.client.GeneratorClient` drives either::
 
     with ServerPool(PoolConfig(model="ckpt", ports=(30001, 30002))) as pool:
         async with GeneratorClient(pool.urls) as client: ...
@@ -91,6 +93,9 @@ class PoolConfig:
     # The servers' API key and admin API key (SGLang's --api-key / --admin-api-key), handed to
     # them through their environment or a private file; never shown in a repr.
     keys: Keys = NO_KEYS
+    # The Python interpreter that runs the servers ("" = this process's). For SGLang, the one
+    # of its own environment (e.g. ".venv-sglang/bin/python"); "" needs sglang importable here.
+    python: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -142,8 +147,9 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
     """The command line of server ``index`` listening on ``port``; ``sglang_config``: a YAML
     file of further SGLang settings (its ``--config``; see :func:`write_sglang_keys`)."""
     c = config
+    python = c.python or sys.executable
     if c.kind == "rl_jax":
-        cmd = [sys.executable, "-m", "rl_jax.generator.serve", f"--model={c.model}",
+        cmd = [python, "-m", "rl_jax.generator.serve", f"--model={c.model}",
                f"--host={c.host}", f"--port={port}", f"--max_slots={c.max_slots}",
                f"--max_seq_len={c.max_seq_len}", f"--max_waiting={c.max_waiting}",
                f"--dtype={c.dtype}", f"--tensor_parallel={c.tensor_parallel}",
@@ -156,7 +162,7 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
         if c.publisher_url:
             cmd.append(f"--publisher_url={c.publisher_url}")
     else:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.model,
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", c.model,
                "--host", c.host, "--port", str(port), "--tp-size", str(c.tensor_parallel),
                "--dp-size", str(c.data_parallel),
                "--base-gpu-id", str(index * c.tensor_parallel * c.data_parallel),
@@ -173,6 +179,31 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
     if c.nice:
         cmd = ["nice", "-n", str(c.nice)] + cmd
     return cmd + list(c.extra_args)
+
+
+def sglang_cpu_settings() -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """``(env, extra_args)`` that run real SGLang's CPU engine (an environment made by
+    ``tools/sglang_cpu/install.sh``): its torch-native attention, no warm-up, no radix cache
+    (its CPU path has none), a small static memory share (the KV pool on a shared host)."""
+    env = (("SGLANG_USE_CPU_ENGINE", "1"),)
+    args = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup",
+            "--disable-radix-cache", "--mem-fraction-static", "0.1")
+    return env, args
+
+
+def check_python(config: PoolConfig) -> None:
+    """A ``LaunchError`` naming the problem unless ``config.python`` can run the servers."""
+    if config.python:
+        python = shutil.which(config.python)
+        if python is None or not os.access(python, os.X_OK):
+            raise LaunchError(f"generator python {config.python!r} is not an executable "
+                              "(for SGLang: the python of its own environment, e.g. "
+                              "tools/sglang_cpu/install.sh .venv-sglang)")
+    elif config.kind == "sglang" and importlib.util.find_spec("sglang") is None:
+        raise LaunchError("generator kind 'sglang' needs SGLang: give generator.python, the "
+                          "python of an environment where it is installed (on CPU: "
+                          "tools/sglang_cpu/install.sh .venv-sglang; on GPUs: pip install "
+                          "'sglang[srt]==0.5.23' in a venv or container of its own)")
 
 
 def write_sglang_keys(keys: Keys, directory: str | Path) -> Path:
@@ -254,9 +285,7 @@ class ServerPool:
         return server_command(self.config, self.ports[index], index, sglang_config)
 
     def start(self, wait: bool = True) -> "ServerPool":
-        if self.config.kind == "sglang" and importlib.util.find_spec("sglang") is None:
-            raise LaunchError("generator kind 'sglang' needs the sglang package: "
-                              "pip install 'rl_jax[sglang]' (CUDA machines)")
+        check_python(self.config)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         warning = exposure_warning(self.config.host, self.config.keys)
         if warning and self.config.kind == "sglang":  # this project's servers print it

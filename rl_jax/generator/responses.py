@@ -76,8 +76,10 @@ def output_json(out: GenerateOutput, item: PromptItem, *, weight_version: int,
                 decode: Callable[[list[int], bool], str] | None = None,
                 token_text: Callable[[int], str] | None = None,
                 return_text_in_logprobs: bool = False) -> dict[str, Any]:
-    """One completion as SGLang returns it, plus ``meta_info.weight_version`` (the version that
-    produced the last token), ``meta_info.output_token_weight_versions`` (one per token) and,
+    """One completion as SGLang returns it, with ``meta_info.weight_version`` (the version that
+    produced the last token) and ``meta_info.weight_versions`` (SGLang's spans of tokens per
+    version, :func:`version_spans`), plus ``meta_info.output_token_weight_versions`` (one per
+    token) and,
     when top-k/top-p/min-p filtered the sampling, ``meta_info.output_token_unfiltered_logprobs``
     (``output_token_logprobs`` are under the filtered distribution the tokens were drawn
     from)."""
@@ -89,6 +91,7 @@ def output_json(out: GenerateOutput, item: PromptItem, *, weight_version: int,
         "cached_tokens": out.cached_tokens,
         "e2e_latency": out.e2e_latency,
         "weight_version": out.output_versions[-1] if out.output_versions else weight_version,
+        "weight_versions": version_spans(out.output_versions),
         "output_token_weight_versions": list(out.output_versions),
     }
     if item.return_logprob:
@@ -110,6 +113,19 @@ def error_json(message: str, kind: str, status: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
+def version_spans(versions: Sequence[int]) -> list[dict[str, Any]]:
+    """Per-token versions as SGLang's ``meta_info.weight_versions``: ``[{"version", "start",
+    "end"}]``, one span per run of tokens produced by one version (``end`` exclusive, versions
+    as strings)."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
 # ---- client side --------------------------------------------------------------------------------
 
 def _version(value: Any) -> int:
@@ -120,11 +136,36 @@ def _version(value: Any) -> int:
         return -1
 
 
+def _span_versions(spans: Any, n_tokens: int) -> list[int]:
+    """Per-token versions from SGLang's ``meta_info.weight_versions`` spans, which must cover
+    ``0 .. n_tokens`` in order without gaps or overlaps (anything else is refused: a wrong version
+    would be a wrong staleness and a wrong importance weight)."""
+    if not isinstance(spans, list) or (not spans and n_tokens):
+        raise GeneratorError(f"meta_info.weight_versions must be a list of spans, got "
+                             f"{spans!r:.200}")
+    versions: list[int] = []
+    for span in spans:
+        try:
+            start, end, version = int(span["start"]), int(span["end"]), span["version"]
+        except (KeyError, TypeError, ValueError):
+            raise GeneratorError(f"malformed weight version span {span!r:.120}") from None
+        if start != len(versions) or end < start or end > n_tokens:
+            raise GeneratorError(f"weight version spans {spans!r:.300} do not cover the "
+                                 f"{n_tokens} output tokens in order")
+        versions += [_version(version)] * (end - start)
+    if len(versions) != n_tokens:
+        raise GeneratorError(f"weight version spans {spans!r:.300} cover {len(versions)} of "
+                             f"{n_tokens} output tokens")
+    return versions
+
+
 def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutput]:
     """A ``/generate`` answer for one request (a dict, or a list of ``n``) → its outputs.
 
-    Works for real SGLang servers too: without ``output_token_weight_versions`` every token gets
-    ``meta_info.weight_version`` (-1 when that is not an integer).
+    Each token's weight version comes from ``meta_info.output_token_weight_versions`` (this
+    project's servers), else from SGLang's ``meta_info.weight_versions`` spans, else from
+    ``meta_info.weight_version`` for every token (a server that reports no spans); -1 where a
+    version is not an integer.
     """
     items = data if isinstance(data, list) else [data]
     if len(items) != request.sampling.n:
@@ -143,8 +184,13 @@ def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutpu
         if any(int(t[1]) != tok for t, tok in zip(triples, ids)):
             raise GeneratorError("output_token_logprobs token ids differ from output_ids")
         versions = meta.get("output_token_weight_versions")
+        if versions is None and meta.get("weight_versions") is not None:
+            versions = _span_versions(meta["weight_versions"], len(ids))
         if versions is None:
             versions = [_version(meta.get("weight_version"))] * len(ids)
+        if not isinstance(versions, list) or len(versions) != len(ids):
+            raise GeneratorError(f"server returned weight versions {versions!r:.120} for "
+                                 f"{len(ids)} tokens")
         unfiltered = meta.get("output_token_unfiltered_logprobs")
         if unfiltered is not None:
             if not isinstance(unfiltered, list) or len(unfiltered) != len(ids):
@@ -159,7 +205,7 @@ def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutpu
             rid=str(meta.get("id", request.rid)), input_ids=list(request.input_ids),
             output_ids=ids, output_logprobs=[float(t[0]) for t in triples],
             output_unfiltered_logprobs=unfiltered,
-            output_versions=[int(v) for v in versions],
+            output_versions=[_version(v) for v in versions],
             finish_reason=meta.get("finish_reason") or {"type": "unknown"},
             cached_tokens=int(meta.get("cached_tokens") or 0),
             e2e_latency=float(meta.get("e2e_latency") or 0.0)))

@@ -18,6 +18,9 @@ probes. Endpoints (SGLang's names; the router probes the ``/server_info``-style 
   POST /update_weights_from_disk    {model_path, load_format, abort_all_requests,
                                      weight_version, flush_cache, allow_older}; an in-flight
                                      swap
+  POST /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update,
+       /update_weights_from_distributed, /end_weight_update: SGLang's broadcast protocol
+       (``distributed_endpoints``)
   GET  /v1/models                   OpenAI-style model list
 
 Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for malformed or unservable
@@ -38,7 +41,8 @@ checked where the engine takes them (``Engine.update_weights``): tree, shapes, f
 finite values, and a version that does not go back unless the request sets ``allow_older``;
 refused ones get a 400 saying why while the old weights keep serving. Weight versions are
 integers (SGLang uses strings); every token's version is in
-``meta_info.output_token_weight_versions``.
+``meta_info.output_token_weight_versions`` and, as SGLang gives it, in the spans of
+``meta_info.weight_versions``.
 
 With ``ServerConfig.keys`` set, requests need SGLang's API key or admin API key
 (``rl_jax.generator.auth``: 401/403 otherwise; ``/health`` stays open).
@@ -77,6 +81,7 @@ import rl_jax
 from rl_jax.cpus import thread_cpu_seconds
 from rl_jax.generator import auth
 from rl_jax.generator.engine import PAUSE_MODES, Engine
+from rl_jax.generator.distributed_endpoints import DistributedWeightEndpoints
 from rl_jax.generator.httpio import (EngineStopped, ProtocolLog, all_results, error_response,
                                     errors_middleware, exit_with_parent, json_response,
                                     read_body, sse_event)
@@ -117,6 +122,7 @@ class GeneratorServer(WeightUpdateEndpoints):
         self._groups: dict[str, list[str]] = {}  # HTTP-level rid -> engine rids
         self._update_lock: asyncio.Lock | None = None
         self._pullers: dict[str, Any] = {}  # publisher URL -> rl_jax.transfer.GeneratorPuller
+        self.distributed = DistributedWeightEndpoints(self)  # SGLang's broadcast protocol
         self.gc = GcMonitor().install()
         self.max_text_chars = config.max_text_chars or text_limit(tokenizer, config.max_seq_len)
 
@@ -427,7 +433,8 @@ class GeneratorServer(WeightUpdateEndpoints):
                               ("/continue_generation", self.continue_generation),
                               ("/update_weights_from_disk", self.update_weights_from_disk),
                               ("/update_weights_from_transfer",
-                               self.update_weights_from_transfer)):
+                               self.update_weights_from_transfer),
+                              *self.distributed.routes()):
             add("POST", path, handler)
         return app
 

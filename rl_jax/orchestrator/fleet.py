@@ -250,7 +250,7 @@ class Fleet:
     def _check_server(self, url: str, timeout_s: float) -> None:
         """502 unless ``url`` answers /health and takes the run's API and admin keys."""
         checks = (("GET", "/health", None, "health"),
-                  ("GET", "/get_weight_version", None, "API key"),
+                  ("GET", "/model_info", None, "API key"),
                   ("POST", "/abort_request", {"rid": f"join-check-{time.monotonic_ns()}"},
                    "admin key"))
         for method, path, body, what in checks:
@@ -268,11 +268,7 @@ class Fleet:
                                       f"{str(data)[:200]}")
 
     async def _version(self, url: str) -> int | None:
-        status, data = await self.control.call(url, "GET", "/get_weight_version")
-        try:
-            return int(data["weight_version"]) if status == 200 else None
-        except (KeyError, TypeError, ValueError):
-            return None
+        return await self.control.version_of(url)
 
     def _router_call(self, action: str, url: str) -> None:
         """``router.add(url)`` or ``router.remove(url)`` when there is a router; 502 when it

@@ -77,10 +77,10 @@ def generator_keys(block: Generator, *, environ: Mapping[str, str] | None = None
 
 async def check_keys(client: GeneratorClient) -> None:
     """Raises :class:`RLConfigError` unless every server up takes the client's keys: the API
-    key at ``/get_weight_version``, the admin key at ``/abort_request`` of an unknown request
+    key at ``/model_info``, the admin key at ``/abort_request`` of an unknown request
     (which changes nothing), so that wrong keys stop a run at start with one clear line."""
     for method, path, body, which in (
-            ("GET", "/get_weight_version", None, "API key"),
+            ("GET", "/model_info", None, "API key"),
             ("POST", "/abort_request", {"rid": f"auth-check-{uuid.uuid4().hex}"}, "admin key")):
         try:
             await client.broadcast(method, path, body)
@@ -133,7 +133,7 @@ class GeneratorPool:
                     ("--warmup_shapes",) if block.kind == "rl_jax" and block.warmup_shapes
                     else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else "",
-                keys=self.keys))
+                keys=self.keys, python=block.python))
 
     @property
     def urls(self) -> list[str]:

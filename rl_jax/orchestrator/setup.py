@@ -16,6 +16,7 @@ from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
 from rl_jax.generator.client import ClientConfig, GeneratorClient
 from rl_jax.generator.launcher import PoolConfig
+from rl_jax.generator.server_identity import UnsupportedServer
 from rl_jax.generator.types import SamplingParams
 from rl_jax.models.config import DTYPES
 from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config
@@ -271,8 +272,14 @@ class SessionSetup:
                 raise RLConfigError(f"generator server(s) {', '.join(down)} unreachable (no "
                                     "answer at /health)")
         self.control_loop.run(check_keys(self.control), timeout=60)
+        try:  # an SGLang release this project does not support stops the run here
+            identities = self.control_loop.run(self.control.identify_servers(), timeout=60)
+        except UnsupportedServer as e:
+            raise RLConfigError(str(e)) from None
         self.rollout_client = GeneratorClient(
             servers if router is None else [router.url], client_config, keys=self.pool.keys)
+        for server in self.rollout_client.servers:  # seeds a server ignores are said once
+            server.identity = identities.get(server.url)
         self.sampler = PoolSampler([self.rollout_client, self.control])
         self._closers.append(self.sampler.close)
         self.weights = WeightSync(

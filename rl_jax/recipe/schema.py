@@ -237,6 +237,9 @@ class Generator:
     warmup_shapes: bool = _f(False)  # compile every decode shape before serving
     env: tuple[tuple[str, str], ...] = _f(())  # the servers' environment
     extra_args: tuple[str, ...] = _f(())
+    # The Python that runs the servers ("" = the trainer's). SGLang runs in an environment of
+    # its own: the python of that venv or container (on CPU: tools/sglang_cpu/install.sh).
+    python: str = _f("")
     auth: Auth = _section(Auth)
     router_url: str = _f("", http_url_or_empty)
     router_poll_s: float = _f(2.0, positive)  # seconds between two reads of its worker list
