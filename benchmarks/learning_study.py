@@ -26,6 +26,12 @@ variant, one line per seed).
 
     python benchmarks/learning_study.py --study=plateau [--seeds=0,1] [--time_limit_s=300]
         [--variants=defaults,filter] [--base=DIR] [--override=KEY=VALUE]
+        [--recipe=configs/tiny_rl_sglang.py] [--out=NAME]
+    python benchmarks/learning_study.py --by_step=NAME,NAME --out=PLOT   # accuracy per step
+
+``--recipe`` runs another recipe from the same base (``configs/tiny_rl_sglang.py``: a real SGLang
+server as the generator); ``--by_step`` compares results per optimizer step (the check that a
+generator's log-probs and versions train the policy as this project's server's do).
 """
 
 from __future__ import annotations
@@ -61,6 +67,14 @@ _EXTRA = flags.DEFINE_multi_string("override", [], "More KEY=VALUE config overri
 _OUT = flags.DEFINE_string("out", "", "Result name (default: the study's name).")
 _REPORT = flags.DEFINE_bool("report", False, "Run nothing: print the markdown table of the "
                             "result already written (results/learning_study/<out>.json).")
+_RECIPE = flags.DEFINE_string("recipe", "configs/tiny_rl.py", "The recipe every run starts from "
+                              "(e.g. configs/tiny_rl_sglang.py: the same with a real SGLang "
+                              "server); its base policy is configs/tiny_rl.py's.")
+_BY_STEP = flags.DEFINE_list("by_step", [], "Run nothing: plot held-out accuracy against the "
+                             "optimizer step for these results (results/learning_study/"
+                             "<name>.json, e.g. defaults_own,defaults_sglang) into <out>.png, "
+                             "up to the fewest steps any of their runs made, and print the "
+                             "accuracy of each run at a few steps.")
 _FROM_RUNS = flags.DEFINE_bool("from_runs", False, "Run nothing: summarize and plot the runs "
                                 "already in --workdir (e.g. after changing the plots).")
 CHECKPOINTS_S = (60, 120, 300, 570)
@@ -156,14 +170,14 @@ def read_run(name: str, overrides: tuple[str, ...], seed: int, out: Path) -> dic
 
 def run_one(name: str, overrides: tuple[str, ...], seed: int, base: Path, workdir: Path,
             time_limit: float) -> dict:
-    out = workdir / _STUDY.value / f"{name.replace('/', '_')}_seed{seed}"
+    out = workdir / (_OUT.value or _STUDY.value) / f"{name.replace('/', '_')}_seed{seed}"
     if _FROM_RUNS.value:
         return read_run(name, overrides, seed, out)
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     # The recipe as the README runs it, but for the base policy (shared), the seed and the
     # time limit (the recipe's own unless the study sets another).
-    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+    cmd = [sys.executable, "-m", "launch.train", f"--config={_RECIPE.value}",
            f"--workdir={out}", f"--config.base.checkpoint={base}", f"--config.seed={seed}",
            f"--config.trainer.time_limit_s={time_limit}",
            *[f"--config.{o}" for o in _EXTRA.value], *[f"--config.{o}" for o in overrides]]
@@ -358,9 +372,46 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_by_step(names: list[str], path: Path) -> str:
+    """Held-out accuracy against the optimizer step of the runs of the results ``names``, up to
+    the fewest steps any run made (one colour per result, one line per seed); returns a table of
+    each run's accuracy at the evaluation nearest to a few steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = {n: json.loads((RESULTS / f"{n}.json").read_text()) for n in names}
+    last = min(r["curve"][-1][1] for res in results.values() for r in res["runs"])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    marks = [s for s in (0, 25, 50, 100, 150, 200, 250, 300, 400) if s <= last]
+    lines = ["| result | recipe | seed | " + " | ".join(f"step {s}" for s in marks) + " |",
+             "|---|---|---|" + "---|" * len(marks)]
+    for i, (name, res) in enumerate(results.items()):
+        recipe = res.get("recipe", "configs/tiny_rl.py")
+        for j, r in enumerate(res["runs"]):
+            pts = [(step, acc) for _, step, acc in r["curve"] if step <= last]
+            ax.plot(*zip(*pts), color=plt.cm.tab10(i), lw=1.2,
+                    label=f"{name} ({recipe})" if j == 0 else None)
+            at = [min(pts, key=lambda p: abs(p[0] - s))[1] for s in marks]
+            lines.append(f"| {name} | {recipe} | {r['seed']} | "
+                         + " | ".join(f"{a:.3f}" for a in at) + " |")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"held-out accuracy per step, first {last} steps", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "\n".join(lines)
+
+
 def main(argv):
     del argv
     study = _STUDY.value
+    if _BY_STEP.value:
+        name = _OUT.value or "by_step"
+        print(plot_by_step(_BY_STEP.value, RESULTS / f"{name}.png"))
+        print(f"wrote {RESULTS / name}.png")
+        return
     if _REPORT.value:
         print(report(json.loads((RESULTS / f"{_OUT.value or study}.json").read_text())))
         return
@@ -385,7 +436,8 @@ def main(argv):
 
     def write() -> dict:  # after every run: a study cut short keeps what it measured
         result = {
-            "study": study, "time_limit_s": time_limit, "seeds": _SEEDS.value,
+            "study": study, "recipe": _RECIPE.value, "time_limit_s": time_limit,
+            "seeds": _SEEDS.value,
             "extra_overrides": _EXTRA.value, "host": platform.node(), "cpus": os.cpu_count(),
             "command": " ".join(["python", "benchmarks/learning_study.py",
                                  *[a for a in sys.argv[1:] if a != "--from_runs"]]),
@@ -393,7 +445,7 @@ def main(argv):
         }
         (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
         plot(runs, RESULTS / f"{name}.png",
-             f"{study}: configs/tiny_rl.py, {time_limit:.0f} s of RL per run, seeds "
+             f"{study}: {_RECIPE.value}, {time_limit:.0f} s of RL per run, seeds "
              f"{','.join(_SEEDS.value)}")
         if study == "staleness":
             plot_by_lag(result["summary"], RESULTS / f"{name}_by_lag.png",

@@ -39,8 +39,9 @@ SMALL = [
 
 
 def launch(workdir: Path, *flags: str, base: Path | None = None, wait: bool = True,
-           timeout: float = 600) -> subprocess.CompletedProcess | subprocess.Popen:
-    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+           timeout: float = 600, config: str = "configs/tiny_rl.py"
+           ) -> subprocess.CompletedProcess | subprocess.Popen:
+    cmd = [sys.executable, "-m", "launch.train", f"--config={config}",
            f"--workdir={workdir}", *SMALL, *flags]
     if base is not None:
         cmd.append(f"--config.base.checkpoint={base}")
@@ -143,6 +144,32 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     first, last = (load_file(path / "model.safetensors") for _, path in snapshots)
     assert all(np.array_equal(last[k], new[k]) for k in new)
     assert any(not np.array_equal(first[k], last[k]) for k in new)
+
+
+def test_async_run_on_a_real_sglang_server(base_policy, tmp_path):
+    """The tiny recipe with a real SGLang server (configs/tiny_rl_sglang.py, SGLang in its own
+    environment started by the launcher): versions reach it after every step, staleness stays
+    within max_lag, every trained token's version comes from SGLang's spans, and it trains."""
+    from sglang_fixtures import sglang_python
+    sglang_python()  # installed (else a failure naming the install command)
+    workdir = tmp_path / "sglang"
+    result = launch(workdir, "--config.trainer.steps=4", "--config.rollout.max_lag=1",
+                    base=base_policy, config="configs/tiny_rl_sglang.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("held-out accuracy: ")
+    assert "ignores sampling seeds" in result.stderr  # said once
+    assert result.stderr.count("ignores sampling seeds") == 1
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_version"] == 4
+    assert summary["staleness/max"] <= 1 and summary.get("gate/late", 0) == 0
+    assert sum(summary["staleness_histogram"].values()) == 4 * 16
+    steps = train_records(workdir)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for r in steps.values():
+        assert np.isfinite(r["loss/loss"]) and r["staleness/batch_max"] <= 1
+        assert r["version"] == r["step"]
+    log = "".join(p.read_text() for p in (workdir / "generators").glob("sglang-server-*.log"))
+    assert "/update_weights_from_disk" in log and "Traceback" not in log
 
 
 def test_ema_of_parameters_is_exported_and_evaluated(base_policy, tmp_path):
