@@ -404,6 +404,9 @@ def hf_generate(model, prompts: np.ndarray, new_tokens: int, threads: int) -> fl
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None,
                               pad_token_id=0)
+    # generate() fills an unset EOS from the checkpoint's own generation config: cleared there,
+    # or a sampled EOS would end a generation early.
+    model.generation_config.eos_token_id = None
     ids = torch.from_numpy(prompts).long()
     with torch.inference_mode():
         start = time.perf_counter()

@@ -64,6 +64,8 @@ def server(request, checkpoints, tmp_path_factory):
         yield request.param, pool.urls[0]
     finally:
         pool.stop()
+    # The log is this user's only: SGLang writes its settings, API keys included, there.
+    assert pool.log_files[0].stat().st_mode & 0o777 == 0o600
     # SGLang's CPU engine computed every layer with its own torch code: no stand-in of a CUDA
     # kernel was called (each raises, and notes its name here first).
     assert not kernel_calls.exists(), kernel_calls.read_text()

@@ -299,7 +299,9 @@ class ServerPool:
     def start_server(self, index: int, *, wait: bool = True):
         """(Re)starts server ``index`` (e.g. after it died)."""
         cmd = self._command(index)
-        with open(self.log_files[index], "ab") as out:
+        # Readable by this user only: SGLang logs its settings, API keys included, at start.
+        fd = os.open(self.log_files[index], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as out:
             self._log_offsets[index] = out.tell()
             self.processes[index] = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
