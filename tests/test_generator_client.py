@@ -326,7 +326,8 @@ def test_server_commands():
                         max_slots=64, max_seq_len=4096, weight_version=7,
                         extra_args=("--mem-fraction-static", "0.8"))
     assert server_command(sglang, 30002, 1) == [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-0.6B",
+        sys.executable, "-m", "rl_jax.generator.orphan_guard", f"--parent_pid={os.getpid()}",
+        "--", sys.executable, "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-0.6B",
         "--host", "0.0.0.0", "--port", "30002", "--tp-size", "2", "--dp-size", "2",
         "--base-gpu-id", "4",
         "--dtype", "bfloat16", "--max-running-requests", "64", "--context-length", "4096",
@@ -360,7 +361,11 @@ def test_sglang_kind_needs_the_python_of_sglangs_own_environment(tmp_path):
                                   python=python)).start()
     command = ServerPool(PoolConfig(model="m", kind="sglang", ports=(30001,),
                                     python="/opt/sglang/bin/python")).commands()[0]
-    assert command[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+    # SGLang under the guard that ends it with this process (rl_jax.generator.orphan_guard)
+    guard = command[:command.index("--")]
+    assert guard[1:] == ["-m", "rl_jax.generator.orphan_guard", f"--parent_pid={os.getpid()}"]
+    assert command[len(guard) + 1:][:3] == ["/opt/sglang/bin/python", "-m",
+                                            "sglang.launch_server"]
 
 
 def test_a_pool_makes_its_temporary_log_directory_only_when_it_starts(tmp_path, monkeypatch):

@@ -161,6 +161,7 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
             cmd.append(f"--cpu_cores={c.cpu_cores}")
         if c.publisher_url:
             cmd.append(f"--publisher_url={c.publisher_url}")
+        cmd += list(c.extra_args)
     else:
         cmd = [python, "-m", "sglang.launch_server", "--model-path", c.model,
                "--host", c.host, "--port", str(port), "--tp-size", str(c.tensor_parallel),
@@ -174,11 +175,16 @@ def server_command(config: PoolConfig, port: int, index: int = 0,
             cmd += ["--num-continuous-decode-steps", str(c.decode_steps)]
         if sglang_config:
             cmd += ["--config", sglang_config]
+        cmd += list(c.extra_args)
+        # SGLang cannot watch its parent (this project's servers do: --parent_pid): a guard in
+        # this environment ends it with this process, however this process ends.
+        cmd = [sys.executable, "-m", "rl_jax.generator.orphan_guard",
+               f"--parent_pid={os.getpid()}", "--"] + cmd
         if c.cpu_cores:
             cmd = ["taskset", "-c", c.cpu_cores] + cmd
     if c.nice:
         cmd = ["nice", "-n", str(c.nice)] + cmd
-    return cmd + list(c.extra_args)
+    return cmd
 
 
 def sglang_cpu_settings() -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
