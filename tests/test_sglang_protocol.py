@@ -50,7 +50,10 @@ def checkpoints(tmp_path_factory):
     return write_checkpoints(tmp_path_factory.mktemp("sglang_protocol"), names=("a", "b", "c"))
 
 
-@pytest.fixture(scope="module", params=KINDS)
+# Real SGLang takes ~30 s to start and its CPU engine is slow: its half of the tests is `slow`
+# (the quick loop, -m "not slow", needs no SGLang environment).
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=[pytest.mark.slow] if k == "sglang"
+                                                     else []) for k in KINDS])
 def server(request, checkpoints, tmp_path_factory):
     """``(kind, url)`` of one server on checkpoint ``a`` (this project's split over two devices
     by tensor parallelism, so that the weights the trainer broadcasts from its 8-device FSDP
