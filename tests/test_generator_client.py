@@ -4,6 +4,7 @@ retried elsewhere, re-probed, weights restored), the launcher, and the one gener
 shared with the in-process engine."""
 
 import asyncio
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -293,10 +294,38 @@ def test_a_request_cut_off_after_delivery_is_retried_under_its_rid(pool):
 
 def test_no_server_up_raises_unavailable(tmp_path):
     async def main():
-        config = ClientConfig(max_attempts=2, retry_backoff=0.01, health_timeout=0.5)
+        config = ClientConfig(max_attempts=2, retry_backoff=0.01, health_timeout=0.5,
+                              down_retry_interval=0.2, unavailable_wait_s=1.0)
         async with GeneratorClient(["http://127.0.0.1:9"], config) as client:
-            with pytest.raises(GeneratorUnavailable, match="2 attempts"):
+            start = time.monotonic()
+            with pytest.raises(GeneratorUnavailable, match="2 attempts.*no healthy server"):
                 await client.generate(req())
+            # the first attempt found the server refusing connections, the second waited for it
+            assert time.monotonic() - start >= 1.0
+            assert client.stats["waited_for_a_server"] > 0
+    run(main())
+
+
+def test_a_request_waits_for_a_server_to_come_back(pool):
+    """Every server marked down at once (as a loaded host's probes time out) does not fail a
+    request: it waits for one to answer again."""
+    async def main():
+        config = dataclasses.replace(FAST_HEALTH, unavailable_wait_s=60.0)
+        async with GeneratorClient(pool.urls, config) as client:
+            await client.check_health()
+            for i in range(2):
+                pool.kill(i, signal.SIGSTOP)
+            try:
+                await wait_for(lambda: not any(s.healthy for s in client.servers),
+                               what="both servers down")
+                request = asyncio.create_task(client.generate(req()))
+                await asyncio.sleep(1.5)
+                assert not request.done()
+            finally:
+                for i in range(2):
+                    pool.kill(i, signal.SIGCONT)
+            outs = await request
+            assert len(outs[0].output_ids) == 8 and client.stats["waited_for_a_server"] > 0
     run(main())
 
 

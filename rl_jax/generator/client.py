@@ -8,7 +8,8 @@
   ``down_retry_interval`` for servers marked down; a connection error or timeout marks a server
   down at once, a 5xx schedules an immediate probe;
 - a request that fails on one server (connection error, timeout, 5xx, 503 overload) is retried
-  on another, up to ``max_attempts`` in all; a 4xx is the request's fault and is raised at once
+  on another, up to ``max_attempts`` in all; when no server is up, it waits up to
+  ``unavailable_wait_s`` for one to come back; a 4xx is the request's fault and is raised at once
   as :class:`GeneratorRequestError` (never retried);
 - API keys (``keys``, :class:`~rl_jax.generator.auth.Keys`): each request carries the key its
   endpoint needs as ``Authorization: Bearer`` (SGLang's convention, also understood by real
@@ -62,6 +63,9 @@ class ClientConfig:
     down_retry_interval: float = 1.0  # s between probes of servers marked down
     health_timeout: float = 5.0  # s
     max_connections: int = 0  # total pooled connections (0: unlimited)
+    # s a request waits for a server to come back when none is up (a loaded host's health probes
+    # time out and mark every server down for a moment) before it fails
+    unavailable_wait_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -151,12 +155,6 @@ class GeneratorClient(BroadcastControl, Generator):
         status, data, _ = await self._request(ServerState(url.rstrip("/")), method, path, body,
                                               timeout=self.config.health_timeout)
         return status, data
-
-    async def version_of(self, url: str) -> int | None:
-        """The weight version the server ``url`` (in the pool or not) serves; None where it
-        refuses (see :meth:`read_version`). Raises aiohttp/asyncio errors on transport failure."""
-        status, version = await self.read_version(ServerState(url.rstrip("/")))
-        return version if status == 200 else None
 
     def _signal_lost(self, url: str):
         """Wakes the requests in flight on ``url`` (from any thread)."""
@@ -384,12 +382,9 @@ class GeneratorClient(BroadcastControl, Generator):
                 self.stats["retries"] += 1
                 await asyncio.sleep(backoff)
                 backoff *= 2
-            server = self._pick(tried)
+            server = self._pick(tried) or await self._wait_for_a_server(tried)
             if server is None:
-                await asyncio.gather(*(self._probe(s) for s in self.servers))
-                server = self._pick(tried)
-            if server is None:
-                problems.append("no healthy server")
+                problems.append(f"no healthy server within {self.config.unavailable_wait_s} s")
                 continue
             tried.add(server.url)
             warn_if_seed_ignored(server, body)
@@ -439,6 +434,18 @@ class GeneratorClient(BroadcastControl, Generator):
         what = f"request {rids[0]}" if len(rids) == 1 else f"batch {rids}"
         raise GeneratorUnavailable(f"{what} failed after {self.config.max_attempts} attempts: "
                                    f"{'; '.join(problems)}")
+
+    async def _wait_for_a_server(self, tried: set[str]) -> ServerState | None:
+        """Probes every server until one is up, for at most ``unavailable_wait_s``."""
+        deadline = time.monotonic() + self.config.unavailable_wait_s
+        while True:
+            await asyncio.gather(*(self._probe(s) for s in self.servers))
+            server = self._pick(tried)
+            if server is not None or time.monotonic() >= deadline:
+                return server
+            self.stats["waited_for_a_server"] += 1
+            await asyncio.sleep(min(self.config.down_retry_interval,
+                                    max(deadline - time.monotonic(), 0.0)))
 
     async def _watched(self, server: ServerState, body: dict[str, Any], rids: list[str]
                        ) -> tuple[int, Any, dict[str, str]]:

@@ -47,7 +47,7 @@ from typing import Any
 
 import aiohttp
 
-from rl_jax.generator.client import GeneratorClient, GeneratorUnavailable
+from rl_jax.generator.client import GeneratorClient, GeneratorUnavailable, ServerState
 from rl_jax.orchestrator.router import RouterError, RouterWorkers
 from rl_jax.transfer.control import HTTPStatus
 
@@ -268,7 +268,8 @@ class Fleet:
                                       f"{str(data)[:200]}")
 
     async def _version(self, url: str) -> int | None:
-        return await self.control.version_of(url)
+        status, version = await self.control.read_version(ServerState(url))
+        return version if status == 200 else None
 
     def _router_call(self, action: str, url: str) -> None:
         """``router.add(url)`` or ``router.remove(url)`` when there is a router; 502 when it
