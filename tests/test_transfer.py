@@ -1056,3 +1056,17 @@ def test_streamed_pull_restarts_when_superseded_and_times_out_on_a_stalled_publi
     release.set()
     publisher_thread.join(30)
     assert isinstance(box.get("error"), TransferTimeout), box
+
+
+def test_a_disk_version_being_loaded_is_kept_until_its_loader_is_done(publisher, specs):
+    """Servers loading a version from disk may take longer than the trainer takes to publish
+    two more: the version they read stays until they are done, then goes."""
+    disk = Path(publisher.config.disk_dir)
+    publisher.publish(random_params(specs["trainer"], 1), 1)
+    with publisher.holding_disk(1) as path:
+        assert Path(path) == disk / "v1"
+        for version in (2, 3, 4):
+            publisher.publish(random_params(specs["trainer"], version), version)
+        assert (disk / "v1" / "model.safetensors").is_file()  # held
+        assert not (disk / "v2").exists()  # not held: dropped as before
+    assert sorted(p.name for p in disk.glob("v*")) == ["v3", "v4"]

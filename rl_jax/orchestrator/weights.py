@@ -178,9 +178,9 @@ class WeightSync:
         """Brings every server up to ``version`` (or newer); returns the lowest version now
         served."""
         if self.method == "disk":
-            path = self.publisher.disk_path(version)
-            self.loop.run(self.client.update_weights_from_disk(path, version),
-                          timeout=self.timeout_s)
+            with self.publisher.holding_disk(version) as path:  # not dropped while loading
+                self.loop.run(self.client.update_weights_from_disk(path, version),
+                              timeout=self.timeout_s)
             return version
         deadline = time.monotonic() + self.timeout_s
         while True:

@@ -48,11 +48,12 @@ def tensor_info(name: str, full: np.ndarray, layout: Layout, algorithm: str) -> 
                       tuple(shards))
 
 
-def drop_older(path: str, version: int) -> None:
-    """Removes the checkpoint directories beside ``path`` older than ``version``."""
+def drop_older(path: str, version: int, keep: frozenset[int] = frozenset()) -> None:
+    """Removes the checkpoint directories beside ``path`` older than ``version``, but for the
+    versions in ``keep``."""
     for old in Path(path).parent.glob("v*"):
         m = re.fullmatch(r"v(\d+)", old.name)
-        if m and int(m.group(1)) < version:
+        if m and int(m.group(1)) < version and int(m.group(1)) not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 

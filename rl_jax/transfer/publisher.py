@@ -26,6 +26,7 @@ both is in its module of :mod:`rl_jax.transfer.transports`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -116,6 +117,7 @@ class Publisher(ControlRoutes, Preparing):
         self._device = DeviceStaging()
         self._layouts: dict[str, Registration] = {}
         self._current: PublishedVersion | None = None
+        self._disk_holds: collections.Counter[int] = collections.Counter()  # versions being read
         lock = threading.Lock()
         self._cond = threading.Condition(lock)
         self._polling: collections.Counter[str] = collections.Counter()  # long polls per layout
@@ -283,10 +285,34 @@ class Publisher(ControlRoutes, Preparing):
 
     _disk_path = disk_path
 
+    @contextlib.contextmanager
+    def holding_disk(self, version: int):
+        """The ``disk`` directory of ``version``, kept while the block runs (servers loading it
+        may take longer than the trainer takes to publish two more versions)."""
+        path = self.disk_path(version)
+        with self._cond:
+            self._disk_holds[version] += 1
+        try:
+            yield path
+        finally:
+            with self._cond:
+                self._disk_holds[version] -= 1
+                if not self._disk_holds[version]:
+                    del self._disk_holds[version]
+                current = self._current
+            if current is not None and current.disk_path:
+                self._drop_disk_before(current.disk_path, current.version - 1)
+
+    def _drop_disk_before(self, path: str, version: int) -> None:
+        with self._cond:
+            held = frozenset(self._disk_holds)
+        drop_older(path, version, keep=held)
+
     def _release(self, previous: PublishedVersion) -> None:
         """Drops a superseded version (tickets already issued keep their arrays until pulled or
-        expired); keeps one older disk directory for loaders still reading it."""
+        expired); keeps one older disk directory for loaders still reading it, and every one a
+        loader holds (:meth:`holding_disk`)."""
         for prep in previous.prepared.values():
             prep.device_arrays = None
         if previous.disk_path:
-            drop_older(previous.disk_path, previous.version)
+            self._drop_disk_before(previous.disk_path, previous.version)
