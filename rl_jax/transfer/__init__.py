@@ -6,7 +6,9 @@ server calls). Transports, each a class behind one interface, by name in
 :mod:`rl_jax.transfer.transports`: ``shm`` and ``socket`` (safetensors-format chunks from the
 publisher's staging buffers), ``jax_transfer`` (``jax.experimental.transfer``, device to
 device) and ``disk`` (HF checkpoint directories, also what SGLang's ``/update_weights_from_disk``
-loads). SGLang's distributed protocol lives in :mod:`rl_jax.transfer.sglang` (needs torch).
+loads). SGLang's distributed protocol lives in :mod:`rl_jax.transfer.sglang` and
+:mod:`rl_jax.transfer.sglang_receiver` (need torch); :mod:`rl_jax.transfer.sglang_sidecar` pulls
+versions over these transports beside a real SGLang server and hands them to it.
 
 Modules: ``publisher`` (publish and announce), ``publisher_routes`` (its control channel),
 ``preparing`` (a version staged for each layout and its manifest), ``staging`` (host staging

@@ -21,7 +21,8 @@ A transport is one module here with a :class:`~rl_jax.transfer.transports.base.T
 subclass, and one entry in ``_REGISTRY``. Modules are imported when their transport is first
 asked for, so this module (read by the configs) imports nothing heavy. SGLang's distributed
 protocol (:mod:`rl_jax.transfer.sglang`) is not one of them: the trainer pushes whole HF tensors
-into the servers over ``torch.distributed``, with no manifest and no puller.
+into the servers over ``torch.distributed``, with no manifest and no puller. Real SGLang servers
+get these transports through a sidecar beside them (:mod:`rl_jax.transfer.sglang_sidecar`).
 """
 
 from __future__ import annotations
