@@ -124,8 +124,10 @@ SHAPES = {
     "qwen2.5-0.5b": {"batches": (1, 8, 16), "new_tokens": 32,
                      "quick_batches": (1, 8), "quick_new_tokens": 16, "startup_timeout": 900},
 }
-# generator_throughput.py's "tiny" model, with the tests' special tokens (pad 0, bos 1, eos 2).
-TINY = dataclasses.replace(MODELS["tiny"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# generator_throughput.py's "tiny" model, its special tokens after the byte-level tokenizer's
+# 256 bytes (rl_jax.models.shapes.shape_tokenizer puts them there).
+TINY = dataclasses.replace(MODELS["tiny"], bos_token_id=1021, eos_token_id=1022,
+                           pad_token_id=1023)
 
 
 def log(message: str):
