@@ -166,45 +166,49 @@ class ServerRefused(TransferError):
         self.url, self.path, self.status = url, path, status
 
 
-def _post(url: str, path: str, body: dict[str, Any], timeout: float, keys: Any = None
-          ) -> dict[str, Any]:
-    """POSTs ``body`` with ``keys.headers_for(path)`` (an ``rl_jax.generator.auth.Keys``); the
-    JSON answer, or :class:`ServerRefused` naming the server's reason."""
+MAX_ANSWER_BYTES = 1 << 20  # the largest answer read from a server
+
+
+def call_server(url: str, method: str, path: str, body: dict[str, Any] | None = None,
+                timeout: float = 30.0, keys: Any = None) -> dict[str, Any]:
+    """One request with ``keys.headers_for(path)`` (an ``rl_jax.generator.auth.Keys``, or None);
+    the server's JSON object answer (read bounded), or :class:`ServerRefused` naming its reason
+    (an error status or ``"success": false``; status None: not reachable)."""
     headers = {"Content-Type": "application/json",
                **(keys.headers_for(path) if keys is not None else {})}
-    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(),
-                                 headers=headers, method="POST")
+    req = urllib.request.Request(url.rstrip("/") + path, method=method, headers=headers,
+                                 data=None if body is None else json.dumps(body).encode())
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
+            status, raw = resp.status, resp.read(MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as e:
-        raise ServerRefused(f"{url}{path} answered {e.code}: {_reason(e.read())}", url=url,
-                            path=path, status=e.code) from None
+        status, raw = e.code, e.read(MAX_ANSWER_BYTES + 1)
     except OSError as e:
         raise ServerRefused(f"{url}{path} failed: {e}", url=url, path=path,
                             status=None) from None
     try:
-        data = json.loads(raw or b"{}")
+        data = json.loads(raw or b"{}") if len(raw) <= MAX_ANSWER_BYTES else None
     except ValueError:
-        data = {"message": raw[:300].decode(errors="replace")}
-    if isinstance(data, dict) and data.get("success") is False:
-        raise ServerRefused(f"{url}{path} refused: {data.get('message')}", url=url, path=path,
-                            status=200)
-    return data if isinstance(data, dict) else {"answer": data}
+        data = None
+    if not isinstance(data, dict):
+        data = {"message": f"not a JSON object: {raw[:200]!r}"}
+    if status != 200 or data.get("success") is False:
+        raise ServerRefused(f"{url}{path} answered {status}: {_reason(data)}", url=url,
+                            path=path, status=status)
+    return data
 
 
-def _reason(raw: bytes) -> str:
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return repr(raw[:500])
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])[:1000]
-        if "message" in data:
-            return str(data["message"])[:1000]
-    return f"{data!r:.500}"
+def _post(url: str, path: str, body: dict[str, Any], timeout: float, keys: Any = None
+          ) -> dict[str, Any]:
+    return call_server(url, "POST", path, body, timeout, keys)
+
+
+def _reason(data: dict[str, Any]) -> str:
+    """The message of an answer: SGLang's ``message`` or an ``{"error": {"message"}}``."""
+    error = data.get("error")
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])[:1000]
+    return str(data.get("message", data))[:1000]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,8 +53,6 @@ import secrets
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,12 +67,11 @@ from rl_jax.transfer.errors import NonFiniteWeights, TransferError, TransportUna
 from rl_jax.transfer.generator_puller import GeneratorPuller, pinned_publisher
 from rl_jax.transfer.layout import flatten
 from rl_jax.transfer.puller import PullMetrics
-from rl_jax.transfer.sglang import ServerRefused
+from rl_jax.transfer.sglang import ServerRefused, call_server
 
 log = logging.getLogger(__name__)
 
 HANDOFFS = ("disk", "tensor")
-MAX_ANSWER_BYTES = 1 << 20  # the largest answer read from the SGLang server
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -222,31 +219,8 @@ class SGLangSidecar:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
               timeout: float = 30.0) -> dict[str, Any]:
-        """One request to the server; its JSON object answer (read bounded), or
-        :class:`ServerRefused` naming its reason (status None: not reachable)."""
-        headers = {"Content-Type": "application/json",
-                   **(self.keys.headers_for(path) if self.keys else {})}
-        req = urllib.request.Request(self.server_url + path, method=method, headers=headers,
-                                     data=None if body is None else json.dumps(body).encode())
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read(MAX_ANSWER_BYTES + 1)
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read(MAX_ANSWER_BYTES + 1)
-        except OSError as e:
-            raise ServerRefused(f"{self.server_url}{path} failed: {e}", url=self.server_url,
-                                path=path, status=None) from None
-        try:
-            data = json.loads(raw) if len(raw) <= MAX_ANSWER_BYTES else None
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            data = {"message": f"not a JSON object: {raw[:200]!r}"}
-        if status != 200 or data.get("success") is False:
-            message = data.get("message") or data.get("error") or data
-            raise ServerRefused(f"{self.server_url}{path} answered {status}: {str(message)[:500]}",
-                                url=self.server_url, path=path, status=status)
-        return data
+        """One request to the server (:func:`rl_jax.transfer.sglang.call_server`)."""
+        return call_server(self.server_url, method, path, body, timeout, self.keys)
 
     def server_state(self) -> tuple[int, str | None]:
         """``(weight version, model path)`` the server reports; the version is -1 where it is
