@@ -146,14 +146,25 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     assert any(not np.array_equal(first[k], last[k]) for k in new)
 
 
-def test_async_run_on_a_real_sglang_server(base_policy, tmp_path):
+def _sidecar_dirs() -> set[str]:
+    from rl_jax.transfer.config import default_staging_dir
+    return {p.name for p in Path(default_staging_dir()).glob("rl_jax-sglang-sidecar-*")}
+
+
+@pytest.mark.parametrize("weights", ["disk", "sidecar"])
+def test_async_run_on_a_real_sglang_server(base_policy, tmp_path, weights):
     """The tiny recipe with a real SGLang server (configs/tiny_rl_sglang.py, SGLang in its own
     environment started by the launcher): versions reach it after every step, staleness stays
-    within max_lag, every trained token's version comes from SGLang's spans, and it trains."""
+    within max_lag, every trained token's version comes from SGLang's spans, and it trains.
+    Versions go as checkpoints the trainer writes (``disk``) or through a weight sidecar that
+    pulls them over the transfer service (``sidecar``): no checkpoint per step, nothing left
+    behind."""
     from sglang_fixtures import sglang_python
     sglang_python()  # installed (else a failure naming the install command)
     workdir = tmp_path / "sglang"
+    before = _sidecar_dirs()
     result = launch(workdir, "--config.trainer.steps=4", "--config.rollout.max_lag=1",
+                    f"--config.generator.sglang_weights={weights}",
                     base=base_policy, config="configs/tiny_rl_sglang.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("held-out accuracy: ")
@@ -170,6 +181,18 @@ def test_async_run_on_a_real_sglang_server(base_policy, tmp_path):
         assert r["version"] == r["step"]
     log = "".join(p.read_text() for p in (workdir / "generators").glob("sglang-server-*.log"))
     assert "/update_weights_from_disk" in log and "Traceback" not in log
+    assert "new_version='4'" in log  # SGLang's own record of the versions it took
+    written = list((workdir / "weights").glob("*")) if (workdir / "weights").exists() else []
+    if weights == "disk":
+        assert written  # the trainer's checkpoints, one per version (the newest kept)
+        return
+    assert not written
+    sidecar_log = (workdir / "generators" / "sidecar-0.log").read_text()
+    assert "rl_jax sglang sidecar ready at http://127.0.0.1:" in sidecar_log
+    assert "Traceback" not in sidecar_log
+    assert _sidecar_dirs() <= before  # its tmpfs images removed when the run stopped it
+    left = subprocess.run(["pgrep", "-f", "rl_jax.transfer.sglang_sidecar"], capture_output=True)
+    assert left.returncode == 1, left.stdout
 
 
 def test_ema_of_parameters_is_exported_and_evaluated(base_policy, tmp_path):

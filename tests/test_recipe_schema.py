@@ -320,3 +320,18 @@ def test_user_errors_derive_from_one_leaf_base():
         assert issubclass(error, USER_ERRORS) and issubclass(error, UserError), error
     assert issubclass(RLConfigError, ValueError)  # callers catching ValueError still do
     assert issubclass(CheckpointRestoreError, RuntimeError)
+
+
+def test_weight_sidecars_need_sglang_servers_started_by_the_run():
+    recipe = parse(_load("tiny_rl_sglang"))
+    assert recipe.generator.sglang_weights == "disk"
+    assert recipe.replace(**{"generator.sglang_weights": "sidecar"}).generator.sglang_weights \
+        == "sidecar"
+    for changes in ({"generator.kind": "rl_jax"},
+                    {"generator.urls": ("http://127.0.0.1:30000",)},
+                    {"generator.router_url": "http://127.0.0.1:30001"}):
+        with pytest.raises(RLConfigError, match="sglang_weights='sidecar' starts a weight "
+                                                "sidecar beside each SGLang server"):
+            recipe.replace(**{"generator.sglang_weights": "sidecar", **changes})
+    with pytest.raises(RLConfigError, match="generator.sglang_weights must be one of"):
+        recipe.replace(**{"generator.sglang_weights": "pigeon"})

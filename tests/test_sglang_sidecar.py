@@ -9,6 +9,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +178,51 @@ def test_front_refuses_bad_versions_and_keeps_serving(front, server, publisher, 
     status, body = update_through(front, {"weight_version": good + 3, "wait_s": 30})
     assert status == 200 and body["weight_version"] == good + 3, body
     assert greedy(server, PROMPT, NEW_TOKENS, http)[0] != baseline[0]
+
+
+def test_a_runs_sidecar_pool_restarts_a_dead_sidecar_on_its_port(server, publisher, params,
+                                                                 checkpoints, tmp_path):
+    """The run's sidecars (rl_jax.orchestrator.sidecars): started beside the server with its
+    keys in private files, ready once they answer; one killed is restarted on the same port
+    (the run's weight client keeps its URL) and takes the next version; stop removes its
+    tmpfs images and key files."""
+    from rl_jax.generator.auth import Keys
+    from rl_jax.generator.client import ClientConfig, GeneratorClient
+    from rl_jax.orchestrator.pool import BackgroundLoop
+    from rl_jax.orchestrator.sidecars import SidecarPool
+    from rl_jax.transfer.config import default_staging_dir
+
+    def images():
+        return set(Path(default_staging_dir()).glob("rl_jax-sglang-sidecar-*"))
+
+    before = images()
+    pool = SidecarPool([server], publisher_url=publisher.url, model_dir=checkpoints["a"],
+                       keys=Keys(None, "adm1n"), log_dir=tmp_path)
+    loop = BackgroundLoop("sidecar-test")
+    try:
+        pool.start()
+        url = pool.urls[0]
+        assert http(url, "/health")[0] == 200
+        assert (pool._secrets / "admin_api_key_file").stat().st_mode & 0o777 == 0o600
+        client = GeneratorClient([url], ClientConfig(), keys=Keys(None, "adm1n"))
+        version = int(served_version(server)) + 1
+        publish(publisher, params["b"], version)
+        got = loop.run(client.update_weights_from_transfer(version, wait_s=30), timeout=120)
+        assert got == {url: version} and served_version(server) == str(version)
+
+        pool.kill(0)
+        assert pool.restart_dead() == [0] and pool.restarts == [1]
+        pool.wait_ready([0])
+        assert pool.urls[0] == url and http(url, "/health")[0] == 200
+        publish(publisher, params["a"], version + 1)
+        got = loop.run(client.update_weights_from_transfer(version + 1, wait_s=30), timeout=120)
+        assert got == {url: version + 1} and served_version(server) == str(version + 1)
+        loop.run(client.close(), timeout=30)
+    finally:
+        secrets_dir = pool._secrets
+        pool.stop()
+        loop.close()
+    assert all(p.poll() is not None for p in pool.processes)
+    assert secrets_dir is not None and not secrets_dir.exists()
+    assert images() <= before  # each sidecar removed its images (the killed one's stay: below)
+    assert "Traceback" not in pool.tail(0, 200)

@@ -102,12 +102,14 @@ class Fleet:
       router: the ``sglang-router`` the rollout sends requests through (None: the rollout
         client holds the servers themselves).
       poll_s: seconds between two reads of the router's worker list.
+      joins_refused: why no server may join this run (None: servers may join).
     """
 
     def __init__(self, control: GeneratorClient, loop: Any, rollout_client: GeneratorClient,
                  weights: Any, pool: Any = None, router: RouterWorkers | None = None,
-                 poll_s: float = 2.0):
+                 poll_s: float = 2.0, joins_refused: str | None = None):
         self.control, self.loop, self.rollout_client = control, loop, rollout_client
+        self.joins_refused = joins_refused
         self.weights, self.pool, self.router, self.poll_s = weights, pool, router, poll_s
         self.events: list[dict[str, Any]] = []
         self.served: dict[str, int] = {}  # requests answered by servers that left
@@ -177,6 +179,9 @@ class Fleet:
         with self._lock:
             if url in self.members:
                 raise HTTPStatus(409, f"generator server {url} is already in the pool")
+            if self.joins_refused:
+                raise HTTPStatus(409, f"generator server {url} cannot join: "
+                                      f"{self.joins_refused}")
             start = time.perf_counter()
             self._joining = url
             try:

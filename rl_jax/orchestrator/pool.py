@@ -30,6 +30,7 @@ from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigErr
 from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
 from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
 from rl_jax.orchestrator.config import RLConfigError
+from rl_jax.orchestrator.sidecars import SidecarPool
 from rl_jax.recipe import Generator
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,14 @@ class GeneratorPool:
       keys: the servers' API keys (default: :func:`generator_keys` of ``block``).
       compilation_cache_dir: JAX's persistent compilation cache of the servers
         (:mod:`rl_jax.compile_cache`; "" = none).
+      sidecar_transport: the pull transport of the SGLang servers' weight sidecars
+        (``block.sglang_weights = "sidecar"``: :mod:`rl_jax.orchestrator.sidecars`).
     """
 
     def __init__(self, block: Generator, *, model_dir: str | Path, publisher_url: str,
                  cpu_cores: str = "", nice: int = 0, log_dir: str | Path,
-                 keys: Keys | None = None, compilation_cache_dir: str = ""):
+                 keys: Keys | None = None, compilation_cache_dir: str = "",
+                 sidecar_transport: str = "auto"):
         self.block = block
         self.keys = generator_keys(block) if keys is None else keys
         self.external = tuple(block.urls)
@@ -119,6 +123,7 @@ class GeneratorPool:
         self._servers: ServerPool | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self.sidecars: SidecarPool | None = None
         if not self.external and int(block.num_servers):  # (0: a router's workers only)
             self._servers = ServerPool(PoolConfig(
                 model=str(model_dir), kind=block.kind, ports=(0,) * int(block.num_servers),
@@ -134,6 +139,11 @@ class GeneratorPool:
                     else ()),
                 publisher_url=publisher_url if block.kind == "rl_jax" else "",
                 keys=self.keys, python=block.python))
+            if block.kind == "sglang" and block.sglang_weights == "sidecar":
+                self.sidecars = SidecarPool(
+                    self._servers.urls, publisher_url=publisher_url, model_dir=model_dir,
+                    keys=self.keys, handoff=block.sidecar_handoff, log_dir=log_dir,
+                    transport=sidecar_transport)
 
     @property
     def urls(self) -> list[str]:
@@ -141,6 +151,12 @@ class GeneratorPool:
         if self.external or self._servers is None:
             return [url.rstrip("/") for url in self.external]
         return self._servers.urls
+
+    @property
+    def weight_urls(self) -> list[str]:
+        """Where weight updates go: the servers' sidecars where they have them, else
+        :attr:`urls`."""
+        return self.sidecars.urls if self.sidecars is not None else self.urls
 
     @property
     def priority(self) -> str:
@@ -164,6 +180,13 @@ class GeneratorPool:
         that exited or timed out, with its log's tail), then starts the watchdog."""
         if self._servers is not None and self._watchdog is None:
             self._servers.wait_healthy()
+            if self.sidecars is not None:  # the servers' ports are known now
+                self.sidecars.server_urls = self._servers.urls
+                try:
+                    self.sidecars.start()
+                except LaunchError:
+                    self.stop()
+                    raise
             if self.block.restart_dead:
                 self._watchdog = threading.Thread(target=self._watch, name="generator-watchdog",
                                                   daemon=True)
@@ -173,6 +196,8 @@ class GeneratorPool:
     def _watch(self, interval: float = 1.0):
         servers = self._servers
         while not self._stop.wait(interval):
+            if self.sidecars is not None:
+                self.sidecars.restart_dead()
             for i, process in enumerate(servers.processes):
                 if process is None or process.poll() is None or self._stop.is_set() \
                         or servers.urls[i] in self.released:
@@ -200,5 +225,7 @@ class GeneratorPool:
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
+        if self.sidecars is not None:
+            self.sidecars.stop()
         if self._servers is not None:
             self._servers.stop()

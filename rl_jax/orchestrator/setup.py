@@ -222,7 +222,10 @@ class SessionSetup:
         their start-up (loading, compiling every decode shape) runs beside the trainer's
         (:meth:`_setup_trainer`); :meth:`_setup_generators` waits for them."""
         c = self.c
-        self._weight_method = "disk" if (c.generator.kind == "sglang" or tuple(
+        # SGLang servers load checkpoints, unless sidecars pull for them
+        # (generator.sglang_weights); this project's servers pull themselves.
+        sglang_disk = c.generator.kind == "sglang" and c.generator.sglang_weights == "disk"
+        self._weight_method = "disk" if (sglang_disk or tuple(
             c.transfer.transports) == ("disk",)) else "transfer"
         transports = (("disk",) if self._weight_method == "disk"
                       else tuple(c.transfer.transports))
@@ -235,7 +238,8 @@ class SessionSetup:
                                   publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
                                   nice=c.cpus.generators_nice,
                                   log_dir=self.workdir / "generators",
-                                  compilation_cache_dir=self.compilation_cache_dir)
+                                  compilation_cache_dir=self.compilation_cache_dir,
+                                  sidecar_transport=c.transfer.transport)
         self._closers.append(self.pool.stop)
         self._pool_started = time.perf_counter()
         self.pool.start(wait=False)
@@ -282,8 +286,15 @@ class SessionSetup:
             server.identity = identities.get(server.url)
         self.sampler = PoolSampler([self.rollout_client, self.control])
         self._closers.append(self.sampler.close)
+        # Updates go to the servers, or to their weight sidecars (one per SGLang server).
+        weight_client = self.control
+        if self.pool.sidecars is not None:
+            weight_client = GeneratorClient(self.pool.weight_urls, client_config,
+                                            keys=self.pool.keys)
+            self._closers.append(
+                lambda: self.control_loop.run(weight_client.close(), timeout=30))
         self.weights = WeightSync(
-            self.publisher, self.control, self.control_loop, method=method,
+            self.publisher, weight_client, self.control_loop, method=method,
             update_when_idle=self.settings.update_when_idle,
             generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
             on_applied=self._on_applied, timeout_s=c.transfer.timeout_s,
@@ -292,7 +303,11 @@ class SessionSetup:
         # Servers join and leave through the publisher's control server, authenticated with
         # the servers' admin key (the transfer token where they have no keys).
         self.fleet = Fleet(self.control, self.control_loop, self.rollout_client, self.weights,
-                           self.pool, router=router, poll_s=c.generator.router_poll_s)
+                           self.pool, router=router, poll_s=c.generator.router_poll_s,
+                           joins_refused=None if self.pool.sidecars is None else (
+                               "this run's SGLang servers take weights through sidecars it "
+                               "started (generator.sglang_weights='sidecar'); a server joining "
+                               "would have none"))
         keys = self.pool.keys
         self.publisher.add_routes(self.fleet.routes(),
                                   token=keys.admin_api_key or keys.api_key or None,

@@ -137,6 +137,13 @@ def _check_relations(r: RLRecipe) -> None:
     if not g.urls and (isinstance(g.num_servers, bool) or g.num_servers < least):
         raise RLConfigError(f"generator.num_servers must be an integer >= {least}, got "
                             f"{g.num_servers!r}")
+    if g.sglang_weights == "sidecar" and (g.kind != "sglang" or g.urls or g.router_url
+                                          or not g.num_servers):
+        raise RLConfigError(
+            "generator.sglang_weights='sidecar' starts a weight sidecar beside each SGLang "
+            "server this run starts: it needs generator.kind='sglang', generator.num_servers "
+            ">= 1 and no generator.urls or router_url (servers started elsewhere need their "
+            "sidecars started there: python -m rl_jax.transfer.sglang_sidecar)")
     if g.max_slots % g.data_parallel:
         raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "
                             f"generator.data_parallel={g.data_parallel} replicas")

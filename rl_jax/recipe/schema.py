@@ -240,6 +240,13 @@ class Generator:
     # The Python that runs the servers ("" = the trainer's). SGLang runs in an environment of
     # its own: the python of that venv or container (on CPU: tools/sglang_cpu/install.sh).
     python: str = _f("")
+    # How SGLang servers take each version: "disk" (the trainer writes an HF checkpoint that
+    # every server loads; needs a filesystem the servers share with the trainer) or "sidecar"
+    # (a sidecar beside each server pulls it over `transfer.transports` and hands it over
+    # locally: rl_jax.orchestrator.sidecars), by tmpfs ("disk") or shared-memory tensors
+    # ("tensor", needs torch in the trainer's environment): `sidecar_handoff`.
+    sglang_weights: str = _f("disk", one_of("disk", "sidecar"))
+    sidecar_handoff: str = _f("disk", one_of("disk", "tensor"))
     auth: Auth = _section(Auth)
     router_url: str = _f("", http_url_or_empty)
     router_poll_s: float = _f(2.0, positive)  # seconds between two reads of its worker list

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import secrets
+import shutil
 import tempfile
 
 STAGING_PREFIX = "rl_jax-transfer-"  # the name of a publisher's staging directory
@@ -44,6 +46,22 @@ def _env_timeout() -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
     return value
+
+
+def remove_dead_owners_dirs(root: str | os.PathLike, prefix: str) -> None:
+    """Removes the directories ``<root>/<prefix><pid>-<hex>`` whose process ``pid`` is gone
+    (left by a publisher or a sidecar that was killed)."""
+    from pathlib import Path
+    for path in Path(root).glob(f"{prefix}*"):
+        m = re.fullmatch(rf"{re.escape(prefix)}(\d+)-[0-9a-f]+", path.name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass
 
 
 def default_staging_dir() -> str:

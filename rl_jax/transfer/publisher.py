@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -42,7 +41,7 @@ from typing import Any
 from rl_jax.transfer import checksum
 from rl_jax.transfer import transports as registry
 from rl_jax.transfer.config import STAGING_PREFIX, PublisherConfig, default_staging_dir, \
-    publisher_token
+    publisher_token, remove_dead_owners_dirs
 from rl_jax.transfer.control import ControlServer, host_id
 from rl_jax.transfer.device_staging import DeviceStaging
 from rl_jax.transfer.disk_staging import corrupt_hf_tensor, drop_older, write_checkpoint
@@ -75,20 +74,6 @@ class PublishStats:
         return sum(self.bytes.values()) / max(self.seconds, 1e-9) / 1e9
 
 
-def _clean_stale_staging(root: Path) -> None:
-    """Removes staging directories left by publishers that died (their pid is gone)."""
-    for path in root.glob(f"{STAGING_PREFIX}*"):
-        m = re.fullmatch(rf"{STAGING_PREFIX}(\d+)-[0-9a-f]+", path.name)
-        if not m:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            pass
-
-
 class Publisher(ControlRoutes, Preparing):
     """Publishes versioned weights to generators (see the module docstring).
 
@@ -111,7 +96,7 @@ class Publisher(ControlRoutes, Preparing):
         self.host_id = host_id()
         root = Path(config.staging_dir or default_staging_dir())
         root.mkdir(parents=True, exist_ok=True)
-        _clean_stale_staging(root)
+        remove_dead_owners_dirs(root, STAGING_PREFIX)
         self._staging_root = root / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._host: dict[str, HostStaging] = {}
         self._device = DeviceStaging()

@@ -62,7 +62,7 @@ import ml_dtypes
 import numpy as np
 
 from rl_jax.transfer import finite
-from rl_jax.transfer.config import PullerConfig, default_staging_dir
+from rl_jax.transfer.config import PullerConfig, default_staging_dir, remove_dead_owners_dirs
 from rl_jax.transfer.errors import NonFiniteWeights, TransferError, TransportUnavailable
 from rl_jax.transfer.generator_puller import GeneratorPuller, pinned_publisher
 from rl_jax.transfer.layout import flatten
@@ -72,6 +72,7 @@ from rl_jax.transfer.sglang import ServerRefused, call_server
 log = logging.getLogger(__name__)
 
 HANDOFFS = ("disk", "tensor")
+IMAGES_PREFIX = "rl_jax-sglang-sidecar-"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -200,7 +201,8 @@ class SGLangSidecar:
         config = puller_config or PullerConfig(transport=transport)
         self.puller = GeneratorPuller(publisher_url, config=config)
         root = Path(shm_dir or default_staging_dir())
-        self.root = root / f"rl_jax-sglang-sidecar-{os.getpid()}-{secrets.token_hex(4)}"
+        remove_dead_owners_dirs(root, IMAGES_PREFIX)  # images of sidecars that were killed
+        self.root = root / f"{IMAGES_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.slots = [self.root / "slot0", self.root / "slot1"]
         self._buffers: list[tuple[Any, np.ndarray, list]] = []  # tensor: (buffer, view, names)
         self._files: dict[Path, tuple[Any, mmap.mmap]] = {}  # disk: slot -> its mapped file
