@@ -31,7 +31,7 @@ from rl_jax.transfer.chunks import Entry, parse_chunk, plan_chunks
 from rl_jax.transfer.layout import Layout, flatten, shard_indices
 from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo
 from rl_jax.transfer.puller import run_with_deadline
-from rl_jax.transfer.publisher import _clean_stale_staging
+from rl_jax.transfer.config import STAGING_PREFIX, remove_dead_owners_dirs
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8)
@@ -682,7 +682,7 @@ def test_stale_staging_of_dead_publishers_is_removed(tmp_path):
     other = tmp_path / "something-else"
     for d in (dead, alive, other):
         d.mkdir()
-    _clean_stale_staging(tmp_path)
+    remove_dead_owners_dirs(tmp_path, STAGING_PREFIX)
     assert not dead.exists() and alive.exists() and other.exists()
 
 

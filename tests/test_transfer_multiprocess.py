@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from rl_jax.transfer.config import default_staging_dir
-from rl_jax.transfer.publisher import _clean_stale_staging
+from rl_jax.transfer.config import STAGING_PREFIX, default_staging_dir, remove_dead_owners_dirs
 from transfer_procs import Worker
 
 TRANSPORTS = ["shm", "socket", "jax_transfer", "disk"]
@@ -31,8 +30,7 @@ def generator(url, devices, timeout=60.0, connections=2, name="generator",
 @pytest.fixture(scope="module", autouse=True)
 def _remove_staging_of_killed_publishers():
     yield
-    from pathlib import Path
-    _clean_stale_staging(Path(default_staging_dir()))
+    remove_dead_owners_dirs(default_staging_dir(), STAGING_PREFIX)
 
 
 @pytest.fixture(scope="module")
