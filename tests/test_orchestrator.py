@@ -146,6 +146,14 @@ def test_async_run_end_to_end(base_policy, tmp_path):
     assert any(not np.array_equal(first[k], last[k]) for k in new)
 
 
+def _server_tracebacks(log: str) -> list[str]:
+    """The tracebacks in an SGLang server's log, but for its own warning when the request it
+    sends itself after start-up (``/freeze_gc``) fails, as it may on a busy host."""
+    lines = log.splitlines()
+    return [lines[i - 1] if i else "" for i, line in enumerate(lines)
+            if line.startswith("Traceback") and not (i and "freeze_gc failed" in lines[i - 1])]
+
+
 def _sidecar_dirs() -> set[str]:
     from rl_jax.transfer.config import default_staging_dir
     return {p.name for p in Path(default_staging_dir()).glob("rl_jax-sglang-sidecar-*")}
@@ -180,7 +188,7 @@ def test_async_run_on_a_real_sglang_server(base_policy, tmp_path, weights):
         assert np.isfinite(r["loss/loss"]) and r["staleness/batch_max"] <= 1
         assert r["version"] == r["step"]
     log = "".join(p.read_text() for p in (workdir / "generators").glob("sglang-server-*.log"))
-    assert "/update_weights_from_disk" in log and "Traceback" not in log
+    assert "/update_weights_from_disk" in log and not _server_tracebacks(log), log[-3000:]
     assert "new_version='4'" in log  # SGLang's own record of the versions it took
     written = list((workdir / "weights").glob("*")) if (workdir / "weights").exists() else []
     if weights == "disk":
