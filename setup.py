@@ -21,7 +21,7 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     # Math answer checking (rl_jax.envs.math).
     "sympy==1.14.0",
-    # Generator HTTP server and client (rl_jax.generator.server / client).
+    # Generator HTTP server and client (rl_jax.generator.server.app / client).
     "aiohttp>=3.9,<4",
     # Per-tensor checksums of transferred weights (rl_jax.transfer).
     "xxhash==4.1.0",
@@ -53,8 +53,8 @@ setup(
     version="0.1.0",
     description="Asynchronous reinforcement learning for language models in JAX",
     packages=find_packages(include=["rl_jax", "rl_jax.*", "launch", "launch.*"]),
-    # Native CPU kernels are compiled on first use (rl_jax.generator.kernels).
-    package_data={"rl_jax.generator.kernels": ["*.cc"], "rl_jax.transfer": ["*.c"]},
+    # Native CPU kernels are compiled on first use (rl_jax.generator.engine.kernels).
+    package_data={"rl_jax.generator.engine.kernels": ["*.cc"], "rl_jax.transfer": ["*.c"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -58,10 +58,13 @@ sys.path.insert(0, str(BENCH_DIR))
 import pools  # noqa: E402  (benchmarks/pools.py: environment, device naming, comparison)
 from generator_throughput import admit_prompts, engine_generate  # noqa: E402
 
-from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
-from rl_jax.generator.runner import ModelRunner  # noqa: E402
+from rl_jax.generator.engine.core import Engine  # noqa: E402
+from rl_jax.generator.engine.config import EngineConfig  # noqa: E402
+from rl_jax.generator.engine.runner import ModelRunner  # noqa: E402
 from rl_jax.models.shapes import shape as named_shape  # noqa: E402
-from rl_jax.sysmodel import CATALOGUE, Accelerator, ModelShape, RooflineLatency  # noqa: E402
+from rl_jax.sysmodel.accelerators import CATALOGUE, Accelerator  # noqa: E402
+from rl_jax.sysmodel.shape import ModelShape  # noqa: E402
+from rl_jax.sysmodel.latency import RooflineLatency  # noqa: E402
 from rl_jax.sysmodel.latency import TrainerModel  # noqa: E402
 from rl_jax.sysmodel.memory import trainer_memory  # noqa: E402
 from rl_jax.trainer.state import ModelSpec, OptimizerConfig, init_state, make_optimizer  # noqa
@@ -99,7 +102,8 @@ def best_seconds(fn, *, warmup: int = 1, repeats: int = 3) -> float:
     return best
 
 
-# ---- the device and its ceilings ------------------------------------------------------------------
+# ---- the device and its ceilings
+# ------------------------------------------------------------------
 
 def catalogue_entry(env: dict) -> Accelerator | None:
     kind = env["device_kind"].lower()
@@ -158,7 +162,8 @@ def device_memory_limit() -> int | None:
         return None
 
 
-# ---- generator --------------------------------------------------------------------------------------
+# ---- generator
+# --------------------------------------------------------------------------------------
 
 def raw_decode(runner: ModelRunner, params, weights, prompts: np.ndarray, new_tokens: int,
                steps: int) -> tuple[float, float]:
@@ -253,7 +258,8 @@ def measure_decode(cfg, params, args, acc: Accelerator, dtype, dtype_name: str,
     return rows
 
 
-# ---- trainer ------------------------------------------------------------------------------------------
+# ---- trainer
+# ------------------------------------------------------------------------------------------
 
 def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
                     deadline: float, rows: list[dict], save) -> list[dict]:
@@ -342,7 +348,8 @@ def measure_trainer(cfg, args, acc: Accelerator, dtype, dtype_name: str,
     return rows
 
 
-# ---- weight publication ----------------------------------------------------------------------------------
+# ---- weight publication
+# ----------------------------------------------------------------------------------
 
 def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
     """Best time of one host memcpy of ``nbytes`` into a warm destination (``np.copyto``)."""
@@ -364,8 +371,10 @@ def measure_publication(cfg, args, dtype, repeats: int, transport: str = "shm") 
     ``jax_transfer`` moves device arrays between device memories with no host bounce), timed
     from the ``publish`` call to the pulled arrays ready; against one host memcpy of the same
     bytes, measured in the same run, and a device-memory copy at the measured bandwidth."""
-    from rl_jax.generator.weights import generator_rules
-    from rl_jax.transfer import Publisher, PublisherConfig, Puller, PullerConfig
+    from rl_jax.generator.engine.weights import generator_rules
+    from rl_jax.transfer.config import PublisherConfig, PullerConfig
+    from rl_jax.transfer.publisher.core import Publisher
+    from rl_jax.transfer.puller.core import Puller
 
     spec = ModelSpec(cfg, mesh=None)  # the trainer's float32 parameters
     params = spec.init_params(seed=0)
@@ -428,7 +437,8 @@ def measure_publication(cfg, args, dtype, repeats: int, transport: str = "shm") 
     return out
 
 
-# ---- reports ------------------------------------------------------------------------------------------------
+# ---- reports
+# ------------------------------------------------------------------------------------------------
 
 def summary(entry: dict) -> dict:
     """Headline figures of one shape's check: best decode, best trainer, publication."""

@@ -113,10 +113,11 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
     the cores this process may use."""
     import jax.numpy as jnp
 
-    from rl_jax.generator.engine import Engine, EngineConfig
-    from rl_jax.generator.weights import generator_rules, load_params
-    from rl_jax.models.config import eos_ids
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
+    from rl_jax.generator.engine.weights import generator_rules, load_params
     from rl_jax.generator.types import GenerateRequest, SamplingParams
+    from rl_jax.models.config import eos_ids
     cfg, params = load_params(model_dir, mesh=None, rules=generator_rules(), dtype=jnp.float32)
     engine = Engine(cfg, params, rules=generator_rules(), dtype=jnp.float32,
                     eos_token_ids=eos_ids(cfg),
@@ -194,13 +195,14 @@ def held_out_accuracies(model_dirs: list[Path], examples: int) -> list[float]:
     sys.path.insert(0, str(ROOT))
     from configs.tiny_rl import get_config
     from rl_jax import envs
-    from rl_jax.generator.base import LocalGenerator
-    from rl_jax.generator.engine import Engine, EngineConfig
-    from rl_jax.generator.weights import generator_rules, load_params
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
+    from rl_jax.generator.engine.local import LocalGenerator
+    from rl_jax.generator.engine.weights import generator_rules, load_params
     from rl_jax.models.config import eos_ids
     from rl_jax.models.hf import load_tokenizer
     from rl_jax.orchestrator.evaluation import evaluate, held_out_prompts
-    from rl_jax.orchestrator.session import Codec
+    from rl_jax.orchestrator.setup import Codec
     c = get_config()
     env = envs.get(c.env.name, **c.env.kwargs.to_dict())
     prompts = held_out_prompts(env, examples)
@@ -264,7 +266,7 @@ def time_to(curve: list[tuple[float, int, float]], target: float,
 def response_lengths(prompts: int) -> list[int]:
     """The completion lengths the runs are given, in stream order: per prompt position, one per
     sample (or one for the whole group)."""
-    from rl_jax.rollout.pipeline import LognormalLengths
+    from rl_jax.rollout.request_plan import LognormalLengths
     length_of = LognormalLengths(_MEDIAN.value, _SIGMA.value, _MAX_LEN.value)
     samples = batch_shape()[1] if _PER_SAMPLE.value else 1
     return [length_of(p, i) for p in range(prompts) for i in range(samples)]
@@ -280,7 +282,7 @@ def measured_lengths(n: int = 20000) -> dict:
 def predict(runs: dict, base: Path, steps: int, lengths: dict) -> dict:
     """The systems model's prediction of each run from this machine's measured curves, printed
     beside what was measured."""
-    from rl_jax.sysmodel import predict_run
+    from rl_jax.sysmodel.predict import predict_run
     cores = ["taskset", "-c", "1"] if (os.cpu_count() or 1) > 1 else []
     out = subprocess.run([*cores, sys.executable, __file__, f"--measure_decode={base}"],
                          cwd=ROOT, capture_output=True, text=True,

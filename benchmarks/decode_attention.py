@@ -1,5 +1,5 @@
 """Decode attention on this machine's default backend: the Pallas kernel
-(``rl_jax.generator.kernels.pallas_decode``) against XLA's ``attend``.
+(``rl_jax.generator.engine.kernels.pallas_decode``) against XLA's ``attend``.
 
 1. Agreement: both against a float64 reference over ragged positions (0, the cache's end, past
    it, random), GQA groups 1/2/7/8, head_dim 64/128, float32 and bfloat16, engine cache
@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from generator_throughput import best_time, log  # benchmarks/ is on sys.path as the script's dir
-from rl_jax.generator.kernels import pallas_decode
-from rl_jax.generator.decode import attend
-from rl_jax.generator.kv_cache import SLOT_FIELDS
-from rl_jax.generator.runner import ModelRunner
-from rl_jax.models import ModelConfig
+from rl_jax.generator.engine.decode import attend
+from rl_jax.generator.engine.kernels import pallas_decode
+from rl_jax.generator.engine.kv_cache import SLOT_FIELDS
+from rl_jax.generator.engine.runner import ModelRunner
+from rl_jax.models.config import ModelConfig
 
 RESULTS = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
 
@@ -102,7 +102,8 @@ def selection() -> dict:
 
 
 def engine_tokens() -> dict:
-    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
     from rl_jax.generator.types import GenerateRequest, SamplingParams
     from rl_jax.trainer.state import ModelSpec
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,

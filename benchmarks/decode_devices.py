@@ -88,7 +88,7 @@ def main():
     from jax.sharding import NamedSharding, PartitionSpec as P
     from generator_throughput import MODELS, admit_prompts, log, prompts_for
 
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.sharding import make_mesh
     from rl_jax.trainer.state import ModelSpec
 

@@ -48,12 +48,14 @@ def main():
     import ml_dtypes
     import numpy as np
 
-    from rl_jax.generator.weights import generator_rules
+    from rl_jax.generator.engine.weights import generator_rules
     from rl_jax.models.shapes import shape as named_shape
     from rl_jax.trainer.state import ModelSpec, OptimizerConfig, init_state, make_optimizer
     from rl_jax.trainer.step import LMBatch, causal_lm_loss, make_train_step
-    from rl_jax.transfer import Publisher, PublisherConfig, Puller, PullerConfig
+    from rl_jax.transfer.config import PublisherConfig, PullerConfig
     from rl_jax.transfer.layout import flatten
+    from rl_jax.transfer.publisher.core import Publisher
+    from rl_jax.transfer.puller.core import Puller
 
     cfg = named_shape(args.shape)
     spec = ModelSpec(cfg, mesh=None, dtype=jnp.bfloat16)  # bf16 compute, f32 master weights

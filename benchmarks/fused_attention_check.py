@@ -23,7 +23,8 @@ from flax import nnx
 
 from rl_jax.models import fused_attention as fa
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.transformer import Transformer, attention_mask
+from rl_jax.models.fused_attention import attention_mask
+from rl_jax.models.transformer import Transformer
 
 LOG_DIR = os.environ.get("OUT")
 

@@ -9,7 +9,8 @@ machine:
 2. per model and batch size ``B``, the decode step latency and tokens/s of
    - ``raw``: the engine's jitted decode step with its sampling (``ModelRunner.decode``), tokens
      fed back on the device, no host sync inside the loop: the engine's ceiling. Its attention
-     is the native CPU kernel where it builds (``rl_jax.generator.kernels``: each slot's cache
+     is the native CPU kernel where it builds (``rl_jax.generator.engine.kernels``: each slot's
+     cache
      read up to its position only, slots split over XLA's threads); the same step with XLA's
      attention (the pages of the longest sequence's length bucket gathered, read whole, on one
      thread) is timed beside it as
@@ -87,15 +88,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from rl_jax.generator import kernels  # noqa: E402
-from rl_jax.generator.engine import Engine, EngineConfig  # noqa: E402
-from rl_jax.generator.decode import attend_pages  # noqa: E402
-from rl_jax.generator.kv_cache import SLOT_FIELDS, kv_bucket, pages_for  # noqa: E402
-from rl_jax.generator.runner import ModelRunner  # noqa: E402
-from rl_jax.generator.sampling import sample  # noqa: E402
-from rl_jax.generator.weights import make_generator_meshes  # noqa: E402
+from rl_jax.generator.engine import kernels  # noqa: E402
+from rl_jax.generator.engine.core import Engine  # noqa: E402
+from rl_jax.generator.engine.config import EngineConfig  # noqa: E402
+from rl_jax.generator.engine.decode import attend_pages  # noqa: E402
+from rl_jax.generator.engine.kv_cache import SLOT_FIELDS, kv_bucket, pages_for  # noqa: E402
+from rl_jax.generator.engine.runner import ModelRunner  # noqa: E402
+from rl_jax.generator.engine.sampling import sample  # noqa: E402
+from rl_jax.generator.engine.weights import make_generator_meshes  # noqa: E402
 from rl_jax.generator.types import GenerateRequest, SamplingParams  # noqa: E402
-from rl_jax.models import ModelConfig, save_pretrained  # noqa: E402
+from rl_jax.models.config import ModelConfig  # noqa: E402
+from rl_jax.models.hf import save_pretrained  # noqa: E402
 from rl_jax.trainer.state import ModelSpec  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

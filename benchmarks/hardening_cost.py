@@ -136,11 +136,13 @@ class LiveGenerator:
         import jax
         import numpy as np
 
-        from rl_jax.generator.engine import Engine, EngineConfig
-        from rl_jax.generator.weights import generator_rules
+        from rl_jax.generator.engine.core import Engine
+        from rl_jax.generator.engine.config import EngineConfig
+        from rl_jax.generator.engine.weights import generator_rules
         from rl_jax.generator.types import GenerateRequest, SamplingParams
         from rl_jax.trainer.state import ModelSpec
-        from rl_jax.transfer import GeneratorPuller, PullerConfig
+        from rl_jax.transfer.puller.generator import GeneratorPuller
+        from rl_jax.transfer.config import PullerConfig
 
         cfg = transfer_throughput.model_config(cmd["size"])
         spec = ModelSpec(cfg, mesh=None, rules=generator_rules())
@@ -305,7 +307,7 @@ def write_checkpoint(root: Path) -> Path:
     from flax import nnx
 
     from rl_jax.data.tokenizer import build_char_tokenizer
-    from rl_jax.models import ModelConfig
+    from rl_jax.models.config import ModelConfig
     from rl_jax.models.hf import save_pretrained
     from rl_jax.models.transformer import Transformer
 
@@ -365,7 +367,7 @@ def time_serving(rounds: int, requests: int, concurrency: int, new_tokens: int,
     """Keyed against open servers; with ``control``, two open servers the same way (what two
     identical server processes differ by here: the noise floor of the comparison)."""
     from rl_jax.generator.auth import Keys
-    from rl_jax.generator.launcher import PoolConfig, ServerPool
+    from rl_jax.generator.launcher.pool import PoolConfig, ServerPool
 
     env = (("XLA_FLAGS", ""), ("JAX_PLATFORMS", "cpu"), ("TOKENIZERS_PARALLELISM", "false"))
     with tempfile.TemporaryDirectory(prefix="rl_jax-hardening-") as tmp:
@@ -414,7 +416,8 @@ def time_request_checks(new_tokens: int, repeats: int = 20000) -> dict:
     """CPU seconds per request of a plain ``json.loads`` and of what the server runs instead
     (bounded parse, ``parse_generate`` with the server's limits, the key check)."""
     from rl_jax.generator.auth import Keys, check_request
-    from rl_jax.generator.protocol import parse_generate, parse_json_body
+    from rl_jax.generator.json_body import parse_json_body
+    from rl_jax.generator.protocol import parse_generate
 
     keys = Keys(API, ADMIN)
     headers = {"Authorization": f"Bearer {API}", "Content-Type": "application/json"}

@@ -149,7 +149,7 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
 def default_time_limit(study: str) -> float:
     """The recipe's own time budget for ``defaults``; the study's fixed one otherwise."""
     if study == "defaults":
-        from rl_jax.recipe import load_recipe_file
+        from rl_jax.recipe.checks import load_recipe_file
         return float(load_recipe_file(ROOT / _RECIPE.value).trainer.time_limit_s)
     return {"ceiling": 570.0, "plateau": 300.0, "staleness": 90.0}[study]
 

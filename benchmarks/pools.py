@@ -272,7 +272,7 @@ def run_aot(args) -> list[dict]:
 # ---- reports ----------------------------------------------------------------------------------------
 
 def measured_accelerator(env: dict, ceilings: dict, transfer: dict | None) -> dict:
-    """An accelerator description (``rl_jax.sysmodel.Accelerator``) from this run's numbers."""
+    """An accelerator description (``rl_jax.sysmodel.accelerators.Accelerator``) from this run's numbers."""
     rows = (transfer or {}).get("rows") or []
     link = (max(r["memcpy_gbps"] for r in rows) * 1e9 if rows else ceilings["bandwidth"])
     try:

@@ -11,7 +11,7 @@ available memory; the run's output is shown as it comes. After it:
 1. the generator's decode step time is measured at the decode batch sizes the run used, in the
    generator's dtype, on the generator's core (a separate process loading the run's base
    weights): the systems model's latency curve;
-2. the run is predicted by :func:`rl_jax.sysmodel.predict_run` from what the run itself
+2. the run is predicted by :func:`rl_jax.sysmodel.predict.predict_run` from what the run itself
    measured: the trainer's tokens/s in its train steps and its serial work per step (publishing
    a version, logging), the servers' weight-update time, the generator's in-flight swap work,
    the client's overhead per group, the prompt and completion tokens of its batches;
@@ -89,7 +89,7 @@ def recipe_overrides() -> list[str]:
 
 def load_recipe(overrides: list[str]):
     """The typed recipe the run will parse (``rl_jax.recipe``)."""
-    from rl_jax.recipe import apply_overrides, load_recipe_file, parse
+    from rl_jax.recipe.checks import apply_overrides, load_recipe_file, parse
     config = load_recipe_file(RECIPE)
     apply_overrides(config, overrides, what="--override")
     return parse(config)
@@ -140,7 +140,7 @@ def _role(pid: int, root: int) -> str:
             cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return "other"
-    return "generator" if "rl_jax.generator.serve" in cmdline else "other"
+    return "generator" if "rl_jax.generator.server.serve" in cmdline else "other"
 
 
 def _available_bytes() -> int:
@@ -252,9 +252,10 @@ def measure_decode_curve(model_dir: str) -> dict[int, float]:
     ``--batches`` sequences, over the contexts a ``--new_tokens`` completion of a
     ``--prompt_len`` prompt passes through: (a long request - a short one) / the extra tokens,
     best of three each, so that the prefill cancels out."""
-    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
+    from rl_jax.generator.engine.weights import generator_rules, load_params
     from rl_jax.generator.types import GenerateRequest, SamplingParams
-    from rl_jax.generator.weights import generator_rules, load_params
     from rl_jax.models.config import DTYPES, eos_ids
     dtype = DTYPES[_DTYPE.value]
     batches = sorted(int(b) for b in _BATCHES.value)
@@ -352,8 +353,8 @@ def run_inputs(recipe, summary: dict, records: list[dict], warmup: int) -> dict:
 
 
 def predict(recipe, inputs: dict, curve: dict[int, float], steps: int, warmup: int):
-    """:func:`rl_jax.sysmodel.predict_run` of this run from its measured inputs."""
-    from rl_jax.sysmodel import predict_run
+    """:func:`rl_jax.sysmodel.predict.predict_run` of this run from its measured inputs."""
+    from rl_jax.sysmodel.predict import predict_run
     r = recipe.rollout
     lengths = [max(1, round(inputs["completion_len"]))] * ((steps + r.max_lag + 2)
                                                           * r.groups_per_batch * r.group_size)
@@ -377,7 +378,8 @@ def predicted_memory(recipe) -> dict:
     what the run needs of this machine: both, plus what no compiled program holds
     (``sysmodel.memory.host_memory``: the publisher's staging slots, each process's runtime)."""
     from rl_jax.models.shapes import shape
-    from rl_jax.sysmodel.memory import generator_memory, host_memory, trainer_memory
+    from rl_jax.sysmodel.memory import trainer_memory
+    from rl_jax.sysmodel.memory_serving import generator_memory, host_memory
     from rl_jax.sysmodel.shape import ModelShape
     model = ModelShape.from_model_config(shape(recipe.model.shape))
     t = recipe.trainer

@@ -3,7 +3,8 @@
 
 The three generators:
 
-- ``rl_jax``: this project's generator server (``python -m rl_jax.generator.serve``), over HTTP;
+- ``rl_jax``: this project's generator server (``python -m rl_jax.generator.server.serve``), over
+HTTP;
 - ``sglang``: a real SGLang 0.5.23 server (``python -m sglang.launch_server``, the environment
   ``tools/sglang_cpu/install.sh`` makes in ``.venv-sglang``) on its CPU engine, over HTTP;
 - ``hf``: transformers' ``generate`` in this process (torch on the CPU, SDPA attention).
@@ -17,7 +18,8 @@ server per count with ``OMP_NUM_THREADS`` (on a CPU without AMX SGLang neither b
 threads: torch's default, one per core).
 ``rl_jax`` runs once, on XLA's own thread pool over all cores (which suffers far less from load).
 
-Both servers are started by the project's launcher (:class:`rl_jax.generator.launcher.ServerPool`)
+Both servers are started by the project's launcher
+(:class:`rl_jax.generator.launcher.pool.ServerPool`)
 exactly as ``tests/sglang_fixtures.py`` starts them (SGLang with ``sglang_cpu_settings()``), both
 with float32 weights, the same ``max_slots`` (the largest batch size; SGLang's
 ``--max-running-requests``) and ``max_seq_len`` (SGLang's ``--context-length``), one decode step
@@ -68,7 +70,8 @@ start of every phase: a phase measured on a much busier machine shows there.
 Shapes: ``tiny`` (the default): generator_throughput.py's ``tiny`` (vocab 1024, hidden 96, 3
 layers, 4 heads / 2 KV heads of 24) as a Llama checkpoint with random float32 weights and a
 tokenizer of its whole vocabulary (``rl_jax.models.shapes.write_random_checkpoint``, which writes
-the ``tokenizer_config.json`` SGLang needs). ``qwen2.5-0.5b``: random weights of the real shape, float32, written by ``python -m
+the ``tokenizer_config.json`` SGLang needs). ``qwen2.5-0.5b``: random weights of the real shape,
+float32, written by ``python -m
 rl_jax.models.shapes write qwen2.5-0.5b DIR --dtype float32`` (one ``model.safetensors``, 2 GB,
 ``config.json``, a byte-level ``tokenizer.json`` covering the vocabulary,
 ``tokenizer_config.json``); ``--checkpoint DIR`` reuses one written before.
@@ -101,7 +104,7 @@ from pathlib import Path
 import numpy as np
 
 from generator_throughput import MODELS, hf_generate  # the same model and HF baseline
-from rl_jax.generator.launcher import PoolConfig, ServerPool, sglang_cpu_settings
+from rl_jax.generator.launcher.pool import PoolConfig, ServerPool, sglang_cpu_settings
 from rl_jax.models.shapes import write_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,13 +4,14 @@ each path this project has to it, against a memcpy of the same bytes measured in
 Variants (one server, started as ``tests/sglang_fixtures.py`` starts it; versions count up):
 
 - ``sidecar/disk`` and ``sidecar/tensor``: the trainer's ``Publisher.publish`` (shm staging,
-  checksums, finiteness), then the sidecar (:mod:`rl_jax.transfer.sglang_sidecar`, in this
+  checksums, finiteness), then the sidecar (:mod:`rl_jax.transfer.sglang.sidecar`, in this
   process) pulls the version over ``shm``, verifies it, writes the HF image and hands it to
   SGLang: ``/update_weights_from_disk`` of a ``model.safetensors`` in tmpfs, or
   ``/update_weights_from_tensor`` of torch shared memory. Timed from the publish call to the
   sidecar's return (the server answered with the new version); split into publish, pull
   (manifest to verified arrays), fill (the HF image) and server (SGLang's load).
-- ``broadcast``: ``rl_jax.transfer.sglang.SGLangWeightSender.send`` (HF tensors gathered on this
+- ``broadcast``: ``rl_jax.transfer.sglang.broadcast.SGLangWeightSender.send`` (HF tensors gathered
+on this
   host and broadcast over gloo from rank 0; ``master_port=0``, ``pause_mode="in_place"``, its
   default 512 MB buckets), timed around ``send``.
 - ``memcpy``: ``np.copyto`` of every parameter into a warm buffer (the model's bytes, once;
@@ -62,13 +63,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from generator_fixtures import http, write_checkpoints  # noqa: E402
-from rl_jax.generator.launcher import ServerPool  # noqa: E402
-from rl_jax.generator.weights import load_params  # noqa: E402
+from rl_jax.generator.launcher.pool import ServerPool  # noqa: E402
+from rl_jax.generator.engine.weights import load_params  # noqa: E402
 from rl_jax.models.hf import read_config  # noqa: E402
-from rl_jax.transfer import Publisher, PublisherConfig  # noqa: E402
+from rl_jax.transfer.publisher.core import Publisher  # noqa: E402
+from rl_jax.transfer.config import PublisherConfig  # noqa: E402
 from rl_jax.transfer.layout import flatten  # noqa: E402
-from rl_jax.transfer.sglang import SGLangWeightSender  # noqa: E402
-from rl_jax.transfer.sglang_sidecar import SGLangSidecar  # noqa: E402
+from rl_jax.transfer.sglang.broadcast import SGLangWeightSender  # noqa: E402
+from rl_jax.transfer.sglang.sidecar import SGLangSidecar  # noqa: E402
 from sglang_fixtures import greedy, pool_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.models import ModelConfig
+from rl_jax.models.config import ModelConfig
 from rl_jax.models.logprobs import blockwise_token_logprobs, full_token_logprobs
 from rl_jax.trainer.state import ModelSpec, OptimizerConfig, init_state, make_optimizer
 from rl_jax.trainer.step import LMBatch, causal_lm_loss, make_train_step

@@ -69,7 +69,7 @@ SIZES = {"10MB": (256, 2, 4096), "100MB": (512, 4, 8192), "300MB": (768, 8, 1228
 
 
 def model_config(size: str):
-    from rl_jax.models import ModelConfig
+    from rl_jax.models.config import ModelConfig
     hidden, layers, vocab = SIZES[size]
     return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                        num_layers=layers, num_heads=hidden // 64, num_kv_heads=hidden // 64,
@@ -108,7 +108,8 @@ def trainer_main():
 
     from rl_jax.sharding import make_mesh
     from rl_jax.trainer.state import ModelSpec
-    from rl_jax.transfer import Publisher, PublisherConfig
+    from rl_jax.transfer.config import PublisherConfig
+    from rl_jax.transfer.publisher.core import Publisher
 
     publisher, params, spec = None, None, None
     bump = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
@@ -154,9 +155,10 @@ def trainer_main():
 def generator_main():
     import jax
 
-    from rl_jax.generator.weights import generator_rules
+    from rl_jax.generator.engine.weights import generator_rules
     from rl_jax.trainer.state import ModelSpec
-    from rl_jax.transfer import Puller, PullerConfig
+    from rl_jax.transfer.config import PullerConfig
+    from rl_jax.transfer.puller.core import Puller
 
     puller = pause = None
     for line in sys.stdin:
@@ -201,11 +203,13 @@ class PauseTest:
         import jax
         import numpy as np
 
-        from rl_jax.generator.engine import Engine, EngineConfig
-        from rl_jax.generator.weights import generator_rules
+        from rl_jax.generator.engine.core import Engine
+        from rl_jax.generator.engine.config import EngineConfig
+        from rl_jax.generator.engine.weights import generator_rules
         from rl_jax.generator.types import GenerateRequest, SamplingParams
         from rl_jax.trainer.state import ModelSpec
-        from rl_jax.transfer import GeneratorPuller, PullerConfig
+        from rl_jax.transfer.puller.generator import GeneratorPuller
+        from rl_jax.transfer.config import PullerConfig
 
         cfg = model_config(cmd["size"])
         spec = ModelSpec(cfg, mesh=None, rules=generator_rules())

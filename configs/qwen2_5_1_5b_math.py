@@ -18,7 +18,7 @@ list them in ``generator.urls`` and name the same keys' files in ``generator.aut
 
 from ml_collections import ConfigDict
 
-from rl_jax.recipe import base_config
+from rl_jax.recipe.schema import base_config
 
 CHAT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within "
         "\\boxed{}.<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")

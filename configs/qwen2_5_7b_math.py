@@ -1,7 +1,8 @@
 """Qwen2.5-7B on competition math, asynchronous RL on two 8-GPU nodes (GPU recipe).
 
 Eight GPUs of node 0 train (FSDP × tensor parallel); node 1 serves SGLang (four servers of TP 2);
-weights go to the servers through SGLang's ``/update_weights_from_disk`` after every step, staleness bounded by
+weights go to the servers through SGLang's ``/update_weights_from_disk`` after every step, staleness
+bounded by
 ``max_lag``. It does not run on CPU; ``tests/test_orchestrator.py`` checks it is complete.
 
     huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir checkpoints/qwen2.5-7b
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from rl_jax.recipe import load_recipe_file
+from rl_jax.recipe.checks import load_recipe_file
 
 
 def get_config() -> ConfigDict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from rl_jax.recipe import load_recipe_file
+from rl_jax.recipe.checks import load_recipe_file
 
 # Qwen3's chat format without a system prompt (the -2507 instruct model does not think aloud).
 CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"

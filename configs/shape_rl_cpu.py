@@ -16,7 +16,7 @@ dtype, with a byte-level tokenizer covering the vocabulary).
 
 from ml_collections import ConfigDict
 
-from rl_jax.recipe import base_config
+from rl_jax.recipe.schema import base_config
 
 def get_config() -> ConfigDict:
     """The base recipe (rl_jax.recipe, where every field is described) with what differs."""

@@ -13,7 +13,7 @@ The base policy is ``base.checkpoint``; when that is empty the run first trains 
 
 from ml_collections import ConfigDict
 
-from rl_jax.recipe import base_config
+from rl_jax.recipe.schema import base_config
 
 
 def get_config() -> ConfigDict:
@@ -66,7 +66,7 @@ def get_config() -> ConfigDict:
     # CPU cores of each pool ("" = no pinning), e.g. trainer "0" and generators "1". `rollout`:
     # the trainer process's host threads (rollout client, batch packing, evaluation, weight
     # sync); "" = the trainer's cores. `generators_nice`: the servers' CPU priority (0 default,
-    # 19 lowest; rl_jax.generator.launcher.PoolConfig.nice). With shared-prompt packing a train
+    # 19 lowest; rl_jax.generator.launcher.pool.PoolConfig.nice). With shared-prompt packing a train
     # step costs ~2.4x less, and the host threads share the trainer's core: the generator's core
     # is left to decoding, which dynamic filtering keeps busy.
     c.cpus.update(trainer="0", generators="1", rollout="0", generators_nice=10)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from rl_jax.generator.launcher import sglang_cpu_settings
-from rl_jax.recipe import load_recipe_file
+from rl_jax.generator.launcher.pool import sglang_cpu_settings
+from rl_jax.recipe.checks import load_recipe_file
 
 
 def get_config() -> ConfigDict:

@@ -67,7 +67,7 @@ def fail(message: str):
 def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments: {argv[1:]}")
-    from rl_jax.sysmodel import SysModelError
+    from rl_jax.sysmodel.errors import SysModelError
     from rl_jax.sysmodel.plan import PlanRequest, run_plan
 
     try:

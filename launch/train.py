@@ -40,7 +40,7 @@ def main(argv):
             lm.run(config, _WORKDIR.value)
         elif config.recipe == "rl":
             from rl_jax.orchestrator import rl
-            from rl_jax.recipe import parse
+            from rl_jax.recipe.checks import parse
             rl.run(parse(config), _WORKDIR.value)
         else:
             raise app.UsageError(f"unknown recipe {config.recipe!r}")

@@ -40,7 +40,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from rl_jax.errors import USER_ERRORS
     from rl_jax.orchestrator import rl
-    from rl_jax.recipe import parse
+    from rl_jax.recipe.checks import parse, replace_fields
 
     config = _CONFIG.value
     if config.recipe != "rl":
@@ -57,7 +57,7 @@ def main(argv):
             changes["generator.urls"] = tuple(_URLS.value)
         if _PUBLISHER_HOST.value:
             changes["transfer.host"] = _PUBLISHER_HOST.value
-        rl.run(parse(config).replace(**changes), _WORKDIR.value)
+        rl.run(replace_fields(parse(config), changes), _WORKDIR.value)
     except USER_ERRORS as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -13,8 +13,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from rl_jax.data.tokenizer import build_char_tokenizer
-from rl_jax.generator.launcher import PoolConfig, ServerPool
-from rl_jax.models import ModelConfig
+from rl_jax.generator.launcher.pool import PoolConfig, ServerPool
+from rl_jax.models.config import ModelConfig
 from rl_jax.models.hf import hf_mappings, save_tokenizer
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +="

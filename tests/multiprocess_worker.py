@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from rl_jax.models import ModelConfig  # noqa: E402
+from rl_jax.models.config import ModelConfig  # noqa: E402
 from rl_jax.sharding import make_mesh  # noqa: E402
 from rl_jax.trainer.state import ModelSpec, OptimizerConfig, init_state, make_optimizer  # noqa
 from rl_jax.trainer.step import (LMBatch, batch_partition_spec, causal_lm_loss,  # noqa: E402

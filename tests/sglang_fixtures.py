@@ -1,6 +1,6 @@
 """Servers of either kind for the protocol tests: this project's generator server or a real
 SGLang server (its own environment, made by ``tools/sglang_cpu/install.sh``), started on one
-checkpoint by the same launcher (:class:`rl_jax.generator.launcher.ServerPool`)."""
+checkpoint by the same launcher (:class:`rl_jax.generator.launcher.pool.ServerPool`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from generator_fixtures import MAX_SEQ_LEN, server_env
-from rl_jax.generator.launcher import PoolConfig, ServerPool, sglang_cpu_settings
+from rl_jax.generator.launcher.pool import PoolConfig, ServerPool, sglang_cpu_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("rl_jax", "sglang")

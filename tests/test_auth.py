@@ -21,15 +21,16 @@ from generator_fixtures import http, server_env, write_checkpoints
 from rl_jax.generator import auth
 from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigError, Keys,
                                    check_request, exposure_warning, load_keys, presented_key)
-from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
-from rl_jax.generator.launcher import (LaunchError, PoolConfig, ServerPool, free_port,
-                                       server_command)
+from rl_jax.generator.client.control import GeneratorRequestError
+from rl_jax.generator.client.core import GeneratorClient
+from rl_jax.generator.launcher.pool import (LaunchError, PoolConfig, ServerPool, free_port,
+                                            server_command)
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 
 API, ADMIN = "api-key-0123456789abcdef", "admin-key-fedcba9876543210"
 WRONG = "api-key-0123456789abcdeX"  # differs from API in its last character only
 
-# Every endpoint of rl_jax.generator.server: (method, path, a body that passes validation).
+# Every endpoint of rl_jax.generator.server.app: (method, path, a body that passes validation).
 ADMIN_ENDPOINTS = [
     ("POST", "/pause_generation", {"mode": "abort"}),
     ("POST", "/continue_generation", {}),
@@ -113,7 +114,7 @@ def test_both_header_forms_and_their_variants():
 
 
 def test_keys_never_show_in_reprs_or_configs(tmp_path):
-    from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.server.config import ServerConfig
     keys = Keys(API, ADMIN)
     for text in (repr(keys), str(keys), f"{keys}", repr(ServerConfig(model="m", keys=keys)),
                  repr(PoolConfig(model="m", keys=keys))):
@@ -178,9 +179,9 @@ def test_exposure_warning():
 def test_every_server_endpoint_is_classified():
     """A new endpoint must be named admin, open or normal here: every route that changes the
     server is an admin path."""
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig
-    from rl_jax.generator.distributed_endpoints import DistributedWeightEndpoints
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig
+    from rl_jax.generator.server.distributed_endpoints import DistributedWeightEndpoints
     fake = GeneratorServer.__new__(GeneratorServer)
     fake.config, fake.http_requests = ServerConfig(model="m", keys=Keys(API, ADMIN)), {}
     fake.distributed = DistributedWeightEndpoints(fake)
@@ -249,8 +250,8 @@ def _generator_block(**auth_settings):
 
 
 def test_run_keys_from_files_environment_or_generated(tmp_path, monkeypatch):
-    from rl_jax.orchestrator.config import RLConfigError
     from rl_jax.orchestrator.pool import generator_keys
+    from rl_jax.recipe.schema import RLConfigError
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     monkeypatch.delenv(ADMIN_API_KEY_ENV, raising=False)
     (tmp_path / "api").write_text(API)
@@ -277,7 +278,8 @@ def test_run_keys_from_files_environment_or_generated(tmp_path, monkeypatch):
 ])
 def test_run_config_names_key_files_never_keys(override, message):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from rl_jax.orchestrator import RLConfigError, validate
+    from rl_jax.orchestrator.config import validate
+    from rl_jax.recipe.schema import RLConfigError
     spec = importlib.util.spec_from_file_location(
         "tiny_rl", Path(__file__).resolve().parents[1] / "configs/tiny_rl.py")
     module = importlib.util.module_from_spec(spec)
@@ -487,8 +489,8 @@ def test_client_generates_and_controls_through_keys(servers, ckpts):
 
 
 def test_a_run_with_wrong_keys_stops_at_start(servers):
-    from rl_jax.orchestrator.config import RLConfigError
     from rl_jax.orchestrator.pool import check_keys
+    from rl_jax.recipe.schema import RLConfigError
     pool = servers["both"]
 
     async def check(keys):

@@ -144,7 +144,7 @@ def test_cpu_placement_is_switched_off_on_accelerator_backends(caplog):
     from configs.tiny_rl import get_config
     from rl_jax.orchestrator.rl import cpu_placement_off_cpu
 
-    from rl_jax.recipe import parse
+    from rl_jax.recipe.checks import parse
 
     c = parse(get_config())
     assert c.cpus.trainer and c.cpus.generators and c.cpus.generators_nice

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from rl_jax.data import (ArithmeticTask, alphabet_of, build_char_tokenizer, decode, encode,
-                         eval_arrays, exact_match, example_dataset, examples_per_row,
-                         lm_batches, max_example_length, operand_pair_in_eval, pack_sequences,
-                         packing_stats, special_token_ids)
-from rl_jax.data.packing import PACKED_KEYS
+from rl_jax.data.arithmetic import ArithmeticTask, operand_pair_in_eval
+from rl_jax.data.lm import (eval_arrays, exact_match, example_dataset, examples_per_row, lm_batches,
+                            max_example_length)
+from rl_jax.data.packing import PACKED_KEYS, pack_sequences, packing_stats
+from rl_jax.data.tokenizer import (alphabet_of, build_char_tokenizer, decode, encode,
+                                   special_token_ids)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The native decode attention kernels (rl_jax.generator.kernels), over a contiguous and over a
+"""The native decode attention kernels (rl_jax.generator.engine.kernels), over a contiguous and over
+a
 paged cache, against XLA's attention and each other, in the runner and the engine (a 1k-token
 completion through a budgeted page pool), and their fallbacks."""
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 from rl_jax import native
-from rl_jax.generator import kernels
-from rl_jax.models import ModelConfig
+from rl_jax.generator.engine import kernels
+from rl_jax.models.config import ModelConfig
 
 # Only a machine without a C++ compiler skips these; where one exists, a kernel that fails to
 # build makes them fail.
@@ -34,7 +35,7 @@ def _inputs(rng, s, k, g, d, t):
 def test_kernel_matches_xla_attention(g, d, t):
     import jax
     import jax.numpy as jnp
-    from rl_jax.generator.decode import attend
+    from rl_jax.generator.engine.decode import attend
     rng = np.random.default_rng(g * 1000 + d + t)
     s, k = 13, 3
     q, keys, values = _inputs(rng, s, k, g, d, t)
@@ -88,7 +89,7 @@ def test_paged_kernel_equals_the_contiguous_kernel(g, d, page_size):
     past a slot's own): bit for bit the same attention, and XLA's over the gathered pages."""
     import jax
     import jax.numpy as jnp
-    from rl_jax.generator.decode import attend_pages
+    from rl_jax.generator.engine.decode import attend_pages
     rng = np.random.default_rng(g * 100 + d + page_size)
     s, k, t = 11, 3, 150
     q, keys, values = _inputs(rng, s, k, g, d, t)
@@ -155,7 +156,8 @@ CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_laye
 def test_engine_samples_the_same_with_either_attention():
     """Seeded generations of a mixed batch (several lengths, so different positions per slot):
     the same tokens with the native kernel and with XLA's attention, log-probs within 1e-5."""
-    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
     from rl_jax.generator.types import GenerateRequest, SamplingParams
     from rl_jax.trainer.state import ModelSpec
     params = ModelSpec(CFG, mesh=None).init_params(3)
@@ -173,15 +175,15 @@ def test_engine_samples_the_same_with_either_attention():
             outputs[attention] = [f.result(timeout=300) for f in futures]
         finally:
             engine.shutdown()
-    for (native,), (xla,) in zip(outputs["native"], outputs["xla"]):
-        assert len(native.output_ids) == 40
-        assert native.output_ids == xla.output_ids
-        np.testing.assert_allclose(native.output_logprobs, xla.output_logprobs, atol=1e-5)
+    for (by_native,), (by_xla,) in zip(outputs["native"], outputs["xla"]):
+        assert len(by_native.output_ids) == 40
+        assert by_native.output_ids == by_xla.output_ids
+        np.testing.assert_allclose(by_native.output_logprobs, by_xla.output_logprobs, atol=1e-5)
 
 
 def test_native_attention_refused_where_it_cannot_run():
     import jax.numpy as jnp
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.generator.types import GeneratorError
     with pytest.raises(GeneratorError, match="float32"):
         ModelRunner(CFG, max_slots=8, max_seq_len=32, dtype=jnp.bfloat16, attention="native")
@@ -201,7 +203,7 @@ def test_without_a_compiler_the_engine_falls_back_to_xla(tmp_path):
     code = textwrap.dedent("""
         import logging, sys
         logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
-        from rl_jax.generator import kernels
+        from rl_jax.generator.engine import kernels
         print("available", kernels.decode_attention_available())
     """)
     env = {"PATH": str(tmp_path), "CXX": "", "RL_JAX_KERNEL_CACHE": str(tmp_path / "cache"),
@@ -231,8 +233,9 @@ def test_a_long_completion_through_a_budgeted_page_pool():
     third request) through a pool of 48 pages of 64 tokens, too few for all three at once:
     every token's log-prob is the trainer's (float32), and every page comes back."""
     import jax.numpy as jnp
-    from rl_jax.generator.engine import Engine, EngineConfig
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.generator.types import GenerateRequest, SamplingParams
     from rl_jax.trainer.state import ModelSpec
     spec = ModelSpec(CFG, mesh=None)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from generator_fixtures import http
-from rl_jax.generator.launcher import PoolConfig, ServerPool, free_port
+from rl_jax.generator.launcher.pool import PoolConfig, ServerPool, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY, ADMIN_KEY, TOKEN = "fleet-api-key-0123456789", "fleet-admin-key-0123456789", \
@@ -277,11 +277,12 @@ def fleet_server():
     """A publisher's control server with the fleet routes, over a pool of two members (two
     free ports nothing listens on: no case here reaches a member)."""
     from rl_jax.generator.auth import Keys
-    from rl_jax.generator.client import GeneratorClient
+    from rl_jax.generator.client.core import GeneratorClient
     from rl_jax.orchestrator.fleet import Fleet
     from rl_jax.orchestrator.pool import BackgroundLoop
     from rl_jax.orchestrator.weights import WeightSync
-    from rl_jax.transfer import Publisher, PublisherConfig
+    from rl_jax.transfer.config import PublisherConfig
+    from rl_jax.transfer.publisher.core import Publisher
 
     members = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     publisher = Publisher(PublisherConfig(transports=("shm",), auth_token=TOKEN))
@@ -434,7 +435,8 @@ def test_a_request_on_a_server_that_leaves_raises_server_left_at_once(how):
     it there, and raises ServerLeft: the rollout issues the prompt again elsewhere."""
     import asyncio
 
-    from rl_jax.generator.client import ClientConfig, GeneratorClient, ServerLeft
+    from rl_jax.generator.client.control import ServerLeft
+    from rl_jax.generator.client.core import ClientConfig, GeneratorClient
     from rl_jax.generator.types import GenerateRequest, SamplingParams
     from rl_jax.orchestrator.pool import BackgroundLoop
 

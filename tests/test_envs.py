@@ -10,8 +10,9 @@ import pytest
 
 import rl_jax.envs as envs
 from rl_jax.data.arithmetic import ArithmeticTask
-from rl_jax.envs import (EnvError, Environment, EpisodeState, Prompt, Segment, StepResult,
-                         build_loss_mask, run_episode, score_many)
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import (EnvError, Environment, EpisodeState, Segment, StepResult,
+                              build_loss_mask, run_episode, score_many)
 from rl_jax.envs.countdown import (CountdownTask, ExpressionError, check_expression,
                                    evaluate_expression, extract_expression, parse_prompt)
 from rl_jax.envs.math import (LinearEquationTask, answers_match, check_math, extract_answer,
@@ -19,8 +20,8 @@ from rl_jax.envs.math import (LinearEquationTask, answers_match, check_math, ext
 from rl_jax.envs.shaping import (RewardShaping, SolveRateTracker, drop_zero_signal_groups,
                                  group_statistics, linear_length_penalty, overlong_penalty,
                                  zero_signal)
-from rl_jax.envs.sorting import MAX_COMPLETION_CHARS, SortingTask
-from rl_jax.envs.sorting import parse_prompt as parse_sorting_prompt
+from rl_jax.envs.sorting import (MAX_COMPLETION_CHARS, SortingTask,
+                                 parse_prompt as parse_sorting_prompt)
 
 run = asyncio.run
 

@@ -12,8 +12,8 @@ from flax import nnx
 
 from rl_jax.models import fused_attention as fa
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.transformer import (Transformer, attention_mask, decoder_layer,
-                                      rotary_tables)
+from rl_jax.models.fused_attention import attention_mask
+from rl_jax.models.transformer import Transformer, decoder_layer, rotary_tables
 
 FIT = dict(dtype=jnp.bfloat16, head_dim=128, q_len=512, kv_len=512, causal_self=True,
            has_segment_ids=True)

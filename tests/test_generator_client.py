@@ -18,11 +18,13 @@ import ml_collections
 import pytest
 
 from generator_fixtures import http, start_pool, write_checkpoints
-from rl_jax.generator.base import Generator, LocalGenerator
-from rl_jax.generator.client import (ClientConfig, GeneratorClient, GeneratorRequestError,
-                                     GeneratorUnavailable)
-from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool, server_command
-from rl_jax.generator.protocol import outputs_from_json, parse_generate, request_json
+from rl_jax.generator.base import Generator
+from rl_jax.generator.client.control import GeneratorRequestError, GeneratorUnavailable
+from rl_jax.generator.client.core import ClientConfig, GeneratorClient
+from rl_jax.generator.engine.local import LocalGenerator
+from rl_jax.generator.launcher.pool import LaunchError, PoolConfig, ServerPool, server_command
+from rl_jax.generator.protocol import parse_generate, request_json
+from rl_jax.generator.responses import outputs_from_json
 from rl_jax.generator.types import GenerateRequest, GeneratorError, SamplingParams
 
 
@@ -345,7 +347,7 @@ def test_pool_config_from_a_config_block():
 def test_server_commands():
     ours = PoolConfig(model="/ckpt", ports=(31000,), max_slots=16, max_seq_len=256)
     assert server_command(ours, 31000) == [
-        sys.executable, "-m", "rl_jax.generator.serve", "--model=/ckpt", "--host=127.0.0.1",
+        sys.executable, "-m", "rl_jax.generator.server.serve", "--model=/ckpt", "--host=127.0.0.1",
         "--port=31000", "--max_slots=16", "--max_seq_len=256", "--max_waiting=4096",
         "--dtype=float32", "--tensor_parallel=1", "--data_parallel=1", "--weight_version=0",
         f"--parent_pid={os.getpid()}", "--num_continuous_decode_steps=1"]
@@ -355,7 +357,8 @@ def test_server_commands():
                         max_slots=64, max_seq_len=4096, weight_version=7,
                         extra_args=("--mem-fraction-static", "0.8"))
     assert server_command(sglang, 30002, 1) == [
-        sys.executable, "-m", "rl_jax.generator.orphan_guard", f"--parent_pid={os.getpid()}",
+        sys.executable, "-m", "rl_jax.generator.launcher.orphan_guard",
+        f"--parent_pid={os.getpid()}",
         "--", sys.executable, "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-0.6B",
         "--host", "0.0.0.0", "--port", "30002", "--tp-size", "2", "--dp-size", "2",
         "--base-gpu-id", "4",
@@ -390,9 +393,10 @@ def test_sglang_kind_needs_the_python_of_sglangs_own_environment(tmp_path):
                                   python=python)).start()
     command = ServerPool(PoolConfig(model="m", kind="sglang", ports=(30001,),
                                     python="/opt/sglang/bin/python")).commands()[0]
-    # SGLang under the guard that ends it with this process (rl_jax.generator.orphan_guard)
+    # SGLang under the guard that ends it with this process (rl_jax.generator.launcher.orphan_guard)
     guard = command[:command.index("--")]
-    assert guard[1:] == ["-m", "rl_jax.generator.orphan_guard", f"--parent_pid={os.getpid()}"]
+    assert guard[1:] == ["-m", "rl_jax.generator.launcher.orphan_guard",
+                         f"--parent_pid={os.getpid()}"]
     assert command[len(guard) + 1:][:3] == ["/opt/sglang/bin/python", "-m",
                                             "sglang.launch_server"]
 
@@ -429,8 +433,8 @@ async def rollout_round(generator: Generator, new_weights) -> tuple[list, int]:
 
 
 def test_local_engine_and_http_pool_behind_one_interface(pool, ckpts):
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig
 
     async def main():
         async with GeneratorClient(pool.urls) as client:

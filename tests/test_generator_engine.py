@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.generator.engine import Engine, EngineConfig
+from rl_jax.generator.engine.config import EngineConfig
+from rl_jax.generator.engine.core import Engine
+from rl_jax.generator.engine.weights import generator_rules, make_generator_meshes
 from rl_jax.generator.types import GenerateRequest, GeneratorError, Overloaded, SamplingParams
-from rl_jax.generator.weights import generator_rules, make_generator_meshes
-from rl_jax.models import ModelConfig
+from rl_jax.models.config import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
 
@@ -576,7 +577,7 @@ def reference_filter(scaled, top_k, top_p, min_p):
 def test_filter_mask_matches_a_sorting_reference(filters):
     """Batches whose rows mix every filter, and batches where no row asks for top-p, or for
     top-k, or for either (the searches nobody asks for are skipped)."""
-    from rl_jax.generator.sampling import filter_mask
+    from rl_jax.generator.engine.sampling import filter_mask
     rng = np.random.default_rng(0)
     rows, vocab = 24, 300
     scaled = rng.standard_normal((rows, vocab)).astype(np.float32) * 2
@@ -599,7 +600,7 @@ def test_filter_mask_matches_a_sorting_reference(filters):
 
 
 def test_inverse_cdf_picks_by_prefix_sums_and_never_a_zero_weight():
-    from rl_jax.generator.sampling import inverse_cdf
+    from rl_jax.generator.engine.sampling import inverse_cdf
     rng = np.random.default_rng(1)
     for vocab in (5, 48, 1000):
         weights = rng.random((64, vocab)).astype(np.float32)
@@ -618,7 +619,7 @@ def test_inverse_cdf_picks_by_prefix_sums_and_never_a_zero_weight():
 
 
 def test_sampled_tokens_follow_the_distribution_and_greedy_takes_the_first_maximum():
-    from rl_jax.generator.sampling import sample
+    from rl_jax.generator.engine.sampling import sample
     rows, vocab = 4096, 40
     logits = np.random.default_rng(2).standard_normal(vocab).astype(np.float32)
     logits[7] = logits[31] = logits.max() + 1.0  # a tie for the maximum
@@ -648,7 +649,7 @@ def test_filtered_sampling_reports_the_sampled_distribution_and_unbiased_ratios(
     """With top-k/top-p/min-p the behaviour log-prob is that of the filtered, renormalised
     distribution the token was drawn from; importance ratios ``π(y) / μ(y)`` against it estimate
     ``E_π[f]`` over the kept tokens without bias, against the unfiltered one they do not."""
-    from rl_jax.generator.sampling import sample
+    from rl_jax.generator.engine.sampling import sample
     rows, vocab, temperature = 16384, 40, 0.8
     logits = np.random.default_rng(4).standard_normal(vocab).astype(np.float32) * 1.5
     tile = np.broadcast_to(logits, (rows, vocab))
@@ -685,7 +686,7 @@ def test_filtered_sampling_reports_the_sampled_distribution_and_unbiased_ratios(
 
 
 def test_kv_and_batch_buckets():
-    from rl_jax.generator.kv_cache import batch_bucket, kv_bucket
+    from rl_jax.generator.engine.kv_cache import batch_bucket, kv_bucket
     sizes = [kv_bucket(n, 4096) for n in range(1, 4097)]
     assert sizes[0] == 16 and sizes[-1] == 4096
     assert all(size >= n for n, size in enumerate(sizes, 1))
@@ -765,8 +766,8 @@ def test_the_next_cache_length_is_compiled_ahead(weights):
 
 
 def _decode_across_a_cache_length(weights, compiles):
-    from rl_jax.generator.kv_cache import SLOT_FIELDS
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.kv_cache import SLOT_FIELDS
+    from rl_jax.generator.engine.runner import ModelRunner
     runner = ModelRunner(CFG, max_slots=8, max_seq_len=96, page_size=16)
     assert not runner.native_attention  # XLA's attention: one program per attended length
     params = weights[0]
@@ -794,8 +795,8 @@ def test_runner_pages_prompts_shares_them_and_moves_slots(weights):
     and state to another slot, the cache staying where it is; pages return when no slot lists
     them."""
     import jax.numpy as jnp
-    from rl_jax.generator.kv_cache import SLOT_FIELDS, PageTable
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.kv_cache import SLOT_FIELDS, PageTable
+    from rl_jax.generator.engine.runner import ModelRunner
     runner = ModelRunner(CFG, max_slots=32, max_seq_len=64, page_size=4)
     assert runner.num_pages == 32 * 16 and runner.pages.free_pages == 32 * 16
     assert runner.cache_bytes == 2 * CFG.num_layers * 32 * 64 * CFG.num_kv_heads * CFG.head_dim * 4
@@ -883,7 +884,7 @@ def test_a_cache_too_small_for_every_sequence_retracts_and_recomputes(spec, weig
     takes what fits, and when running sequences run the pool dry, the ones with the fewest
     tokens go back to the queue (SGLang's retraction) and are recomputed later; every sequence
     completes with the trainer's log-probs, and every page comes back."""
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     page = ModelRunner.page_bytes(CFG, 8, jnp.float32)
     eng = Engine(CFG, weights[0], engine_config=EngineConfig(
         max_slots=8, max_seq_len=128, page_size=8, kv_cache_bytes=24 * page + page - 1,
@@ -905,7 +906,7 @@ def test_a_cache_too_small_for_every_sequence_retracts_and_recomputes(spec, weig
 
 
 def test_a_request_that_can_never_fit_the_cache_is_refused(weights):
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     page = ModelRunner.page_bytes(CFG, 16, jnp.float32)
     eng = Engine(CFG, weights[0], engine_config=EngineConfig(
         max_slots=4, max_seq_len=256, page_size=16, kv_cache_bytes=4 * page))

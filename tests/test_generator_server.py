@@ -14,7 +14,7 @@ import pytest
 
 from generator_fixtures import (EOS, MAX_SEQ_LEN, http, start_pool, tiny_config,
                                 write_checkpoints)
-from rl_jax.models import load_pretrained, load_tokenizer
+from rl_jax.models.hf import load_pretrained, load_tokenizer
 
 MAX_WAITING = 32
 
@@ -535,8 +535,8 @@ def test_overload_answers_503_and_recovers(server):
 def test_a_stopped_engine_answers_503_instead_of_hanging(ckpts):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig
 
     server = GeneratorServer.from_config(ServerConfig(model=str(ckpts["a"]), max_slots=2,
                                                       max_seq_len=32, warmup=False))
@@ -562,8 +562,8 @@ def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
     of the longest running sequence's bucket."""
     from jax import monitoring
 
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig
     from rl_jax.generator.types import GenerateRequest, SamplingParams
 
     server = GeneratorServer.from_config(ServerConfig(
@@ -604,8 +604,8 @@ def test_shape_warmup_leaves_nothing_to_compile_when_the_cache_shrinks(ckpts):
 def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
     """``warmup_shapes`` with two replicas: each replica compiles the same decode shapes (every
     batch bucket of its own slots, every cache length), not just the first one."""
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig
 
     server = GeneratorServer.from_config(ServerConfig(
         model=str(ckpts["a"]), max_slots=8, max_seq_len=32, data_parallel=2, page_size=16,
@@ -621,7 +621,7 @@ def test_shape_warmup_covers_every_data_parallel_replica(ckpts):
 
 
 def test_automatic_dtype_and_decode_steps_follow_the_backend():
-    from rl_jax.generator.server_config import (ACCELERATOR_DECODE_STEPS, ServerConfig,
+    from rl_jax.generator.server.config import (ACCELERATOR_DECODE_STEPS, ServerConfig,
                                                 resolve_auto)
 
     default = ServerConfig(model="m")
@@ -645,9 +645,9 @@ def test_the_kv_cache_budget_bounds_requests_with_a_400_naming_it(ckpts):
     that leaves nothing beside the weights is refused at startup."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from rl_jax.generator.runner import ModelRunner
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig, kv_cache_budget
+    from rl_jax.generator.engine.runner import ModelRunner
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig, kv_cache_budget
     from rl_jax.models.config import ConfigError
 
     page = ModelRunner.page_bytes(tiny_config(64), 16, jnp.float32)  # the checkpoints' shape

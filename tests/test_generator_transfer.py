@@ -16,10 +16,11 @@ import pytest
 from flax import nnx
 
 from generator_fixtures import http, start_pool, write_checkpoints
-from rl_jax.models import load_pretrained
+from rl_jax.models.hf import load_pretrained
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
-from rl_jax.transfer import Publisher, PublisherConfig
+from rl_jax.transfer.config import PublisherConfig
+from rl_jax.transfer.publisher.core import Publisher
 
 
 @pytest.fixture(scope="module")

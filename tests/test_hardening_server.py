@@ -23,13 +23,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from generator_fixtures import http, write_checkpoints
-from rl_jax.generator import server as server_module
-from rl_jax.generator.engine import Engine, EngineConfig, RequestFailed
-from rl_jax.generator.server import GeneratorServer
-from rl_jax.generator.server_config import ServerConfig
-from rl_jax.generator.types import GenerateRequest, SamplingParams
-from rl_jax.generator.weights import WeightsRefused
-from rl_jax.models import ModelConfig
+from rl_jax.generator.server import app as server_module
+from rl_jax.generator.engine.config import EngineConfig
+from rl_jax.generator.engine.core import Engine
+from rl_jax.generator.engine.weights import WeightsRefused
+from rl_jax.generator.server.app import GeneratorServer
+from rl_jax.generator.server.config import ServerConfig
+from rl_jax.generator.types import GenerateRequest, RequestFailed, SamplingParams
+from rl_jax.models.config import ModelConfig
 from rl_jax.trainer.state import ModelSpec
 
 MAX_WAITING = 64
@@ -516,7 +517,7 @@ def test_corrupt_weights_are_refused_and_the_old_ones_kept(weights, guarded, nam
 
 
 def test_every_floating_dtype_may_hold_weights(weights):
-    from rl_jax.generator.weights import check_weights
+    from rl_jax.generator.engine.weights import check_weights
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         check_weights(jax.tree.map(lambda a: a.astype(dtype), weights[1]), weights[0])
     with pytest.raises(WeightsRefused, match="complex64"):

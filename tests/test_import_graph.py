@@ -97,3 +97,74 @@ def test_the_size_check_sees_long_modules(tmp_path):
         f"rl_jax/pkg/comment.py ({MAX_MODULE_LINES + 1} lines)",
         f"rl_jax/pkg/long.py ({MAX_MODULE_LINES + 1} lines)",
         f"rl_jax/pkg/marker_only.py ({MAX_MODULE_LINES + 4} lines)"]
+
+
+# ---- inside the packages: sub-layers, cycles, one home per name ------------------------------
+
+def test_subpackages_import_only_down_their_layers_and_modules_form_no_cycle():
+    edges = import_graph.collect()
+    assert ("rl_jax.generator.server.app", "rl_jax.generator.engine.core") in edges
+    assert import_graph.sublayer_edges(edges) == []
+    assert import_graph.cycles(edges) == []
+
+
+def test_an_engine_importing_the_server_or_a_puller_the_publisher_is_found(tmp_path):
+    _write(tmp_path, {
+        "rl_jax/__init__.py": "",
+        "rl_jax/generator/__init__.py": "",
+        "rl_jax/generator/types.py": "",
+        "rl_jax/generator/engine/__init__.py": "",
+        "rl_jax/generator/engine/core.py": "from rl_jax.generator.types import X\n"
+                                           "def f():\n    from rl_jax.generator.server import app\n",
+        "rl_jax/generator/server/__init__.py": "",
+        "rl_jax/generator/server/app.py": "from rl_jax.generator.engine import core\n",
+        "rl_jax/generator/client/__init__.py": "",
+        "rl_jax/generator/client/core.py": "from rl_jax.generator.engine.core import f\n",
+        "rl_jax/generator/gadgets/__init__.py": "",
+        "rl_jax/generator/gadgets/a.py": "from rl_jax.generator import types\n",
+        "rl_jax/transfer/__init__.py": "",
+        "rl_jax/transfer/publisher/__init__.py": "",
+        "rl_jax/transfer/publisher/core.py": "",
+        "rl_jax/transfer/puller/__init__.py": "",
+        "rl_jax/transfer/puller/core.py": "import rl_jax.transfer.publisher.core\n",
+    })
+    found = import_graph.sublayer_edges(import_graph.collect(tmp_path))
+    assert found == [
+        "rl_jax.generator.client.core -> rl_jax.generator.engine.core (client -> engine, module)",
+        "rl_jax.generator.engine.core -> rl_jax.generator.server (engine -> server, function)",
+        "rl_jax.generator.engine.core -> rl_jax.generator.server.app (engine -> server, function)",
+        "rl_jax.generator.gadgets.a -> rl_jax.generator (subpackage 'gadgets' is not in "
+        "SUBLAYERS['generator'])",
+        "rl_jax.generator.gadgets.a -> rl_jax.generator.types (subpackage 'gadgets' is not in "
+        "SUBLAYERS['generator'])",
+        "rl_jax.transfer.puller.core -> rl_jax.transfer.publisher.core (puller -> publisher, "
+        "module)",
+    ]
+
+
+def test_every_project_name_is_imported_from_its_one_home():
+    files = import_graph.project_files()
+    assert ROOT / "tests" / "test_import_graph.py" in files
+    assert import_graph.imports_from_elsewhere(files) == []
+    assert import_graph.re_exports() == []
+
+
+def test_a_name_imported_through_a_second_home_is_found(tmp_path):
+    _write(tmp_path, {
+        "rl_jax/__init__.py": "",
+        "rl_jax/envs/__init__.py": "from rl_jax.envs.base import Environment\n",
+        "rl_jax/envs/base.py": "class Environment: ...\nLIMIT = 3\n",
+        "rl_jax/envs/math.py": "from rl_jax.envs.base import Environment, LIMIT\n"
+                               "class MathEnv(Environment):\n    pass\n",
+        "tests/test_x.py": "from rl_jax.envs import Environment, base\n"
+                           "from rl_jax.envs.math import MathEnv, Missing\n",
+    })
+    found = import_graph.imports_from_elsewhere(import_graph.project_files(tmp_path), tmp_path)
+    assert found == [
+        "tests/test_x.py:1: from rl_jax.envs import Environment (defined in rl_jax.envs.base)",
+        "tests/test_x.py:2: from rl_jax.envs.math import Missing (undefined)",
+    ]
+    assert import_graph.re_exports(tmp_path) == [
+        "rl_jax/envs/__init__.py:1: Environment (from rl_jax.envs.base)",
+        "rl_jax/envs/math.py:1: LIMIT (from rl_jax.envs.base)",
+    ]

@@ -13,8 +13,8 @@ import pytest
 
 from generator_fixtures import ALPHABET, EOS, write_random_checkpoint
 from rl_jax.data.tokenizer import build_char_tokenizer
-from rl_jax.generator.runner import ModelRunner
-from rl_jax.models import ModelConfig
+from rl_jax.generator.engine.runner import ModelRunner
+from rl_jax.models.config import ModelConfig
 
 PAGE = 64
 PAGES = 80  # 5,120 tokens: one 4,106-token sequence (65 pages) at a time, not two
@@ -25,8 +25,8 @@ MAX_SEQ_LEN = 8192
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from rl_jax.generator.server import GeneratorServer
-    from rl_jax.generator.server_config import ServerConfig
+    from rl_jax.generator.server.app import GeneratorServer
+    from rl_jax.generator.server.config import ServerConfig
     tok = build_char_tokenizer(ALPHABET)
     # A shape the native decode attention takes (it reads each slot's own length: one decode
     # program for every length, where XLA's attention compiles one per length bucket).
@@ -98,7 +98,7 @@ def test_a_4096_token_completion_through_the_budgeted_page_pool(served):
 def test_the_systems_model_plans_the_engines_page_pool(served):
     """``generator_memory`` with the server's budget: the KV cache term equals the bytes of the
     engine's real page arrays, and its tokens the pool's."""
-    from rl_jax.sysmodel.memory import generator_memory
+    from rl_jax.sysmodel.memory_serving import generator_memory
     from rl_jax.sysmodel.shape import ModelShape
     server, cfg, budget, _ = served
     runner = server.engine.runners[0]

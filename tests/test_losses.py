@@ -13,8 +13,12 @@ from loss_reference import (CLAMP, assert_same_gradient, assert_same_metrics, as
                             finite_difference_grad, needs_prox, ref_advantages, ref_loss,
                             ref_m2po_keep)
 from rl_jax import losses
-from rl_jax.losses import (GroupSizeError, LossConfigError, check_groups, dr_grpo_advantages,
-                           finalize_metrics, get, grpo_advantages, make_config, rloo_advantages)
+from rl_jax.losses import advantages, configs, core, policy, regularizers
+from rl_jax.losses import get, make_config
+from rl_jax.losses.advantages import (GroupSizeError, check_groups, dr_grpo_advantages,
+                                      grpo_advantages, rloo_advantages)
+from rl_jax.losses.configs import LossConfigError
+from rl_jax.losses.core import finalize_metrics
 from rl_jax.trainer.step import split_microbatches
 
 ALL_LOSSES = ("reinforce_tis", "ppo_clip", "grpo", "dapo", "dr_grpo", "gspo", "gmpo", "cispo",
@@ -325,7 +329,7 @@ def test_m2po_mask_is_the_fewest_largest_tokens_within_the_bound(seed, threshold
     log_ratio[0, :3] = log_ratio[0, 3]  # ties
     mask = (rng.uniform(size=(5, 9)) < 0.7).astype(np.float32)
     mask[2] *= 0.5  # weighted tokens
-    keep = np.asarray(jax.jit(losses.second_moment_mask, static_argnums=2)(
+    keep = np.asarray(jax.jit(policy.second_moment_mask, static_argnums=2)(
         jnp.asarray(log_ratio), jnp.asarray(mask), threshold))
     np.testing.assert_array_equal(keep, ref_m2po_keep(log_ratio.astype(np.float64), mask,
                                                       threshold))
@@ -366,7 +370,7 @@ def test_registry_gives_every_documented_loss():
         doc = fn.__doc__
         assert "arXiv:" in doc and "=" in doc, name
         assert isinstance(make_config(name), losses.config_class(name))
-    assert get("grpo") is losses.grpo
+    assert get("grpo") is policy.grpo
     with pytest.raises(LossConfigError, match="unknown policy loss"):
         get("ppo2")
 
@@ -420,22 +424,22 @@ def test_the_safe_mean_of_an_all_masked_batch_is_zero_with_a_zero_gradient():
     assert math.isnan(float(empty.loss_sum / empty.denominator))  # the plain quotient: 0 / 0
     value, grad = jax.value_and_grad(mean)(lp)
     assert float(value) == 0.0 and not np.any(np.asarray(grad))
-    assert float(losses.safe_mean(jnp.zeros(()), jnp.zeros(()))) == 0.0
+    assert float(core.safe_mean(jnp.zeros(()), jnp.zeros(()))) == 0.0
 
 
 def test_kl_value_clamp_bounds_the_estimate_and_its_gradient():
     rho = jnp.array([[15.0, 0.5, -15.0]])
     logprobs = jnp.zeros_like(rho)
-    plain = losses.kl_penalty(logprobs, rho, "k3")
+    plain = regularizers.kl_penalty(logprobs, rho, "k3")
     np.testing.assert_allclose(float(plain[0, 0]), math.expm1(15.0) - 15.0, rtol=1e-6)  # 3.3e6
-    clamped = losses.kl_penalty(logprobs, rho, "k3", value_clamp=10.0)
+    clamped = regularizers.kl_penalty(logprobs, rho, "k3", value_clamp=10.0)
     # k3 at ρ = −15 is e^−15 + 14 ≈ 14: clamped too.
     np.testing.assert_allclose(np.asarray(clamped[0]), [10.0, math.expm1(0.5) - 0.5, 10.0],
                                rtol=1e-6)
-    grad = jax.grad(lambda lp: losses.kl_penalty(lp, rho, "k3", value_clamp=10.0).sum())(
+    grad = jax.grad(lambda lp: regularizers.kl_penalty(lp, rho, "k3", value_clamp=10.0).sum())(
         logprobs)
     assert float(grad[0, 0]) == 0.0 and float(grad[0, 1]) != 0.0 and float(grad[0, 2]) == 0.0
-    k1 = losses.kl_penalty(logprobs, rho, "k1", value_clamp=10.0)
+    k1 = regularizers.kl_penalty(logprobs, rho, "k1", value_clamp=10.0)
     np.testing.assert_allclose(np.asarray(k1[0]), [-10.0, -0.5, 10.0])
     with pytest.raises(LossConfigError, match="kl_value_clamp"):
         make_config("grpo", kl_value_clamp=0.0)
@@ -450,7 +454,7 @@ def test_a_loss_refuses_the_configuration_of_another(name):
         with pytest.raises(LossConfigError, match=f"{name} got a"):
             call(name, make_config(other), d, jit=False)
     with pytest.raises(LossConfigError, match="base of every loss"):
-        call(name, losses.PolicyLossConfig(), d, jit=False)
+        call(name, configs.PolicyLossConfig(), d, jit=False)
 
     class Mine(losses.config_class(name)):  # a user's subclass stays the same loss's
         pass
@@ -521,7 +525,7 @@ def test_advantages_match_numpy_reference(kind):
     ids = ids[rng.permutation(len(ids))]
     rewards = rng.normal(size=len(ids))
     rewards[ids == 6] = 1.0  # all-equal group: advantage 0, not NaN
-    fn = losses.get_advantage_estimator(kind)
+    fn = advantages.get_advantage_estimator(kind)
     assert fn is ESTIMATORS[kind]
     expected = ref_advantages(kind, rewards, ids)
     eager = fn(rewards.astype(np.float32), ids, num_groups=8)

@@ -21,7 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from loss_reference import (  # noqa: E402
     assert_same_gradient, assert_same_metrics, assert_same_value, needs_prox, ref_loss)
-from rl_jax.losses import finalize_metrics, get, grpo_advantages, make_config  # noqa: E402
+from rl_jax.losses import get, make_config  # noqa: E402
+from rl_jax.losses.advantages import grpo_advantages  # noqa: E402
+from rl_jax.losses.core import finalize_metrics  # noqa: E402
 from rl_jax.sharding import make_mesh  # noqa: E402
 from rl_jax.trainer.state import ModelSpec, init_state  # noqa: E402
 from rl_jax.trainer.step import default_batch_sharding, global_batch, make_train_step  # noqa: E402

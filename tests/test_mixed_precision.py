@@ -4,7 +4,8 @@ The generator samples in bfloat16 (what a run on an accelerator uses); the train
 the sampled tokens' log-probs with float32 weights, in float32 or in bfloat16 compute. The
 mismatch is the k3 estimate of KL(μ ‖ π) over the sampled tokens, ``exp(r) - 1 - r`` with
 ``r = log π - log μ`` (the loss's ``behaviour_kl``, logged per step as ``behaviour_kl_mean``),
-and the largest ``|r|``. Documented bounds (WORKSPACE.md, "Conventions", Numerics), for this model shape
+and the largest ``|r|``. Documented bounds (WORKSPACE.md, "Conventions", Numerics), for this model
+shape
 (vocabulary 1024, hidden 128, 2 layers, random weights at the initialiser's scale):
 
 - float32 generator against the float32 trainer: mean k3 below 1e-8 (the same computation);
@@ -22,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.generator.engine import Engine, EngineConfig
+from rl_jax.generator.engine.config import EngineConfig
+from rl_jax.generator.engine.core import Engine
 from rl_jax.generator.types import GenerateRequest, SamplingParams
-from rl_jax.models import ModelConfig
+from rl_jax.models.config import ModelConfig
 from rl_jax.trainer.state import ModelSpec
 
 CFG = ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2,

@@ -199,7 +199,7 @@ def test_async_run_on_a_real_sglang_server(base_policy, tmp_path, weights):
     assert "rl_jax sglang sidecar ready at http://127.0.0.1:" in sidecar_log
     assert "Traceback" not in sidecar_log
     assert _sidecar_dirs() <= before  # its tmpfs images removed when the run stopped it
-    left = subprocess.run(["pgrep", "-f", "rl_jax.transfer.sglang_sidecar"], capture_output=True)
+    left = subprocess.run(["pgrep", "-f", "rl_jax.transfer.sglang.sidecar"], capture_output=True)
     assert left.returncode == 1, left.stdout
 
 
@@ -327,7 +327,8 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
             assert process.poll() is None, process.stdout.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        killed = subprocess.run(["pkill", "-KILL", "-f", f"rl_jax.generator.serve.*{base_policy}"])
+        killed = subprocess.run(["pkill", "-KILL", "-f",
+                                 f"rl_jax.generator.server.serve.*{base_policy}"])
         assert killed.returncode == 0
         out, _ = process.communicate(timeout=300)
     finally:
@@ -363,7 +364,8 @@ def test_a_dead_generator_server_is_restarted(base_policy, tmp_path):
      "generator.max_slots=64 does not split evenly over generator.data_parallel=3"),
 ])
 def test_static_config_checks(override, message):
-    from rl_jax.orchestrator import RLConfigError, validate
+    from rl_jax.orchestrator.config import validate
+    from rl_jax.recipe.schema import RLConfigError
     c = _load(ROOT / "configs/tiny_rl.py")
     for key, value in override.items():
         block, _, name = key.rpartition(".")
@@ -395,7 +397,7 @@ def test_bad_configs_stop_at_start_with_one_line(base_policy, tmp_path, flag, me
 
 def test_realistic_recipes_are_complete():
     """The GPU/TPU recipes load, validate, and name every block the run reads."""
-    from rl_jax.orchestrator import validate
+    from rl_jax.orchestrator.config import validate
     sys.path.insert(0, str(ROOT))
     reference = _load(ROOT / "configs/tiny_rl.py")
     recipes = sorted((ROOT / "configs").glob("qwen*.py"))
@@ -428,7 +430,7 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
     generator server given by URL: process 0 drives the rollout and publishes, both train.
     (The tiny vocabulary of 15 tokens cannot be split over a tensor axis.) The server is keyed
     (API and admin keys from its environment); the trainers read the keys from files."""
-    from rl_jax.generator.launcher import free_port
+    from rl_jax.generator.launcher.pool import free_port
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     keys = {"RL_JAX_API_KEY": "api-" + os.urandom(16).hex(),
             "RL_JAX_ADMIN_API_KEY": "admin-" + os.urandom(16).hex()}

@@ -1,5 +1,5 @@
 """The guard that ends a server (and what the server started) with the process that started it:
-rl_jax.generator.orphan_guard, as the launcher runs SGLang under it."""
+rl_jax.generator.launcher.orphan_guard, as the launcher runs SGLang under it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _wait_gone(pids, timeout=30.0) -> bool:
 
 def _guarded(parent_pid: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "rl_jax.generator.orphan_guard", f"--parent_pid={parent_pid}",
+        [sys.executable, "-m", "rl_jax.generator.launcher.orphan_guard",
+         f"--parent_pid={parent_pid}",
          "--", sys.executable, "-c", SERVER],
         stdout=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -46,7 +47,8 @@ def test_the_server_and_its_children_end_with_the_parent():
     parent = subprocess.Popen(
         [sys.executable, "-c",
          "import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-m', "
-         "'rl_jax.generator.orphan_guard', f'--parent_pid={os.getpid()}', '--', sys.executable, "
+         "'rl_jax.generator.launcher.orphan_guard', f'--parent_pid={os.getpid()}', '--', "
+         "sys.executable, "
          f"'-c', {SERVER!r}], stdout=subprocess.PIPE, text=True, start_new_session=True); "
          "print(p.pid, p.stdout.readline().strip(), flush=True); import time; time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
@@ -66,7 +68,7 @@ def test_a_signal_to_the_group_stops_the_server_and_the_guard_reports_its_status
 
 
 def test_the_guard_leaves_with_the_commands_exit_status():
-    done = subprocess.run([sys.executable, "-m", "rl_jax.generator.orphan_guard",
+    done = subprocess.run([sys.executable, "-m", "rl_jax.generator.launcher.orphan_guard",
                            f"--parent_pid={os.getpid()}", "--", sys.executable, "-c",
                            "raise SystemExit(7)"], timeout=60)
     assert done.returncode == 7

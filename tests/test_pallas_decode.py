@@ -1,4 +1,5 @@
-"""The Pallas decode attention (rl_jax.generator.kernels.pallas_decode) against XLA's attention,
+"""The Pallas decode attention (rl_jax.generator.engine.kernels.pallas_decode) against XLA's
+attention,
 in Pallas' interpreter on CPU, in the runner and the engine, and its selection by backend."""
 
 import logging
@@ -9,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.generator import kernels
-from rl_jax.generator.kernels import pallas_decode
-from rl_jax.generator.decode import attend
-from rl_jax.generator.kv_cache import kv_bucket
-from rl_jax.models import ModelConfig
+from rl_jax.generator.engine import kernels
+from rl_jax.generator.engine.decode import attend
+from rl_jax.generator.engine.kernels import pallas_decode
+from rl_jax.generator.engine.kv_cache import kv_bucket
+from rl_jax.models.config import ModelConfig
 
 
 def _inputs(rng, s, k, g, d, t, dtype):
@@ -116,8 +117,8 @@ def test_the_decode_step_lowers_for_gpu_with_the_kernel():
     """The runner's whole decode step with the paged Pallas kernel lowers for CUDA: one Triton
     call per layer, and no copy of the pages into the contiguous form (no gather of the
     pools)."""
-    from rl_jax.generator.decode import decode
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.decode import decode
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.trainer.state import ModelSpec
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64)
@@ -148,7 +149,8 @@ CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_laye
 def test_engine_decodes_the_same_tokens_with_either_attention(caplog):
     """Greedy generations of a mixed batch (several lengths, so different positions per slot,
     across two kv buckets): the same tokens with the Pallas kernel and with XLA's attention."""
-    from rl_jax.generator.engine import Engine, EngineConfig
+    from rl_jax.generator.engine.config import EngineConfig
+    from rl_jax.generator.engine.core import Engine
     from rl_jax.generator.types import GenerateRequest, SamplingParams
     from rl_jax.trainer.state import ModelSpec
     params = ModelSpec(CFG, mesh=None).init_params(3)
@@ -178,7 +180,7 @@ def test_selection_by_backend():
     """auto on CPU never picks the interpreted kernel; pallas is refused on several devices;
     unknown names are refused; a kernel that does not compile is reported with its reason."""
     from jax.sharding import AxisType
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.generator.types import GeneratorError
     assert "pallas" in kernels.BACKENDS
     auto = ModelRunner(CFG, max_slots=8, max_seq_len=32)
@@ -237,7 +239,7 @@ PAGED_CASES = [(1, 64, 16, 4, jnp.float32), (2, 128, 64, 3, jnp.bfloat16),
 
 @pytest.mark.parametrize("g,d,size,width,dtype", PAGED_CASES)
 def test_paged_kernel_matches_xla_attention_over_the_pages(g, d, size, width, dtype):
-    from rl_jax.generator.decode import attend_pages
+    from rl_jax.generator.engine.decode import attend_pages
     rng = np.random.default_rng(g * 100 + d + size)
     s, k = 9, 2
     q, k_pool, v_pool, table = _paged_inputs(rng, s, k, g, d, size, 2 * width + 3, width, dtype)

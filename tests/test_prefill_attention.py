@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.generator.decode import prefill
-from rl_jax.generator.engine import Engine, EngineConfig
-from rl_jax.generator.runner import ModelRunner
-from rl_jax.generator.server_config import ServerConfig, check_server_config, resolve_auto
+from rl_jax.generator.engine.config import EngineConfig
+from rl_jax.generator.engine.core import Engine
+from rl_jax.generator.engine.decode import prefill
+from rl_jax.generator.engine.runner import ModelRunner
+from rl_jax.generator.server.config import ServerConfig, check_server_config, resolve_auto
 from rl_jax.generator.types import GenerateRequest, GeneratorError, SamplingParams
-from rl_jax.models import ModelConfig
 from rl_jax.models import fused_attention as fa
-from rl_jax.models.config import ConfigError
+from rl_jax.models.config import ConfigError, ModelConfig
 from rl_jax.trainer.state import ModelSpec
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rl_jax.models import load_pretrained, load_tokenizer
+from rl_jax.models.hf import load_pretrained, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config.trainer.steps=6", "--config.checkpoint.every=3", "--config.logging.every=1",

@@ -14,9 +14,11 @@ import pytest
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
-from rl_jax import recipe as schema
-from rl_jax.orchestrator.config import RLConfigError, mode_settings
-from rl_jax.recipe import (RLRecipe, base_config, defaults, field_names, parse, to_dict)
+from rl_jax.recipe import schema
+from rl_jax.orchestrator.config import mode_settings
+from rl_jax.recipe.checks import load_recipe_file, parse, replace_fields
+from rl_jax.recipe.schema import (RLConfigError, RLRecipe, base_config, defaults, field_names,
+                                  to_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
 RL_RECIPES = ("tiny_rl", "shape_rl_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math",
@@ -73,7 +75,7 @@ def _out_of_range(check):
 
 
 def _load(name: str) -> ConfigDict:
-    return schema.load_recipe_file(ROOT / "configs" / f"{name}.py")
+    return load_recipe_file(ROOT / "configs" / f"{name}.py")
 
 
 # ---- the recipe files ----------------------------------------------------------------------------
@@ -98,14 +100,14 @@ def _leaves(tree: dict, prefix: str = "") -> list[str]:
 
 def test_every_config_file_loads():
     for path in sorted((ROOT / "configs").glob("*.py")):
-        c = schema.load_recipe_file(path)
+        c = load_recipe_file(path)
         assert c.recipe in ("rl", "lm"), path
 
 
 def test_the_base_holds_the_schema_defaults():
     assert parse(base_config()) == defaults()
     # The pipeline's own settings default to the recipe's.
-    from rl_jax.rollout.pipeline import RolloutConfig
+    from rl_jax.rollout.config import RolloutConfig
     assert RolloutConfig().max_lag == defaults().rollout.max_lag
     assert RolloutConfig().groups_per_batch == defaults().rollout.groups_per_batch
 
@@ -177,12 +179,13 @@ def test_unknown_fields_are_named():
 
 def test_replace_changes_fields_and_checks_them_again():
     recipe = parse(_load("tiny_rl"))
-    changed = recipe.replace(**{"distributed.num_processes": 2, "distributed.process_id": 1})
+    changed = replace_fields(recipe, {"distributed.num_processes": 2,
+                                      "distributed.process_id": 1})
     assert changed.distributed.process_id == 1 and changed.rollout == recipe.rollout
     with pytest.raises(RLConfigError, match="distributed.process_id=2 is outside"):
-        recipe.replace(**{"distributed.num_processes": 2, "distributed.process_id": 2})
+        replace_fields(recipe, {"distributed.num_processes": 2, "distributed.process_id": 2})
     with pytest.raises(RLConfigError, match="unknown recipe field 'trainer.stepz'"):
-        recipe.replace(**{"trainer.stepz": 3})
+        replace_fields(recipe, {"trainer.stepz": 3})
 
 
 # ---- the command line ----------------------------------------------------------------------------
@@ -304,11 +307,12 @@ def test_user_errors_derive_from_one_leaf_base():
 
     from rl_jax.compile_cache import CacheDirError
     from rl_jax.errors import USER_ERRORS, UserError
-    from rl_jax.losses import GroupSizeError, LossConfigError
+    from rl_jax.losses.advantages import GroupSizeError
+    from rl_jax.losses.configs import LossConfigError
     from rl_jax.models.config import ConfigError
     from rl_jax.models.hf import CheckpointError
     from rl_jax.sharding import ShardingError
-    from rl_jax.sysmodel import SysModelError
+    from rl_jax.sysmodel.errors import SysModelError
     from rl_jax.trainer.checkpoint import CheckpointRestoreError
     from rl_jax.trainer.lm import RecipeConfigError
 
@@ -325,13 +329,13 @@ def test_user_errors_derive_from_one_leaf_base():
 def test_weight_sidecars_need_sglang_servers_started_by_the_run():
     recipe = parse(_load("tiny_rl_sglang"))
     assert recipe.generator.sglang_weights == "disk"
-    assert recipe.replace(**{"generator.sglang_weights": "sidecar"}).generator.sglang_weights \
-        == "sidecar"
+    changed = replace_fields(recipe, {"generator.sglang_weights": "sidecar"})
+    assert changed.generator.sglang_weights == "sidecar"
     for changes in ({"generator.kind": "rl_jax"},
                     {"generator.urls": ("http://127.0.0.1:30000",)},
                     {"generator.router_url": "http://127.0.0.1:30001"}):
         with pytest.raises(RLConfigError, match="sglang_weights='sidecar' starts a weight "
                                                 "sidecar beside each SGLang server"):
-            recipe.replace(**{"generator.sglang_weights": "sidecar", **changes})
+            replace_fields(recipe, {"generator.sglang_weights": "sidecar", **changes})
     with pytest.raises(RLConfigError, match="generator.sglang_weights must be one of"):
-        recipe.replace(**{"generator.sglang_weights": "pigeon"})
+        replace_fields(recipe, {"generator.sglang_weights": "pigeon"})

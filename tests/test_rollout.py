@@ -7,11 +7,14 @@ import pytest
 
 from rl_jax.data.tokenizer import build_char_tokenizer, special_token_ids
 from rl_jax.envs.arithmetic import ArithmeticEnv
-from rl_jax.generator.base import LocalGenerator
-from rl_jax.generator.engine import Engine, EngineConfig
+from rl_jax.generator.engine.config import EngineConfig
+from rl_jax.generator.engine.core import Engine
+from rl_jax.generator.engine.local import LocalGenerator
 from rl_jax.generator.types import SamplingParams
-from rl_jax.models import ModelConfig
-from rl_jax.rollout.pipeline import GroupsToBatch, RolloutConfig, RolloutDataset
+from rl_jax.models.config import ModelConfig
+from rl_jax.rollout.batching import GroupsToBatch
+from rl_jax.rollout.config import RolloutConfig
+from rl_jax.rollout.pipeline import RolloutDataset
 from rl_jax.trainer.state import ModelSpec
 
 TOKENIZER = build_char_tokenizer(ArithmeticEnv.ALPHABET)
@@ -250,7 +253,7 @@ def test_forced_lengths_per_sample_or_per_prompt(setup, per_sample):
     prompt's, shared by the group), and a seeded repeat samples the same tokens."""
     import dataclasses
 
-    from rl_jax.rollout.pipeline import LognormalLengths
+    from rl_jax.rollout.request_plan import LognormalLengths
     spec, weights, engine = setup
     env = ArithmeticEnv(num_digits=2, reverse_answer=False)
     length_of = LognormalLengths(median=6, sigma=1.0, max=20, seed=3)

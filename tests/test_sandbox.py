@@ -12,10 +12,12 @@ import time
 import pytest
 
 import rl_jax.envs as envs
-from rl_jax.envs import Prompt, run_episode, score_many
+from rl_jax.data.prompts import Prompt
 from rl_jax.envs import sandbox as sandbox_lib
+from rl_jax.envs.base import EnvError, run_episode, score_many
 from rl_jax.envs.code import CodeTask, extract_program, outputs_match
-from rl_jax.envs.sandbox import Sandbox, SandboxError, SandboxLimits
+from rl_jax.envs.sandbox import Sandbox
+from rl_jax.envs.sandbox.limits import SandboxError, SandboxLimits
 
 run = asyncio.run
 
@@ -343,9 +345,9 @@ def test_code_env_fraction_and_asserts():
     reward, info = run(env.score(prompt, "```python\ndef solve(x):\n    return 2 * x\n```"))
     assert reward == pytest.approx(2 / 3) and (info["passed"], info["total"]) == (2, 3)
     assert info["reason"] == "wrong_answer"
-    with pytest.raises(envs.EnvError, match="needs Prompt.info"):
+    with pytest.raises(EnvError, match="needs Prompt.info"):
         run(env.score(Prompt("no tests"), "print(1)"))
-    with pytest.raises(envs.EnvError, match="test 0 must be a dict with a 'stdout' string"):
+    with pytest.raises(EnvError, match="test 0 must be a dict with a 'stdout' string"):
         run(env.score(Prompt("bad test", info={"tests": [{"stdin": "1"}]}), "print(1)"))
     run(env.close())
 

@@ -17,9 +17,11 @@ import uuid
 import pytest
 
 import rl_jax.envs as envs
-from rl_jax.envs import Prompt
+from rl_jax.data.prompts import Prompt
 from rl_jax.envs import sandbox as sandbox_lib
-from rl_jax.envs.sandbox import Sandbox, SandboxError, SandboxLimits
+from rl_jax.envs.base import EnvError
+from rl_jax.envs.sandbox import Sandbox
+from rl_jax.envs.sandbox.limits import SandboxError, SandboxLimits
 
 BWRAP_PROBLEM = sandbox_lib._bwrap_problem()
 needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None,
@@ -368,7 +370,7 @@ def test_code_env_rejects_reward_hacks(hack):
         assert (reward, info["correct"]) == (0.0, False), info
         reward, info = asyncio.run(env.score(prompt, f"```python\n{SOLVE}```"))
         assert (reward, info["correct"], info["passed"]) == (1.0, True, 2), info
-        with pytest.raises(envs.EnvError, match="assert test 0 must be a string"):
+        with pytest.raises(EnvError, match="assert test 0 must be a string"):
             asyncio.run(env.score(Prompt("x", info={"assert_tests": [1]}), "print(1)"))
     finally:
         asyncio.run(env.close())

@@ -25,13 +25,12 @@ import numpy as np
 import pytest
 
 from generator_fixtures import http, write_checkpoints
-from rl_jax.generator.client import GeneratorClient
-from rl_jax.generator.server_identity import (SUPPORTED_SGLANG_VERSIONS, UnsupportedServer,
-                                              identify)
+from rl_jax.generator.client.core import GeneratorClient
+from rl_jax.generator.client.identity import SUPPORTED_SGLANG_VERSIONS, UnsupportedServer, identify
+from rl_jax.generator.engine.weights import load_params
 from rl_jax.generator.types import GenerateRequest, SamplingParams
-from rl_jax.generator.weights import load_params
 from rl_jax.sharding import make_mesh
-from rl_jax.transfer.sglang import SGLangWeightSender, ServerRefused
+from rl_jax.transfer.sglang.broadcast import ServerRefused, SGLangWeightSender
 from sglang_fixtures import KINDS, greedy, start_server
 
 pytest.importorskip("torch")
@@ -161,7 +160,7 @@ def test_a_seeded_request_to_a_server_that_ignores_seeds_is_reported_once(server
             await client.generate(GenerateRequest(PROMPT, SamplingParams(
                 temperature=1.0, max_new_tokens=2, seed=seed)))
 
-    with caplog.at_level(logging.WARNING, logger="rl_jax.generator.server_identity"):
+    with caplog.at_level(logging.WARNING, logger="rl_jax.generator.client.identity"):
         _run(_with_client(url, go))
     warnings = [r for r in caplog.records if "ignores sampling seeds" in r.getMessage()]
     assert len(warnings) == (1 if kind == "sglang" else 0)

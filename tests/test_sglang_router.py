@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from generator_fixtures import http, start_pool, write_checkpoints
-from rl_jax.generator.launcher import free_port
+from rl_jax.generator.launcher.pool import free_port
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("sglang_router") is None,

@@ -1,4 +1,4 @@
-"""The sidecar (rl_jax.transfer.sglang_sidecar) brings a real SGLang server (0.5.23, CPU engine)
+"""The sidecar (rl_jax.transfer.sglang.sidecar) brings a real SGLang server (0.5.23, CPU engine)
 to the versions a trainer-side Publisher publishes, through both hand-offs: new weights change
 its greedy outputs and log-probs, the old ones restore them bit for bit, ``/model_info`` follows
 the versions; through its command line and HTTP front, bad requests get 400/403, and a corrupted
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from generator_fixtures import http, server_env, write_checkpoints
-from rl_jax.generator.weights import load_params
-from rl_jax.transfer import Publisher, PublisherConfig
-from rl_jax.transfer.sglang_sidecar import SGLangSidecar
+from rl_jax.generator.engine.weights import load_params
+from rl_jax.transfer.config import PublisherConfig
+from rl_jax.transfer.publisher.core import Publisher
+from rl_jax.transfer.sglang.sidecar import SGLangSidecar
 from sglang_fixtures import greedy, start_server
 
 PROMPT = [1, 3, 4, 5, 6, 7]
@@ -115,7 +116,7 @@ def test_versions_reach_sglang(server, publisher, params, baseline, handoff, tmp
 def front(server, publisher, tmp_path):
     """The sidecar as its command line runs it, on a free port, with an admin key."""
     (tmp_path / "admin").write_text("k3y\n")
-    command = [sys.executable, "-m", "rl_jax.transfer.sglang_sidecar", f"--server_url={server}",
+    command = [sys.executable, "-m", "rl_jax.transfer.sglang.sidecar", f"--server_url={server}",
                f"--publisher_url={publisher.url}", "--port=0", f"--shm_dir={tmp_path}",
                f"--admin_api_key_file={tmp_path / 'admin'}"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
@@ -187,7 +188,7 @@ def test_a_runs_sidecar_pool_restarts_a_dead_sidecar_on_its_port(server, publish
     (the run's weight client keeps its URL) and takes the next version; stop removes its
     tmpfs images and key files."""
     from rl_jax.generator.auth import Keys
-    from rl_jax.generator.client import ClientConfig, GeneratorClient
+    from rl_jax.generator.client.core import ClientConfig, GeneratorClient
     from rl_jax.orchestrator.pool import BackgroundLoop
     from rl_jax.orchestrator.sidecars import SidecarPool
     from rl_jax.transfer.config import default_staging_dir

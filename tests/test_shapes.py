@@ -12,7 +12,7 @@ import pytest
 from rl_jax.models.config import ConfigError
 from rl_jax.models.shapes import (SHAPES, main, shape, shape_names, shape_tokenizer,
                                   write_random_checkpoint)
-from rl_jax.sysmodel import ModelShape
+from rl_jax.sysmodel.shape import ModelShape
 
 # Parameter counts of the published checkpoints (their safetensors totals).
 PUBLISHED_PARAMS = {

@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from rl_jax import envs
-from rl_jax.data.sources import (PositionedPrompt, SourceError, array_record_source,
-                                 env_source, jsonl_source, parquet_source, prompt_dataset,
-                                 shard_for_process, write_array_record)
-from rl_jax.envs.base import Prompt
+from rl_jax.data.prompts import Prompt
+from rl_jax.data.sources import (PositionedPrompt, SourceError, array_record_source, env_source,
+                                 jsonl_source, parquet_source, prompt_dataset, shard_for_process,
+                                 write_array_record)
+from rl_jax.envs.base import Environment
 
 RECORDS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "level": i % 3,
             "tests": [f"assert f({i})"]} for i in range(23)]
@@ -150,7 +151,7 @@ def test_env_source():
     assert len(infinite) > 2**62
     assert infinite[10**15] == env.prompt(10**15, "train")
 
-    class ScoresOnly(envs.Environment):
+    class ScoresOnly(Environment):
         async def score(self, prompt, completion):
             return 0.0, {"correct": False, "reason": "wrong_answer"}
 

@@ -11,14 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rl_jax.sysmodel import (CATALOGUE, Accelerator, ConstantLengths, EmpiricalLengths,
-                             LogNormalLengths, MeasuredLatency, ModelShape, RooflineLatency,
-                             SimConfig, SweepOptions, SysModelError, TrainerModel, Workload,
-                             balance, get_accelerator, max_staleness_estimate, predict_run,
-                             SequenceLengths, WeightSync, simulate, steady_state, sweep,
-                             weight_transfer_seconds)
+from rl_jax.sysmodel.accelerators import CATALOGUE, Accelerator, get_accelerator
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.invariants import Workload, balance, max_staleness_estimate, steady_state
+from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
+from rl_jax.sysmodel.lengths import (ConstantLengths, EmpiricalLengths, LogNormalLengths,
+                                     SequenceLengths)
+from rl_jax.sysmodel.predict import predict_run
 from rl_jax.sysmodel.recipe import model_shape, rollout_settings
-from rl_jax.sysmodel.shape import QWEN2_1_5B
+from rl_jax.sysmodel.shape import QWEN2_1_5B, ModelShape
+from rl_jax.sysmodel.simulator import SimConfig, simulate
+from rl_jax.sysmodel.sweep import SweepOptions, sweep
+from rl_jax.sysmodel.weightsync import WeightSync, weight_transfer_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +34,8 @@ TOY_CHIP = Accelerator(name="toy", description="toy", peak_flops={"bfloat16": 1e
                        interconnect="toy link", collective_latency_s=1e-3, source="test")
 
 
-# ---- formulas -------------------------------------------------------------------------------------
+# ---- formulas
+# -------------------------------------------------------------------------------------
 
 def test_shape_counts_by_hand():
     # per layer: q,k,v 8*4*(2+2)=128, o 2*4*8=64, MLP 3*8*16=384, norms 16 -> 592

@@ -3,8 +3,8 @@
 import pytest
 
 from rl_jax.models.shapes import shape as named_shape
-from rl_jax.sysmodel import SysModelError
 from rl_jax.sysmodel.accelerators import CATALOGUE
+from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.fits import FitSettings, main, serve_bytes, table, train_bytes
 from rl_jax.sysmodel.shape import ModelShape
 

@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import pytest
 
 from rl_jax.models.shapes import shape as named_shape
-from rl_jax.sysmodel import SysModelError, get_accelerator
-from rl_jax.sysmodel.memory import generator_memory, trainer_memory
+from rl_jax.sysmodel.accelerators import get_accelerator
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.memory import trainer_memory
+from rl_jax.sysmodel.memory_serving import generator_memory
 from rl_jax.sysmodel.shape import ModelShape
 
 TOLERANCE = 0.15
@@ -184,7 +186,7 @@ def test_the_streaming_step_plans_the_moments_beside_its_accumulation():
 
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_generator_memory_matches_the_compiled_programs(tensor_parallel):
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.models.transformer import layer_param_specs
     from rl_jax.sharding import make_mesh
     cfg = model_config("small")
@@ -234,7 +236,7 @@ def test_generator_kv_cache_is_the_page_pool_its_budget_buys(tensor_parallel):
     """A budget of 37.5 pages of 16 positions: the runner the engine would build (37 pages,
     ``Engine``'s rounding) allocates exactly the model's bytes per device, whatever the slots
     and their max_seq_len; the pool's tokens are what sequences may hold together."""
-    from rl_jax.generator.runner import ModelRunner
+    from rl_jax.generator.engine.runner import ModelRunner
     from rl_jax.sharding import make_mesh
     cfg = model_config("small")
     page = ModelRunner.page_bytes(cfg, 16, jnp.float32)
@@ -263,7 +265,7 @@ def test_generator_kv_cache_is_the_page_pool_its_budget_buys(tensor_parallel):
 
 
 def test_host_memory_counts_the_staging_slots_and_runtimes():
-    from rl_jax.sysmodel.memory import RUNTIME_BYTES, host_memory
+    from rl_jax.sysmodel.memory_serving import RUNTIME_BYTES, host_memory
     shape = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
     host = host_memory(shape, publish_dtype="bfloat16", staging_slots=2, processes=3)
     assert host.terms["staging"] == 2 * 2 * shape.params
@@ -309,13 +311,14 @@ def test_memory_scales_with_the_mesh_and_the_batch():
 # ---- the planner -------------------------------------------------------------------------------
 
 def plan_workload():
-    from rl_jax.sysmodel import LogNormalLengths, Workload
+    from rl_jax.sysmodel.invariants import Workload
+    from rl_jax.sysmodel.lengths import LogNormalLengths
     return Workload(prompt_len=256, group_size=4, groups_per_batch=8,
                     lengths=LogNormalLengths(256, 0.8, 1024), max_lag=2)
 
 
 def test_sweep_rejects_layouts_that_do_not_fit_and_says_why():
-    from rl_jax.sysmodel import SweepOptions, sweep
+    from rl_jax.sysmodel.sweep import SweepOptions, sweep
     big = ModelShape.from_model_config(named_shape("qwen2.5-32b"))
     opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
                         tensor_parallel=(1,))
@@ -325,7 +328,7 @@ def test_sweep_rejects_layouts_that_do_not_fit_and_says_why():
 
 
 def test_sweep_keeps_layouts_that_fit_with_their_memory():
-    from rl_jax.sysmodel import SweepOptions, sweep
+    from rl_jax.sysmodel.sweep import SweepOptions, sweep
     small = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
     accelerator = get_accelerator("h100")
     opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 32),
@@ -351,7 +354,7 @@ def test_sweep_plans_the_generators_kv_budget():
     """A KV-cache budget replaces slots x context: servers whose weights and budget do not fit
     a chip are refused, as is a budget that cannot hold one sequence of the longest context;
     one that fits is planned at its pool's size."""
-    from rl_jax.sysmodel import SweepOptions, sweep
+    from rl_jax.sysmodel.sweep import SweepOptions, sweep
     small = ModelShape.from_model_config(named_shape("qwen2.5-0.5b"))
     h100 = get_accelerator("h100")
     opts = SweepOptions(num_steps=4, simulate_top=1, split_points=2, batches=(8, 512),

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from rl_jax.sysmodel import (CATALOGUE, Accelerator, LogNormalLengths, SweepOptions, SysModelError,
-                             WeightSync, Workload, get_accelerator, shares_host, sweep,
-                             transfer_breakdown, weight_transfer_seconds)
+from rl_jax.sysmodel.accelerators import CATALOGUE, Accelerator, get_accelerator
+from rl_jax.sysmodel.errors import SysModelError
+from rl_jax.sysmodel.invariants import Workload
+from rl_jax.sysmodel.lengths import LogNormalLengths
 from rl_jax.sysmodel.shape import QWEN2_1_5B
+from rl_jax.sysmodel.sweep import SweepOptions, sweep
+from rl_jax.sysmodel.weightsync import (WeightSync, shares_host, transfer_breakdown,
+                                        weight_transfer_seconds)
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9

@@ -17,21 +17,24 @@ import pytest
 import xxhash
 from safetensors.numpy import load as load_safetensors
 
-from rl_jax.generator.engine import Engine
-from rl_jax.generator.weights import generator_rules
-from rl_jax.models import ModelConfig
+from rl_jax import native as native_build
+from rl_jax.generator.engine.core import Engine
+from rl_jax.generator.engine.weights import generator_rules
+from rl_jax.models.config import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
-from rl_jax.transfer import (GeneratorPuller, IntegrityError, LayoutError, NonFiniteWeights,
-                             Publisher, PublisherConfig, Puller, PullerConfig, TransferTimeout,
-                             TransportUnavailable, verify)
-from rl_jax import native as native_build
 from rl_jax.transfer import checksum, finite
 from rl_jax.transfer.chunks import Entry, parse_chunk, plan_chunks
+from rl_jax.transfer.config import (STAGING_PREFIX, PublisherConfig, PullerConfig,
+                                    remove_dead_owners_dirs)
+from rl_jax.transfer.errors import (IntegrityError, LayoutError, NonFiniteWeights, TransferTimeout,
+                                    TransportUnavailable)
 from rl_jax.transfer.layout import Layout, flatten, shard_indices
-from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo
-from rl_jax.transfer.puller import run_with_deadline
-from rl_jax.transfer.config import STAGING_PREFIX, remove_dead_owners_dirs
+from rl_jax.transfer.manifest import Manifest, ShardInfo, TensorInfo, verify
+from rl_jax.transfer.publisher.core import Publisher
+from rl_jax.transfer.puller.core import Puller
+from rl_jax.transfer.puller.generator import GeneratorPuller
+from rl_jax.transfer.pulling import run_with_deadline
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8)
@@ -423,7 +426,7 @@ def test_a_generator_puller_skips_a_poisoned_version_and_the_engine_keeps_servin
     """The background loop of a live engine: a non-finite version is refused by the puller
     (the engine keeps its weights), the next finite one is applied without the engine's own
     device-side pass (the puller checked it)."""
-    import rl_jax.generator.weights as weights_module
+    import rl_jax.generator.engine.weights as weights_module
     spec = specs["single"]
     engine = Engine(CONFIG, random_params(spec, 0), version=0, rules=generator_rules())
     passes = []
@@ -454,7 +457,6 @@ def test_the_publisher_finds_non_finite_values_while_staging_and_pullers_trust_i
     """Staging copies find the NaN (stats, manifest); shm and socket pullers refuse the version
     from the manifest without reading the values again; with the publisher's check off they
     read them themselves and refuse it all the same."""
-    import rl_jax.transfer.puller as puller_module
     pullers = {t: Puller(publisher.url, target_of(specs["tp2"]), transports=[t])
                for t in ("shm", "socket")}
     for p in pullers.values():
@@ -467,8 +469,8 @@ def test_the_publisher_finds_non_finite_values_while_staging_and_pullers_trust_i
     assert {t.name: t.finite for t in manifest.tensors} == {
         n: n != name for n in host(clean)}
     reads = []
-    real = puller_module.finite.all_finite
-    monkeypatch.setattr(puller_module.finite, "all_finite",
+    real = finite.all_finite
+    monkeypatch.setattr(finite, "all_finite",
                         lambda *a, **k: (reads.append(1), real(*a, **k))[1])
     for p in pullers.values():
         with pytest.raises(NonFiniteWeights, match=name):
@@ -687,7 +689,7 @@ def test_stale_staging_of_dead_publishers_is_removed(tmp_path):
 
 
 def test_host_buffers_in_use_by_live_arrays_are_never_reused():
-    from rl_jax.transfer.puller import HostBufferPool
+    from rl_jax.transfer.transports.sockets import HostBufferPool
     pool = HostBufferPool(max_buffers=2)
     first = pool.get(1 << 16)
     live = jax.device_put(first[:4096].view(np.float32), jax.devices()[0])
@@ -743,8 +745,8 @@ def test_staging_copies_and_hashes_block_by_block_across_layouts(tmp_path, threa
     equals the digest of those bytes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from rl_jax.transfer.shard_copy import host_shards, plan_job
-    from rl_jax.transfer.staging import HostStaging
+    from rl_jax.transfer.publisher.shard_geometry import host_shards, plan_job
+    from rl_jax.transfer.publisher.staging import HostStaging
     devices = np.array(jax.devices()[:8])
     src_mesh = jax.sharding.Mesh(devices.reshape(8, 1), ("fsdp", "tp"))
     rng = np.random.default_rng(3)
@@ -808,7 +810,7 @@ def test_staging_plans_once_per_layout_and_rewrites_only_the_version(tmp_path):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from rl_jax.transfer.chunks import parse_chunk
-    from rl_jax.transfer.staging import HostStaging, header_version
+    from rl_jax.transfer.publisher.staging import HostStaging, header_version
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(4), ("fsdp",))
     rng = np.random.default_rng(7)
 

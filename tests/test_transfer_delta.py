@@ -11,12 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rl_jax.generator.weights import generator_rules
-from rl_jax.models import ModelConfig
+from rl_jax.generator.engine.weights import generator_rules
+from rl_jax.models.config import ModelConfig
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.state import ModelSpec
-from rl_jax.transfer import Publisher, PublisherConfig, Puller, PullerConfig
+from rl_jax.transfer.config import PublisherConfig, PullerConfig
 from rl_jax.transfer.layout import flatten
+from rl_jax.transfer.publisher.core import Publisher
+from rl_jax.transfer.puller.core import Puller
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16)

@@ -24,13 +24,16 @@ import numpy as np
 import pytest
 
 from test_transfer import random_params as params_of, target_of
-from rl_jax.models import ModelConfig
+from rl_jax.models.config import ModelConfig
 from rl_jax.trainer.state import ModelSpec
-from rl_jax.transfer import (AuthenticationError, GeneratorPuller, IntegrityError,
-                             PublisherNotAllowed, Publisher, PublisherConfig, Puller,
-                             PullerConfig, TransferTimeout, pinned_publisher)
+from rl_jax.transfer.config import PublisherConfig, PullerConfig
 from rl_jax.transfer.control import ControlClient, ControlServer, HTTPStatus
+from rl_jax.transfer.errors import (AuthenticationError, IntegrityError, PublisherNotAllowed,
+                                    TransferTimeout)
 from rl_jax.transfer.layout import Layout, flatten
+from rl_jax.transfer.publisher.core import Publisher
+from rl_jax.transfer.puller.core import Puller
+from rl_jax.transfer.puller.generator import GeneratorPuller, pinned_publisher
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8)
@@ -540,7 +543,10 @@ SPACE_SCRIPT = textwrap.dedent("""
     import numpy as np
     from transfer_fixtures import CONFIG, make_params
     from rl_jax.trainer.state import ModelSpec
-    from rl_jax.transfer import Publisher, PublisherConfig, Puller, PullerConfig, TransferError
+    from rl_jax.transfer.config import PublisherConfig, PullerConfig
+    from rl_jax.transfer.errors import TransferError
+    from rl_jax.transfer.publisher.core import Publisher
+    from rl_jax.transfer.puller.core import Puller
     from rl_jax.transfer.layout import flatten
     import jax
 

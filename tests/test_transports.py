@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from rl_jax.transfer import (TRANSPORTS, Publisher, PublisherConfig, Puller, PullerConfig,
-                             TransferError, TransportUnavailable, UnknownTransport)
 from rl_jax.transfer import transports
-from rl_jax.transfer.transports import STAGINGS, Transport
+from rl_jax.transfer.config import PublisherConfig, PullerConfig
+from rl_jax.transfer.errors import TransferError, TransportUnavailable, UnknownTransport
+from rl_jax.transfer.publisher.core import Publisher
+from rl_jax.transfer.puller.core import Puller
+from rl_jax.transfer.transports import TRANSPORTS
+from rl_jax.transfer.transports.base import STAGINGS, Transport
 
 PACKAGE = Path(transports.__file__).parent
 

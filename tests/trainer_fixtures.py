@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from rl_jax.models import ModelConfig
+from rl_jax.models.config import ModelConfig
 from rl_jax.trainer.step import LMBatch
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

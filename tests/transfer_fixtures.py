@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from rl_jax.models import ModelConfig
+from rl_jax.models.config import ModelConfig
 
 # ~1.4 MB of float32 parameters: every dimension with an "embed" axis divides by 8.
 CONFIG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,

@@ -27,8 +27,10 @@ import numpy as np  # noqa: E402
 
 from rl_jax.sharding import make_mesh  # noqa: E402
 from rl_jax.trainer.state import ModelSpec  # noqa: E402
-from rl_jax.transfer import (GeneratorPuller, Publisher, PublisherConfig,  # noqa: E402
-                             PullerConfig, TransferError)
+from rl_jax.transfer.puller.generator import GeneratorPuller  # noqa: E402
+from rl_jax.transfer.publisher.core import Publisher  # noqa: E402
+from rl_jax.transfer.config import PublisherConfig, PullerConfig  # noqa: E402
+from rl_jax.transfer.errors import TransferError  # noqa: E402
 from rl_jax.transfer.layout import flatten  # noqa: E402
 from transfer_fixtures import CONFIG, make_params  # noqa: E402
 
@@ -84,8 +86,8 @@ def trainer():
 
 
 def generator():
-    from rl_jax.generator.engine import Engine
-    from rl_jax.generator.weights import generator_rules
+    from rl_jax.generator.engine.core import Engine
+    from rl_jax.generator.engine.weights import generator_rules
 
     tp, url = int(sys.argv[3]), sys.argv[4]
     timeout, connections = float(sys.argv[5]), int(sys.argv[6])

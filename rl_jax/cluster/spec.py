@@ -12,7 +12,7 @@ Roles:
 
 API keys never appear on a command line: the servers and the trainers get them in their
 environment (``RL_JAX_API_KEY``, ``RL_JAX_ADMIN_API_KEY``), SGLang servers in a private YAML file
-(:func:`rl_jax.generator.launcher.write_sglang_keys`), the router through
+(:func:`rl_jax.generator.launcher.pool.write_sglang_keys`), the router through
 :mod:`rl_jax.cluster.router`.
 """
 

@@ -104,7 +104,7 @@ class ProcessSupervisor:
         """SGLang's ``--config`` YAML holding the keys, in a directory private to this user
         on this node (removed by :meth:`close`)."""
         from rl_jax.generator.auth import Keys
-        from rl_jax.generator.launcher import write_sglang_keys
+        from rl_jax.generator.launcher.pool import write_sglang_keys
         if self._private is None:
             self._private = tempfile.mkdtemp(prefix="rl_jax-keys-")  # mode 0700
         return str(write_sglang_keys(Keys(api_key, admin_api_key), self._private))

@@ -19,9 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from rl_jax.envs.base import (EnvError, Environment, EpisodeState, EpisodeTokens, Prompt,
-                              Segment, StepResult, as_prompt, build_loss_mask, run_episode,
-                              score_many)
+from rl_jax.envs.base import EnvError, Environment
 
 _BUILTIN = {
     "arithmetic": "rl_jax.envs.arithmetic:ArithmeticEnv",
@@ -60,6 +58,3 @@ def get(name: str, **kwargs) -> Environment:
     return factory(**kwargs)
 
 
-__all__ = ["EnvError", "Environment", "EpisodeState", "EpisodeTokens", "Prompt", "Segment",
-           "StepResult", "as_prompt", "build_loss_mask", "get", "names", "register",
-           "run_episode", "score_many"]

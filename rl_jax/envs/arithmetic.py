@@ -12,7 +12,8 @@ import re
 from typing import Any, ClassVar
 
 from rl_jax.data.arithmetic import ArithmeticTask
-from rl_jax.envs.base import EnvError, Environment, Prompt, PromptLike, as_prompt
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import EnvError, Environment, PromptLike, as_prompt
 
 _PROMPT_RE = re.compile(r"^(\d+)\+(\d+)=$")
 

@@ -40,9 +40,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rl_jax.envs.base import (EnvError, Environment, EpisodeState, Prompt, PromptLike, StepResult,
-                              as_prompt)
-from rl_jax.envs.sandbox import Sandbox, SandboxLimits, SandboxResult
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import EnvError, Environment, EpisodeState, PromptLike, StepResult, as_prompt
+from rl_jax.envs.sandbox import Sandbox
+from rl_jax.envs.sandbox.limits import SandboxLimits, SandboxResult
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = ("python", "py", "python3", "")

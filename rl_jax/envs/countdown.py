@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rl_jax.envs.base import EnvError, Environment, Prompt, PromptLike, as_prompt
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import EnvError, Environment, PromptLike, as_prompt
 
 _SPLIT_CODES = {"train": 0, "eval": 1}
 _MAX_DRAWS = 10_000

@@ -41,7 +41,8 @@ from typing import Any, ClassVar
 import numpy as np
 import sympy
 
-from rl_jax.envs.base import EnvError, Environment, Prompt, PromptLike, as_prompt
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import EnvError, Environment, PromptLike, as_prompt
 from rl_jax.envs.latex import CONSTANTS, FUNCTIONS, TEXT_COMMANDS, ParseError, parse_math
 
 

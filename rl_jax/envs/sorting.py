@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rl_jax.envs.base import EnvError, Environment, Prompt, PromptLike, as_prompt
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import EnvError, Environment, PromptLike, as_prompt
 
 MAX_COMPLETION_CHARS = 65_536
 MAX_ITEMS = 64

@@ -13,7 +13,7 @@ than the one asked for (penalties, grammars, logit bias, LoRA, images, input log
 started with ``strict=False`` ignores unsupported values instead (logged once per field).
 Unknown top-level fields are ignored, as SGLang does; unknown sampling fields are refused.
 
-Beside it, and re-exported here: :mod:`rl_jax.generator.json_body` (:func:`parse_json_body`, the
+Beside it: :mod:`rl_jax.generator.json_body` (:func:`parse_json_body`, the
 bounds every request body meets before its fields are read, and :class:`ProtocolError`) and
 :mod:`rl_jax.generator.responses` (:func:`output_json`, the server's answer, and
 :func:`outputs_from_json`, the client's reading of it; stop strings).
@@ -28,13 +28,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-# Re-exported: the body bounds and the answers (with PromptItem, how to answer one prompt) were
-# defined here once, and callers import them from here.
-from rl_jax.generator.json_body import (INT64, MAX_JSON_DEPTH, ProtocolError,  # noqa: F401
-                                        parse_json_body)
-from rl_jax.generator.responses import (PromptItem, apply_stop_strings,  # noqa: F401
-                                        error_json, output_json, output_text,
-                                        outputs_from_json)
+from rl_jax.generator.json_body import INT64, ProtocolError
+from rl_jax.generator.responses import PromptItem
 from rl_jax.generator.types import GenerateRequest, GeneratorError, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Policy losses and advantage estimators as pure, jit-able functions over arrays.
 
-    from rl_jax.losses import get, make_config, finalize_metrics
+    from rl_jax.losses import get, make_config
+    from rl_jax.losses.core import finalize_metrics
     out = get("grpo")(logprobs, behaviour_logprobs, advantages, loss_mask,
                       config=make_config("grpo"))
     loss = out.mean()  # loss_sum / denominator, 0 for a batch with no unmasked token
@@ -21,19 +22,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from rl_jax.losses.advantages import (ADVANTAGE_ESTIMATORS, GroupSizeError, check_groups,
-                                      dr_grpo_advantages, get_advantage_estimator,
-                                      grpo_advantages, rloo_advantages)
-from rl_jax.losses.configs import (LOG_RATIO_CLAMP, NORMALIZATIONS, CISPOConfig, DAPOConfig,
-                                   DecoupledPPOConfig, DrGRPOConfig, GMPOConfig, GRPOConfig,
-                                   GSPOConfig, LossConfigError, M2POConfig, PolicyLossConfig,
-                                   PPOClipConfig, ReinforceTISConfig)
-from rl_jax.losses.core import (LossOutput, count_sequences, finalize_metrics, per_sequence_sum,
-                               safe_mean)
-from rl_jax.losses.policy import (cispo, clipped_surrogate, dapo, decoupled_ppo, dr_grpo, gmpo,
-                                  grpo, gspo, m2po, ppo_clip, reinforce_tis,
-                                  second_moment_mask)
-from rl_jax.losses.regularizers import importance_weights, kl_penalty
+from rl_jax.losses.configs import (CISPOConfig, DAPOConfig, DecoupledPPOConfig, DrGRPOConfig,
+                                   GMPOConfig, GRPOConfig, GSPOConfig, LossConfigError, M2POConfig,
+                                   PolicyLossConfig, PPOClipConfig, ReinforceTISConfig)
+from rl_jax.losses.core import LossOutput
+from rl_jax.losses.policy import (cispo, dapo, decoupled_ppo, dr_grpo, gmpo, grpo, gspo, m2po,
+                                  ppo_clip, reinforce_tis)
 
 PolicyLoss = Callable[..., LossOutput]
 
@@ -99,14 +93,3 @@ def register(name: str, fn: PolicyLoss, config_cls: type[PolicyLossConfig]) -> N
     _REGISTRY[name] = RegisteredLoss(fn, config_cls)
 
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "CISPOConfig", "DAPOConfig", "DecoupledPPOConfig", "DrGRPOConfig",
-    "GMPOConfig", "GRPOConfig", "GSPOConfig", "GroupSizeError", "LOG_RATIO_CLAMP",
-    "LossConfigError", "LossOutput", "M2POConfig", "NORMALIZATIONS", "PPOClipConfig",
-    "PolicyLoss", "PolicyLossConfig", "RegisteredLoss", "ReinforceTISConfig", "check_groups",
-    "cispo", "clipped_surrogate", "config_class", "count_sequences", "dapo", "decoupled_ppo",
-    "dr_grpo", "dr_grpo_advantages", "finalize_metrics", "get", "get_advantage_estimator",
-    "gmpo", "grpo", "grpo_advantages", "gspo", "importance_weights", "kl_penalty", "m2po",
-    "make_config", "names", "per_sequence_sum", "ppo_clip", "register", "reinforce_tis",
-    "rloo_advantages", "safe_mean", "second_moment_mask",
-]

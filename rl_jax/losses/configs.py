@@ -33,7 +33,8 @@ class PolicyLossConfig:
       max_tokens: ``L`` of the ``"constant"`` normalisation, in tokens; ``None`` uses ``T``.
       kl_coef: β of the penalty ``β · KL(π_θ ‖ π_ref)`` added to every token's loss (needs
         ``ref_logprobs``). 0 disables it; the KL is still reported when ``ref_logprobs`` is given.
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`rl_jax.losses.kl_penalty`).
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see
+      :func:`rl_jax.losses.regularizers.kl_penalty`).
       kl_value_clamp: optional bound on each token's KL estimate (``None``: none; verl and AReaL
         use 10); tokens beyond it get no gradient from the penalty.
       entropy_coef: α of the bonus ``−α · H`` added to every token's loss (needs ``entropy``).
@@ -43,7 +44,7 @@ class PolicyLossConfig:
       correction_cap: ``C`` of the correction.
       correction_level: ``"token"`` (each token's ratio), ``"sequence"`` (product over the
         sequence) or ``"geometric"`` (geometric mean over the sequence); see
-        :func:`rl_jax.losses.importance_weights`.
+        :func:`rl_jax.losses.regularizers.importance_weights`.
       log_ratio_clamp: log-ratios are clamped to ``[−c, c]`` before ``exp`` so that no ratio,
         loss or gradient overflows; clamped tokens get no gradient through the ratio.
     """

@@ -240,7 +240,7 @@ def grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: ArrayLi
     ``J = (1/G) Σ_i (1/|o_i|) Σ_t [min(r A, clip(r, 1 − ε, 1 + ε) A) − β · KL_k3]``, ``ε = 0.2``;
     the loss is ``−J`` with normalisation ``"sequence"`` (per-sequence token mean, then the mean
     over the non-empty sequences of the global batch). Advantages come from
-    :func:`rl_jax.losses.grpo_advantages`.
+    :func:`rl_jax.losses.advantages.grpo_advantages`.
 
     Z. Shao, P. Wang, Q. Zhu, R. Xu, J. Song, et al., "DeepSeekMath: Pushing the Limits of
     Mathematical Reasoning in Open Language Models" (2024), arXiv:2402.03300.
@@ -285,7 +285,7 @@ def dr_grpo(logprobs: ArrayLike, behaviour_logprobs: ArrayLike, advantages: Arra
     ``loss = (1/G) Σ_i Σ_t max(−A·r, −A·clip(r, 1 − ε, 1 + ε)) / L``: no ``1/|o_i|`` (normalisation
     ``"constant"``, ``L = config.max_tokens``, the generation budget, or ``T`` when unset), and
     advantages ``A_i = R_i − mean(R_group)`` without division by the group's std: use
-    :func:`rl_jax.losses.dr_grpo_advantages`.
+    :func:`rl_jax.losses.advantages.dr_grpo_advantages`.
 
     Z. Liu, C. Chen, W. Li, P. Qi, T. Pang, C. Du, W. S. Lee, M. Lin, "Understanding R1-Zero-Like
     Training: A Critical Perspective" (2025), arXiv:2503.20783.

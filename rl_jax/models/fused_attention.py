@@ -37,6 +37,18 @@ CUDNN_MAX_HEAD_DIM = 128
 SPLASH_BLOCK = 128
 
 
+def attention_mask(q_index: jax.Array, q_segment: jax.Array, kv_index: jax.Array,
+                   kv_segment: jax.Array, q_prefix: jax.Array | None = None) -> jax.Array:
+    """``[B, T, S]`` boolean: query t may attend key s (causal, and the same segment or the
+    query's prefix segment ``q_prefix > 0``)."""
+    causal = q_index[:, :, None] >= kv_index[:, None, :]
+    same = q_segment[:, :, None] == kv_segment[:, None, :]
+    if q_prefix is not None:
+        prefix = q_prefix[:, :, None]
+        same = same | ((prefix > 0) & (prefix == kv_segment[:, None, :]))
+    return causal & same
+
+
 def check_implementation(name: str) -> str:
     """``name`` if it is one of :data:`IMPLEMENTATIONS`, else a ``ValueError`` naming it."""
     if name not in IMPLEMENTATIONS:
@@ -201,7 +213,6 @@ def compile_problem(implementation: str, *, dtype: Any, heads: int, kv_heads: in
     """Why ``implementation`` does not compile on the current backend for these heads (one
     causal-within-segments attention of ``length`` tokens, compiled), or ``None`` when it does:
     a start-up probe, so that ``"auto"`` can fall back to XLA instead of failing later."""
-    from rl_jax.models.transformer import attention_mask
 
     q = jax.ShapeDtypeStruct((1, length, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), dtype)
@@ -251,7 +262,6 @@ def check_fused_attention(dtype: Any = jnp.bfloat16, *, implementation: str = "a
     and ``grad_fused_vs_f32``/``grad_xla_vs_f32`` (largest error over dq, dk, dv), and ``matched``:
     the fused errors are within twice the XLA path's own (plus a small absolute slack).
     """
-    from rl_jax.models.transformer import attention_mask
 
     q, k, v, segment_ids = packed_example(dtype=dtype, **example)
     b, t = segment_ids.shape

@@ -23,8 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.fused_attention import check_fused_attention as check_fused_attention
-from rl_jax.models.fused_attention import check_implementation, fused_attention
+from rl_jax.models.fused_attention import attention_mask, check_implementation, fused_attention
 from rl_jax.models.logprobs import blockwise_token_logprobs, blockwise_token_stats
 from rl_jax.sharding import ShardingRules
 
@@ -211,7 +210,8 @@ class Transformer(nnx.Module):
 
 
 # ---- building blocks (pure functions, shared with the inference engine) ---------------------
-# The generator's decode path (rl_jax.generator.decode) builds its layer from these too; what it
+# The generator's decode path (rl_jax.generator.engine.decode) builds its layer from these too; what
+# it
 # computes differently (fused projection matrices over its own weight layout, attention over the
 # slot cache) is explained there.
 
@@ -261,18 +261,6 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x.dtype)
-
-
-def attention_mask(q_index: jax.Array, q_segment: jax.Array, kv_index: jax.Array,
-                   kv_segment: jax.Array, q_prefix: jax.Array | None = None) -> jax.Array:
-    """``[B, T, S]`` boolean: query t may attend key s (causal, and the same segment or the
-    query's prefix segment ``q_prefix > 0``)."""
-    causal = q_index[:, :, None] >= kv_index[:, None, :]
-    same = q_segment[:, :, None] == kv_segment[:, None, :]
-    if q_prefix is not None:
-        prefix = q_prefix[:, :, None]
-        same = same | ((prefix > 0) & (prefix == kv_segment[:, None, :]))
-    return causal & same
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,

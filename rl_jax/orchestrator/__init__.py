@@ -1,6 +1,4 @@
 """The RL run: wires trainer, generator pool, weight transfer and rollout for
 ``mode = async | one_step_off | sync`` (see :mod:`rl_jax.orchestrator.rl`)."""
 
-from rl_jax.orchestrator.config import MODES, ModeSettings, RLConfigError, mode_settings, validate
 
-__all__ = ["MODES", "ModeSettings", "RLConfigError", "mode_settings", "validate"]

@@ -17,10 +17,8 @@ import jax
 import numpy as np
 
 from rl_jax import cpus
-from rl_jax.generator.client import GeneratorClient
-from rl_jax.metrics import MetricsWriter, plot_curves, write_json
-from rl_jax.models.config import DTYPES
-from rl_jax.models.hf import save_pretrained
+from rl_jax.generator.client.core import GeneratorClient
+from rl_jax.metrics import MetricsWriter, plot_curves
 from rl_jax.orchestrator.evaluation import EvalResult
 
 log = logging.getLogger(__name__)
@@ -133,179 +131,99 @@ def tensorboard(path: Path):
     return SummaryWriter(str(path), flush_secs=10)
 
 
-class RunAccounting:
-    """The records and the end of a run of :class:`rl_jax.orchestrator.session.Session` (a
-    mixin over the session's roles)."""
+def write_step_record(writer: MetricsWriter, tb, bar, done: int, record: dict[str, Any],
+                      staleness: list[int], last_eval: EvalResult | None):
+    """A step's record to the JSONL log, TensorBoard and the progress bar."""
+    writer.write(done, **record)
+    if tb is not None:
+        tb_scalars(tb, record, done)
+        tb.add_histogram("staleness", np.asarray(staleness), done)
+    bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
+                    acc=f"{record['rollout/accuracy']:.2f}",
+                    **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
+                    stale=int(record["staleness/batch_max"]),
+                    **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
+                       if "generator/tokens_per_s" in record else {}),
+                    refresh=False)
+    bar.update(1)
 
-    @staticmethod
-    def _log_step(writer: MetricsWriter, tb, bar, done: int, record: dict[str, Any],
-                  staleness: list[int], last_eval: EvalResult | None):
-        """A step's record to the JSONL log, TensorBoard and the progress bar."""
-        writer.write(done, **record)
-        if tb is not None:
-            tb_scalars(tb, record, done)
-            tb.add_histogram("staleness", np.asarray(staleness), done)
-        bar.set_postfix(reward=f"{record['reward/mean']:.2f}",
-                        acc=f"{record['rollout/accuracy']:.2f}",
-                        **({"eval": f"{last_eval.accuracy:.2f}"} if last_eval else {}),
-                        stale=int(record["staleness/batch_max"]),
-                        **({"gen_tok_s": f"{record['generator/tokens_per_s']:.0f}"}
-                           if "generator/tokens_per_s" in record else {}),
-                        refresh=False)
-        bar.update(1)
 
-    def _generator_readings(self) -> dict[str, dict[str, Any]]:
-        """Each generator server's CPU seconds per thread so far and its engine counters (this
-        project's servers report them in ``/get_server_info``; SGLang's do not, and give nothing
-        here): ``{url: {"cpu": {thread: s}, "counters": {name: count}}}``."""
-        try:
-            answers = self.control_loop.run(self.control.broadcast("GET", "/get_server_info"),
-                                            timeout=30)
-        except Exception as e:  # diagnostics only: never stop a run for them
-            log.warning("generator CPU times unavailable: %r", e)
-            return {}
-        out = {}
-        for url, (status, body) in answers.items():
-            if status != 200 or not isinstance(body, dict) \
-                    or not isinstance(body.get("cpu_seconds_by_thread"), dict):
-                continue
-            states = body.get("internal_states") or [{}]
-            counters = states[0] if isinstance(states[0], dict) else {}
-            gc_pauses = (body.get("gc") or {}).get("pause_s") or [0.0]
-            out[url] = {"cpu": body["cpu_seconds_by_thread"], "counters": {
-                name: value for name, value in counters.items()
-                if isinstance(value, int) and not isinstance(value, bool)},
-                "gc_pause_s": float(sum(gc_pauses))}
-        return out
+def generator_readings(loop: Any, control: GeneratorClient) -> dict[str, dict[str, Any]]:
+    """Each generator server's CPU seconds per thread so far and its engine counters (this
+    project's servers report them in ``/get_server_info``; SGLang's do not, and give nothing
+    here): ``{url: {"cpu": {thread: s}, "counters": {name: count}}}``."""
+    try:
+        answers = loop.run(control.broadcast("GET", "/get_server_info"),
+                                        timeout=30)
+    except Exception as e:  # diagnostics only: never stop a run for them
+        log.warning("generator CPU times unavailable: %r", e)
+        return {}
+    out = {}
+    for url, (status, body) in answers.items():
+        if status != 200 or not isinstance(body, dict) \
+                or not isinstance(body.get("cpu_seconds_by_thread"), dict):
+            continue
+        states = body.get("internal_states") or [{}]
+        counters = states[0] if isinstance(states[0], dict) else {}
+        gc_pauses = (body.get("gc") or {}).get("pause_s") or [0.0]
+        out[url] = {"cpu": body["cpu_seconds_by_thread"], "counters": {
+            name: value for name, value in counters.items()
+            if isinstance(value, int) and not isinstance(value, bool)},
+            "gc_pause_s": float(sum(gc_pauses))}
+    return out
 
-    @staticmethod
-    def _cpu_spent(before, after) -> dict[str, Any]:
-        """CPU seconds per thread name spent in the loop (between the readings ``before`` and
-        ``after``) by this process (``trainer_cpu_seconds``) and by the generator servers
-        (``generator_cpu_seconds``, summed over the servers that answered both times), and the
-        servers' engine counters (``generator_counters``: decode steps, prefills, compactions,
-        ...; ``generator_decode_batches``: decode steps per decode batch size)."""
-        if before is None or after is None:
-            return {}
-        (trainer_before, generators_before), (trainer_after, generators_after) = before, after
-        out: dict[str, Any] = {"trainer_cpu_seconds": cpus.cpu_seconds_between(
-            trainer_before, trainer_after)}
-        total: collections.Counter = collections.Counter()
-        counters: collections.Counter = collections.Counter()
-        gc_pause = 0.0
-        for url, reading in generators_after.items():
-            if url in generators_before:
-                earlier = generators_before[url]
-                total.update(cpus.cpu_seconds_between(earlier["cpu"], reading["cpu"]))
-                gc_pause += reading["gc_pause_s"] - earlier["gc_pause_s"]
-                counters.update({name: n - earlier["counters"].get(name, 0)
-                                 for name, n in reading["counters"].items()})
-        if total:
-            out["generator_cpu_seconds"] = {k: round(v, 3) for k, v in total.most_common()}
-            # seconds the servers' garbage collections paused them (summed over servers)
-            out["generator_gc_pause_s"] = round(gc_pause, 4)
-        prefix = "decode_batch_"
-        batches = {name[len(prefix):]: n for name, n in counters.items()
-                   if name.startswith(prefix) and n}
-        if batches:
-            out["generator_decode_batches"] = dict(sorted(batches.items(),
-                                                          key=lambda kv: int(kv[0])))
-        others = {name: n for name, n in counters.items() if not name.startswith(prefix)}
-        if others:
-            out["generator_counters"] = dict(sorted(others.items()))
-        return out
 
-    def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval,
-                cpu_before):
-        c = self.c
-        version = int(self.state.step)
-        train_wall = wall_offset + clock.elapsed
-        gc_stats = self.gc.stats()  # the loop's collections and pauses
-        cpu_after = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
-            else None
-        self.checkpointer.wait()
-        if self.snapshots is not None:
-            self.snapshots.close()
-        done = version + int(self.state.skipped)
-        if self.checkpointer.latest_step() != done:  # stopped early by the time limit
-            self.checkpointer.save(done, self.state,
-                                   {"eval_before": before, "wall_s": train_wall,
-                                    "totals": dict(totals),
-                                    **({"rollout": self.rollout.get_state()} if self.primary
-                                       else {})}, force=True)
-            self.checkpointer.wait()
-        final_params = self.state.params if self.ema is None else self.ema
-        export = save_pretrained(self.spec.merge(final_params), self.workdir / "hf",
-                                 tokenizer=self.tokenizer, dtype=DTYPES[c.export.dtype])
-        final_version = version
-        if self.ema is not None:  # the generators evaluate the average as the next version
-            final_version = version + 1
-            self._publish(final_version, params=self.ema)
-        if not self.primary:
-            return {}
-        cpu_spent = self._cpu_spent(cpu_before, cpu_after)
-        cpu_spent["trainer_gc"] = gc_stats
-        rollout_metrics = self.rollout.metrics()
-        self.rollout.close()
-        if pending_eval is not None:
-            pending_eval[1].result()
-        self.weights.update_when_idle = False  # nothing is generating any more
-        self.weights.poke()
-        self.weights.wait_applied(final_version)
-        final = self.control_loop.run(self._evaluate("eval-final"))
-        writer.write(version, wall_s=wall_offset + clock.elapsed, **final.metrics())
-        if tb is not None:
-            tb_scalars(tb, final.metrics(), version)
-        elapsed = max(clock.elapsed, 1e-9)
-        summary = {
-            "mode": self.settings.mode, "max_lag": self.settings.max_lag,
-            "steps": version, "skipped_steps": int(self.state.skipped),
-            "final_weights": "policy" if self.ema is None else
-            f"average (ema_decay={self.ema_decay}, {self.ema_updates} updates)",
-            "parameters": int(self.n_params), "wall_s": train_wall,
-            "held_out_accuracy_before": before, "held_out_accuracy_after": final.accuracy,
-            "held_out_examples": final.examples, "final_version": final.min_version,
-            "trained_tokens": totals["trained_tokens"],
-            "trained_tokens_per_s": totals["trained_tokens"] / max(train_wall, 1e-9),
-            "completion_tokens": totals["completion_tokens"],
-            "trainer_idle_fraction": (clock.waiting_s + clock.syncing_s) / elapsed,
-            "trainer_seconds": {"waiting": clock.waiting_s, "training": clock.training_s,
-                                "publishing": clock.publishing_s, "syncing": clock.syncing_s,
-                                "cpu_while_idle": clock.idle_cpu_s},
-            "staleness_histogram": {str(k): v for k, v in sorted(
-                self.rollout.gate.staleness_histogram.items())},
-            **{k: v for k, v in rollout_metrics.items()},
-            "weights": dict(self.weights.totals),
-            "generator_restarts": dict(self.pool.restarts), "export": str(export),
-            "fleet": self.fleet.summary(),
-            "generators_priority": self.pool.priority,
-            "time_to_first_step_s": self.first_step_s,
-            **cpu_spent,
-        }
-        idle = writer.series("generator/idle_fraction")[1]
-        summary["generator_idle_fraction"] = float(np.mean(idle)) if len(idle) else None
-        write_json(self.workdir / "summary.json", summary)
-        self._plot(writer)
-        self.summary = summary
-        if jax.process_index() == 0:
-            print(f"exported {export}; {version} steps in {train_wall:.0f} s, "
-                  f"{summary['trained_tokens_per_s']:.0f} trained tokens/s", flush=True)
-            print(f"held-out accuracy: {before:.2f} -> {final.accuracy:.2f}", flush=True)
-        return summary
+def cpu_spent(before, after) -> dict[str, Any]:
+    """CPU seconds per thread name spent in the loop (between the readings ``before`` and
+    ``after``) by this process (``trainer_cpu_seconds``) and by the generator servers
+    (``generator_cpu_seconds``, summed over the servers that answered both times), and the
+    servers' engine counters (``generator_counters``: decode steps, prefills, compactions,
+    ...; ``generator_decode_batches``: decode steps per decode batch size)."""
+    if before is None or after is None:
+        return {}
+    (trainer_before, generators_before), (trainer_after, generators_after) = before, after
+    out: dict[str, Any] = {"trainer_cpu_seconds": cpus.cpu_seconds_between(
+        trainer_before, trainer_after)}
+    total: collections.Counter = collections.Counter()
+    counters: collections.Counter = collections.Counter()
+    gc_pause = 0.0
+    for url, reading in generators_after.items():
+        if url in generators_before:
+            earlier = generators_before[url]
+            total.update(cpus.cpu_seconds_between(earlier["cpu"], reading["cpu"]))
+            gc_pause += reading["gc_pause_s"] - earlier["gc_pause_s"]
+            counters.update({name: n - earlier["counters"].get(name, 0)
+                             for name, n in reading["counters"].items()})
+    if total:
+        out["generator_cpu_seconds"] = {k: round(v, 3) for k, v in total.most_common()}
+        # seconds the servers' garbage collections paused them (summed over servers)
+        out["generator_gc_pause_s"] = round(gc_pause, 4)
+    prefix = "decode_batch_"
+    batches = {name[len(prefix):]: n for name, n in counters.items()
+               if name.startswith(prefix) and n}
+    if batches:
+        out["generator_decode_batches"] = dict(sorted(batches.items(),
+                                                      key=lambda kv: int(kv[0])))
+    others = {name: n for name, n in counters.items() if not name.startswith(prefix)}
+    if others:
+        out["generator_counters"] = dict(sorted(others.items()))
+    return out
 
-    def _plot(self, writer: MetricsWriter):
-        def by_wall(key):
-            rows = [(r["wall_s"], r[key]) for r in writer.records
-                    if isinstance(r.get(key), (int, float)) and "wall_s" in r]
-            if not rows:
-                return np.zeros(0), np.zeros(0)
-            x, y = zip(*rows)
-            return np.asarray(x), np.asarray(y, float)
 
-        plot_curves(self.workdir / "progress.png", [
-            ("reward", [("train reward (mean)", *by_wall("reward/mean")),
-                        ("train accuracy", *by_wall("rollout/accuracy"))]),
-            ("held-out accuracy (greedy)", [("", *by_wall("eval/accuracy"))]),
-            ("staleness (steps)", [("batch max", *by_wall("staleness/batch_max")),
-                                   ("batch mean", *by_wall("staleness/batch_mean"))]),
-        ], title=f"{self.c.env.name}, mode {self.settings.mode}", xlabel="wall time (s)")
+def plot_progress(path: Path, writer: MetricsWriter, title: str):
+    """``progress.png``: rewards, held-out accuracy and staleness against wall time."""
+    def by_wall(key):
+        rows = [(r["wall_s"], r[key]) for r in writer.records
+                if isinstance(r.get(key), (int, float)) and "wall_s" in r]
+        if not rows:
+            return np.zeros(0), np.zeros(0)
+        x, y = zip(*rows)
+        return np.asarray(x), np.asarray(y, float)
+
+    plot_curves(path, [
+        ("reward", [("train reward (mean)", *by_wall("reward/mean")),
+                    ("train accuracy", *by_wall("rollout/accuracy"))]),
+        ("held-out accuracy (greedy)", [("", *by_wall("eval/accuracy"))]),
+        ("staleness (steps)", [("batch max", *by_wall("staleness/batch_max")),
+                               ("batch mean", *by_wall("staleness/batch_mean"))]),
+    ], title=title, xlabel="wall time (s)")

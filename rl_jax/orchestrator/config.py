@@ -1,7 +1,7 @@
 """The settings an RL recipe's mode implies, and the checks that need what a run knows only
 once it has started (its prompts, its mesh).
 
-Every field of the recipe is checked once, by :func:`rl_jax.recipe.parse` (:func:`validate`
+Every field of the recipe is checked once, by :func:`rl_jax.recipe.checks.parse` (:func:`validate`
 here calls it), so a bad config stops at start with one :class:`RLConfigError` naming the field.
 """
 
@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rl_jax.recipe import MODES, RLConfigError, RLRecipe, parse
+from rl_jax.recipe.checks import parse
+from rl_jax.recipe.schema import MODES, RLConfigError, RLRecipe
 
-__all__ = ["MODES", "ModeSettings", "RLConfigError", "max_new_tokens", "max_sample_tokens",
-           "mode_settings", "rows_per_batch", "validate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +34,7 @@ class ModeSettings:
 
 
 def mode_settings(c: RLRecipe) -> ModeSettings:
-    """The settings of ``c.mode`` (checked by :func:`rl_jax.recipe.parse`)."""
+    """The settings of ``c.mode`` (checked by :func:`rl_jax.recipe.checks.parse`)."""
     if c.mode == "async":
         return ModeSettings("async", int(c.rollout.max_lag), False, False)
     if c.mode == "one_step_off":
@@ -74,6 +73,7 @@ def rows_per_batch(c: RLRecipe, max_prompt_tokens: int, row_multiple: int) -> in
 
 
 def validate(c: Any) -> ModeSettings:
-    """The recipe ``c`` checked (:func:`rl_jax.recipe.parse`: no files, processes or network);
+    """The recipe ``c`` checked (:func:`rl_jax.recipe.checks.parse`: no files, processes or
+    network);
     returns the mode's settings."""
     return mode_settings(parse(c))

@@ -13,9 +13,10 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from rl_jax.envs.base import Environment, Prompt, score_many
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import Environment, score_many
 from rl_jax.generator.base import Generator
-from rl_jax.generator.client import ServerLeft
+from rl_jax.generator.client.control import ServerLeft
 from rl_jax.generator.types import GenerateRequest, SamplingParams
 
 MAX_REISSUES = 8  # times one part of an evaluation is sent again after its server left

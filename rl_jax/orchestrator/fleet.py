@@ -47,7 +47,8 @@ from typing import Any
 
 import aiohttp
 
-from rl_jax.generator.client import GeneratorClient, GeneratorUnavailable, ServerState
+from rl_jax.generator.client.control import GeneratorUnavailable
+from rl_jax.generator.client.core import GeneratorClient, ServerState
 from rl_jax.orchestrator.router import RouterError, RouterWorkers
 from rl_jax.transfer.control import HTTPStatus
 
@@ -307,7 +308,8 @@ class Fleet:
         return {"members": self.members, "events": list(self.events), "served": served,
                 "router": None if self.router is None else self.router.url}
 
-    # ---- control routes ---------------------------------------------------------------------------
+    # ---- control routes
+    # ---------------------------------------------------------------------------
 
     def routes(self) -> dict[tuple[str, str], Any]:
         """The control routes (see the module docstring) for the publisher's control server."""

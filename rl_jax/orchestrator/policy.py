@@ -1,6 +1,6 @@
 """The trainer side of RL: the packed rollout batch and the policy loss over it.
 
-A :class:`PolicyBatch` is what ``rl_jax.rollout.GroupsToBatch`` packs (every field ``[B, T]``,
+A :class:`PolicyBatch` is what ``rl_jax.rollout.batching.GroupsToBatch`` packs (every field ``[B, T]``,
 aligned with ``targets``). :func:`make_policy_loss` turns a registered loss
 (``rl_jax.losses.get(name)``) into the trainer's ``loss_fn(model, batch)``: one forward pass
 computes the current log-probs (blockwise over the vocabulary) and entropies of the targets, and

@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from rl_jax import compile_cache
-from rl_jax.generator.auth import (ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigError, Keys,
-                                   load_keys)
-from rl_jax.generator.client import GeneratorClient, GeneratorRequestError
-from rl_jax.generator.launcher import LaunchError, PoolConfig, ServerPool
-from rl_jax.orchestrator.config import RLConfigError
+from rl_jax.generator.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, AuthConfigError, Keys, load_keys
+from rl_jax.generator.client.control import GeneratorRequestError
+from rl_jax.generator.client.core import GeneratorClient
+from rl_jax.generator.launcher.pool import LaunchError, PoolConfig, ServerPool
 from rl_jax.orchestrator.sidecars import SidecarPool
-from rl_jax.recipe import Generator
+from rl_jax.recipe.schema import Generator, RLConfigError
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rl_jax.orchestrator.config import RLConfigError, mode_settings
-from rl_jax.recipe import RLRecipe, apply_overrides, load_recipe_file, parse
+from rl_jax.orchestrator.config import mode_settings
+from rl_jax.recipe.checks import apply_overrides, load_recipe_file, parse, replace_fields
+from rl_jax.recipe.schema import RLConfigError, RLRecipe
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ def cpu_placement_off_cpu(c: RLRecipe, backend: str | None = None) -> RLRecipe:
         return c
     log.warning("cpus.%s apply to pools on CPUs; the trainer runs on %s, so they are ignored",
                 ", cpus.".join(f"{k}={v!r}" for k, v in placed.items()), backend)
-    return c.replace(**{f"cpus.{key}": 0 if key == "generators_nice" else ""
-                        for key in placed})
+    return replace_fields(c, {f"cpus.{key}": 0 if key == "generators_nice" else ""
+                              for key in placed})
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -134,8 +135,8 @@ def run(c: Any, workdir: str) -> dict[str, Any]:
     distributed.initialize(d.coordinator, d.num_processes, d.process_id)
     if d.coordinator == distributed.AUTO:
         import jax
-        c = c.replace(**{"distributed.num_processes": jax.process_count(),
-                         "distributed.process_id": jax.process_index()})
+        c = replace_fields(c, {"distributed.num_processes": jax.process_count(),
+                               "distributed.process_id": jax.process_index()})
         distributed.remember(c.distributed.coordinator, c.distributed.num_processes,
                              c.distributed.process_id)
     base_dir = ensure_base_checkpoint(c, workdir_path)

@@ -1,8 +1,9 @@
 """One RL run from start (or resume) to export: see :mod:`rl_jax.orchestrator.rl`.
 
-:class:`Session` drives the train loop; its setup steps are in
-:mod:`rl_jax.orchestrator.setup` and its records, summary and plot in
-:mod:`rl_jax.orchestrator.accounting`."""
+:class:`Session` owns the run's parts (:mod:`rl_jax.orchestrator.setup`: ``model``, ``trainer``,
+``generators``, and the rollout), each built with the state it needs, and calls them: it drives
+the train loop, exports, evaluates and shuts everything down. The records, CPU readings and plot
+are :mod:`rl_jax.orchestrator.accounting`'s functions."""
 
 from __future__ import annotations
 
@@ -23,35 +24,42 @@ import numpy as np
 from tqdm import tqdm
 
 from rl_jax import compile_cache, cpus, heap
-from rl_jax.generator.client import GeneratorUnavailable
-from rl_jax.models.config import eos_ids
-from rl_jax.losses import finalize_metrics
-from rl_jax.metrics import MetricsWriter
-from rl_jax.models.config import DTYPES
-from rl_jax.orchestrator.accounting import (LOSS_METRICS, Clock, RunAccounting, Window,
-                                            tb_scalars, tensorboard)
+from rl_jax.generator.client.control import GeneratorUnavailable
+from rl_jax.losses.core import finalize_metrics
+from rl_jax.metrics import MetricsWriter, write_json
+from rl_jax.models.config import DTYPES, eos_ids
+from rl_jax.models.hf import save_pretrained
+from rl_jax.orchestrator.accounting import (LOSS_METRICS, Clock, Window, cpu_spent,
+                                            generator_readings, plot_progress, tb_scalars,
+                                            tensorboard, write_step_record)
 from rl_jax.orchestrator.config import ModeSettings
 from rl_jax.orchestrator.evaluation import EvalResult, evaluate
 from rl_jax.orchestrator.policy import INT_FIELDS, POLICY_FIELDS, PolicyBatch
-from rl_jax.orchestrator.setup import Codec, SessionSetup, prompt_source
+from rl_jax.orchestrator.setup import GeneratorParts, ModelParts, TrainerParts, start_rollout
 from rl_jax.orchestrator.snapshots import SnapshotWriter
-from rl_jax.recipe import RLRecipe
+from rl_jax.recipe.schema import RLRecipe
 from rl_jax.trainer.state import ema_decay_at, ema_update, learning_rate_at, set_learning_rate
 from rl_jax.trainer.step import StreamingTrainStep, global_batch
 
-__all__ = ["Codec", "Session", "prompt_source"]
 
 log = logging.getLogger(__name__)
 
 
-class Session(SessionSetup, RunAccounting):
-    """Builds every role of a run, drives the loop, and shuts everything down."""
+class Session:
+    """Builds the parts of a run (:mod:`rl_jax.orchestrator.setup`), drives the loop, exports,
+    evaluates, and shuts everything down."""
 
     def __init__(self, c: RLRecipe, settings: ModeSettings, workdir: Path,
                  base_dir: Path):
         self.c, self.settings, self.workdir, self.base_dir = c, settings, workdir, base_dir
         self._closers: list[Any] = []
-        self.rollout = None
+        # The parts (rl_jax.orchestrator.setup), built by run(); the generators and the rollout
+        # on process 0 only.
+        self.model: ModelParts | None = None
+        self.trainer: TrainerParts | None = None
+        self.generators: GeneratorParts | None = None
+        self.rollout = None  # the rollout's iterator of batches of groups
+        self.to_batch: Any = None  # its groups into train batches
         self.summary: dict[str, Any] = {}
         self.first_step_s: float | None = None  # seconds from launch to the first step's end
         # JAX's persistent compilation cache, for this process and the servers it starts
@@ -73,9 +81,14 @@ class Session(SessionSetup, RunAccounting):
             except Exception as e:  # shutting down: report, keep closing the rest
                 log.warning("shutdown step failed: %s", e)
 
+    def _on_applied(self, version: int):
+        """Every server runs ``version``: the rollout's staleness gate hears it."""
+        if self.rollout is not None:
+            self.rollout.set_generator_version(version)
+
     def score_until(self) -> tuple[int, ...]:
         """Token ids that end a completion for scoring (the model's end-of-sequence ids)."""
-        return eos_ids(self.model_config)
+        return eos_ids(self.model.model_config)
 
     # ---- evaluation -----------------------------------------------------------------------------
 
@@ -84,38 +97,47 @@ class Session(SessionSetup, RunAccounting):
         keeps at most ``eval.concurrency`` requests on the servers, so that it does not take the
         slots the rollout's next batches need; the others (before and after the run, when
         nothing else generates) use every slot."""
-        slots = self.c.generator.max_slots * max(len(self.fleet.members), 1)
+        slots = self.c.generator.max_slots * max(len(self.generators.fleet.members), 1)
         concurrency = self.c.eval.concurrency if background else slots
-        return evaluate(self.control, self.env, self.eval_prompts, encode=self.codec.encode,
-                        decode=self.codec.decode, max_new_tokens=self.c.eval.max_new_tokens,
+        return evaluate(self.generators.control, self.model.env, self.model.eval_prompts,
+                        encode=self.model.codec.encode,
+                        decode=self.model.codec.decode, max_new_tokens=self.c.eval.max_new_tokens,
                         tag=tag, concurrency=concurrency)
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         c = self.c
-        self._setup_model()
+        self.model = ModelParts(c, self.base_dir)
         self.primary = jax.process_index() == 0
         if self.primary:  # the other trainer processes only train (batches are broadcast)
-            self._start_generators()  # their start-up overlaps the trainer's
-        self._setup_trainer()
+            # started now: their start-up overlaps the trainer's
+            self.generators = GeneratorParts(c, self.model, self.workdir, self.base_dir,
+                                             self.compilation_cache_dir, self._closers)
+        self.trainer = TrainerParts(c, self.model, self.workdir, self.base_dir, self._closers)
         if self.primary:
-            self._setup_generators()
-            self._setup_rollout()
+            self.generators.connect(
+                self.trainer.state, update_when_idle=self.settings.update_when_idle,
+                generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
+                on_applied=self._on_applied)
+            self.rollout, self.to_batch = start_rollout(
+                c, self.settings, self.model, self.trainer.meta, int(self.trainer.state.step),
+                self.generators, self._closers, self.score_until())
         writer = MetricsWriter(self.workdir)
         tb = tensorboard(self.workdir / "tb") if c.logging.tensorboard else None
         if tb is not None:
             self._closers.append(tb.close)
 
         before = math.nan
-        if "eval_before" in self.meta:
-            before = float(self.meta["eval_before"])
-        elif self.primary and self.eval_prompts:
-            result = self.control_loop.run(self._evaluate("eval-before"))
+        if "eval_before" in self.trainer.meta:
+            before = float(self.trainer.meta["eval_before"])
+        elif self.primary and self.model.eval_prompts:
+            result = self.generators.control_loop.run(self._evaluate("eval-before"))
             before = result.accuracy
-            writer.write(int(self.state.step), wall_s=0.0, **result.metrics())
+            writer.write(int(self.trainer.state.step), wall_s=0.0, **result.metrics())
         if self.primary:
-            print(f"policy {self.n_params / 1e6:.2f}M parameters, mode {self.settings.mode}, "
-                  f"max_lag {self.settings.max_lag}, {len(self.fleet.members)} generator "
+            print(f"policy {self.trainer.n_params / 1e6:.2f}M parameters, mode "
+                  f"{self.settings.mode}, max_lag {self.settings.max_lag}, "
+                  f"{len(self.generators.fleet.members)} generator "
                   f"server(s); held-out accuracy before RL: {before:.3f}", flush=True)
 
         # Setup's objects out of the garbage collector: a full collection over them pauses the
@@ -125,15 +147,14 @@ class Session(SessionSetup, RunAccounting):
         heap.freeze_long_lived()
         self.gc = heap.GcMonitor().install()
         self._closers.append(self.gc.uninstall)
-        cpu_before = (cpus.thread_cpu_seconds(), self._generator_readings()) if self.primary \
-            else None
-        wall_offset = float(self.meta.get("wall_s", 0.0))
+        cpu_before = self._cpu_reading()
+        wall_offset = float(self.trainer.meta.get("wall_s", 0.0))
         totals = collections.Counter({k: float(v) for k, v in
-                                      self.meta.get("totals", {}).items()})
+                                      self.trainer.meta.get("totals", {}).items()})
         clock = Clock()
         pending_eval: tuple[int, Any] | None = None
         last_eval: EvalResult | None = None
-        start_iter = int(self.state.step) + int(self.state.skipped)
+        start_iter = int(self.trainer.state.step) + int(self.trainer.state.skipped)
         bar = tqdm(total=c.trainer.steps, initial=start_iter, desc=f"rl {self.settings.mode}",
                    unit="step", dynamic_ncols=True, disable=not self.primary)
         window = Window(self.rollout.metrics()) if self.primary else None
@@ -149,7 +170,8 @@ class Session(SessionSetup, RunAccounting):
                 prefetcher.request()
         self.snapshots = None
         if self.primary and c.export.every:
-            self.snapshots = SnapshotWriter(self.workdir, self.spec, tokenizer=self.tokenizer,
+            self.snapshots = SnapshotWriter(self.workdir, self.model.spec,
+                                            tokenizer=self.model.tokenizer,
                                             dtype=DTYPES[c.export.dtype], every=c.export.every)
             self._closers.append(self.snapshots.close)
         if self.primary and c.cpus.rollout:
@@ -171,10 +193,11 @@ class Session(SessionSetup, RunAccounting):
             t1, cpu1 = time.perf_counter(), time.process_time()
             learning_rate = self._learning_rate(i, wall_offset + clock.elapsed)
             batch = PolicyBatch.from_numpy(host)
-            if not isinstance(self.train_step, StreamingTrainStep):
-                batch = global_batch(batch, self.batch_sharding)
-            self.state, metrics = self.train_step(self.state, batch)  # dispatched: runs on
-            if log_step is not None:  # XLA's threads while this one logs the previous step
+            if not isinstance(self.trainer.train_step, StreamingTrainStep):
+                batch = global_batch(batch, self.model.batch_sharding)
+            trainer = self.trainer
+            trainer.state, metrics = trainer.train_step(trainer.state, batch)  # dispatched: runs
+            if log_step is not None:  # on XLA's threads while this one logs the previous step
                 log_step()
                 log_step = None
             metrics = finalize_metrics({k: float(v) for k, v in jax.device_get(metrics).items()})
@@ -182,11 +205,11 @@ class Session(SessionSetup, RunAccounting):
                 self.first_step_s = cpus.seconds_since_start()
                 if self.primary:
                     bar.write(f"first step {self.first_step_s:.1f} s after launch")
-            version = int(self.state.step)
-            if self.ema is not None:
-                self.ema = ema_update(self.ema, self.state.params, jnp.float32(
-                    ema_decay_at(self.ema_decay, self.ema_updates)))
-                self.ema_updates += 1
+            version = int(self.trainer.state.step)
+            if self.trainer.ema is not None:
+                trainer.ema = ema_update(trainer.ema, trainer.state.params, jnp.float32(
+                    ema_decay_at(trainer.ema_decay, trainer.ema_updates)))
+                trainer.ema_updates += 1
             t2 = time.perf_counter()
             published = self._publish(version)
             if published is not None and self.snapshots is not None \
@@ -198,7 +221,7 @@ class Session(SessionSetup, RunAccounting):
                 time.sleep(delay)
             t3, cpu3 = time.perf_counter(), time.process_time()
             if self.primary and self.settings.wait_for_update:
-                self.weights.wait_applied(version)
+                self.generators.weights.wait_applied(version)
             t4, cpu4 = time.perf_counter(), time.process_time()
             clock.waiting_s += t1 - t0
             clock.training_s += t2 - t1
@@ -229,9 +252,9 @@ class Session(SessionSetup, RunAccounting):
                         if tb is not None:
                             tb_scalars(tb, last_eval.metrics(), done)
                 if c.eval.every and done % c.eval.every == 0 and done < c.trainer.steps and \
-                        pending_eval is None and self.eval_prompts:
+                        pending_eval is None and self.model.eval_prompts:
                     pending_eval = (done,
-                                    self.control_loop.submit(
+                                    self.generators.control_loop.submit(
                                         self._evaluate(f"eval-{done}", background=True)))
                 correct = np.mean([bool(s.info.get("correct")) for g in groups
                                    for s in g.samples])
@@ -253,31 +276,119 @@ class Session(SessionSetup, RunAccounting):
                     **{f"loss/{k}": v for k, v in metrics.items() if k in LOSS_METRICS},
                 }
                 if done % c.logging.every == 0 or done == c.trainer.steps:
-                    record.update(window.take(self.rollout.metrics(), self.sampler.take(), clock))
-                    record.update(self.weights.metrics())
-                    record["generator/restarts"] = float(sum(self.pool.restarts.values()))
-                log_step = functools.partial(self._log_step, writer, tb, bar, done, record,
+                    record.update(window.take(self.rollout.metrics(),
+                                              self.generators.sampler.take(), clock))
+                    record.update(self.generators.weights.metrics())
+                    record["generator/restarts"] = float(
+                        sum(self.generators.pool.restarts.values()))
+                log_step = functools.partial(write_step_record, writer, tb, bar, done, record,
                                              staleness, last_eval)
             else:
                 bar.update(1)
             final = done == c.trainer.steps
-            if log_step is not None and (final or self.checkpointer.should_save(done)):
+            if log_step is not None and (final or self.trainer.checkpointer.should_save(done)):
                 log_step()  # a checkpointed step has its record: a resumed run starts after it
                 log_step = None
-            self.checkpointer.save(done, self.state, meta, force=final)
+            self.trainer.checkpointer.save(done, self.trainer.state, meta, force=final)
         if log_step is not None:
             log_step()
         bar.close()
         return self._finish(writer, tb, before, clock, wall_offset, totals, pending_eval,
                             cpu_before)
 
+    def _finish(self, writer, tb, before, clock, wall_offset, totals, pending_eval,
+                cpu_before):
+        c = self.c
+        version = int(self.trainer.state.step)
+        train_wall = wall_offset + clock.elapsed
+        gc_stats = self.gc.stats()  # the loop's collections and pauses
+        cpu_after = self._cpu_reading()
+        self.trainer.checkpointer.wait()
+        if self.snapshots is not None:
+            self.snapshots.close()
+        done = version + int(self.trainer.state.skipped)
+        if self.trainer.checkpointer.latest_step() != done:  # stopped early by the time limit
+            self.trainer.checkpointer.save(done, self.trainer.state,
+                                   {"eval_before": before, "wall_s": train_wall,
+                                    "totals": dict(totals),
+                                    **({"rollout": self.rollout.get_state()} if self.primary
+                                       else {})}, force=True)
+            self.trainer.checkpointer.wait()
+        final_params = self.trainer.state.params if self.trainer.ema is None else self.trainer.ema
+        export = save_pretrained(self.model.spec.merge(final_params), self.workdir / "hf",
+                                 tokenizer=self.model.tokenizer, dtype=DTYPES[c.export.dtype])
+        final_version = version
+        if self.trainer.ema is not None:  # the generators evaluate the average as the next version
+            final_version = version + 1
+            self._publish(final_version, params=self.trainer.ema)
+        if not self.primary:
+            return {}
+        spent = cpu_spent(cpu_before, cpu_after)
+        spent["trainer_gc"] = gc_stats
+        rollout_metrics = self.rollout.metrics()
+        self.rollout.close()
+        if pending_eval is not None:
+            pending_eval[1].result()
+        self.generators.weights.update_when_idle = False  # nothing is generating any more
+        self.generators.weights.poke()
+        self.generators.weights.wait_applied(final_version)
+        final = self.generators.control_loop.run(self._evaluate("eval-final"))
+        writer.write(version, wall_s=wall_offset + clock.elapsed, **final.metrics())
+        if tb is not None:
+            tb_scalars(tb, final.metrics(), version)
+        elapsed = max(clock.elapsed, 1e-9)
+        summary = {
+            "mode": self.settings.mode, "max_lag": self.settings.max_lag,
+            "steps": version, "skipped_steps": int(self.trainer.state.skipped),
+            "final_weights": "policy" if self.trainer.ema is None else
+            f"average (ema_decay={self.trainer.ema_decay}, {self.trainer.ema_updates} updates)",
+            "parameters": int(self.trainer.n_params), "wall_s": train_wall,
+            "held_out_accuracy_before": before, "held_out_accuracy_after": final.accuracy,
+            "held_out_examples": final.examples, "final_version": final.min_version,
+            "trained_tokens": totals["trained_tokens"],
+            "trained_tokens_per_s": totals["trained_tokens"] / max(train_wall, 1e-9),
+            "completion_tokens": totals["completion_tokens"],
+            "trainer_idle_fraction": (clock.waiting_s + clock.syncing_s) / elapsed,
+            "trainer_seconds": {"waiting": clock.waiting_s, "training": clock.training_s,
+                                "publishing": clock.publishing_s, "syncing": clock.syncing_s,
+                                "cpu_while_idle": clock.idle_cpu_s},
+            "staleness_histogram": {str(k): v for k, v in sorted(
+                self.rollout.gate.staleness_histogram.items())},
+            **{k: v for k, v in rollout_metrics.items()},
+            "weights": dict(self.generators.weights.totals),
+            "generator_restarts": dict(self.generators.pool.restarts), "export": str(export),
+            "fleet": self.generators.fleet.summary(),
+            "generators_priority": self.generators.pool.priority,
+            "time_to_first_step_s": self.first_step_s,
+            **spent,
+        }
+        idle = writer.series("generator/idle_fraction")[1]
+        summary["generator_idle_fraction"] = float(np.mean(idle)) if len(idle) else None
+        write_json(self.workdir / "summary.json", summary)
+        plot_progress(self.workdir / "progress.png", writer,
+                      f"{c.env.name}, mode {self.settings.mode}")
+        self.summary = summary
+        if jax.process_index() == 0:
+            print(f"exported {export}; {version} steps in {train_wall:.0f} s, "
+                  f"{summary['trained_tokens_per_s']:.0f} trained tokens/s", flush=True)
+            print(f"held-out accuracy: {before:.2f} -> {final.accuracy:.2f}", flush=True)
+        return summary
+
+    def _cpu_reading(self) -> tuple[dict, dict] | None:
+        """CPU seconds per thread of this process and of the generator servers so far (process
+        0; None elsewhere)."""
+        if not self.primary:
+            return None
+        return cpus.thread_cpu_seconds(), generator_readings(self.generators.control_loop,
+                                                             self.generators.control)
+
     def _learning_rate(self, step: int, wall_s: float) -> float:
         """The learning rate of update ``step`` (0-based), set into the optimizer state when the
         schedule runs on the run's progress: the larger of the steps done and the wall time
         used, each over its limit, so a run stopped by its time limit ends its decay then."""
-        opt, c = self.optimizer_config, self.c
+        opt, c = self.model.optimizer_config, self.c
         if opt.schedule_on != "progress":
-            return float(self.schedule(step))
+            return float(self.model.schedule(step))
         progress = step / c.trainer.steps
         if c.trainer.time_limit_s:
             progress = max(progress, wall_s / c.trainer.time_limit_s)
@@ -285,8 +396,8 @@ class Session(SessionSetup, RunAccounting):
             from jax.experimental import multihost_utils
             progress = float(multihost_utils.broadcast_one_to_all(np.float32(progress)))
         learning_rate = learning_rate_at(opt, step, progress)
-        self.state = self.state.replace(
-            opt_state=set_learning_rate(self.state.opt_state, learning_rate))
+        self.trainer.state = self.trainer.state.replace(
+            opt_state=set_learning_rate(self.trainer.state.opt_state, learning_rate))
         return learning_rate
 
     def _next_batch(self) -> tuple[list, dict[str, Any], list[int], float]:
@@ -335,16 +446,16 @@ class Session(SessionSetup, RunAccounting):
         if self.primary:
             if params is None:
                 self.rollout.set_trainer_version(version)
-            if version == self.weights.published:
+            if version == self.generators.weights.published:
                 return None
-        params = self.state.params if params is None else params
+        params = self.trainer.state.params if params is None else params
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             params = multihost_utils.process_allgather(params, tiled=True)
             if not self.primary:
                 return None
             params = jax.device_put(params, jax.local_devices()[0])
-        self.weights.publish(params, version)
+        self.generators.weights.publish(params, version)
         return params
 
 class _Prefetcher:

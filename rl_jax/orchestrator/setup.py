@@ -1,11 +1,15 @@
-"""Setup of an RL run: the model and train step, the generator pool and weight sync, the
-rollout pipeline (see :mod:`rl_jax.orchestrator.session`)."""
+"""The parts of an RL run, each built by its own class with the state it needs, owned and called by
+:class:`rl_jax.orchestrator.session.Session`: :class:`ModelParts` (the model, its data, the
+optimizer and loss), :class:`TrainerParts` (train step, state, checkpoints),
+:class:`GeneratorParts` (publisher, server pool, clients, weight sync, fleet) and
+:func:`start_rollout` (the rollout pipeline)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,31 +18,34 @@ import jax.numpy as jnp
 from rl_jax import distributed, envs
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
-from rl_jax.generator.client import ClientConfig, GeneratorClient
-from rl_jax.generator.launcher import PoolConfig
-from rl_jax.generator.server_identity import UnsupportedServer
+from rl_jax.generator.client.core import ClientConfig, GeneratorClient
+from rl_jax.generator.client.identity import UnsupportedServer
+from rl_jax.generator.launcher.pool import PoolConfig
 from rl_jax.generator.types import SamplingParams
 from rl_jax.models.config import DTYPES
 from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config
 from rl_jax.orchestrator.accounting import PoolSampler
-from rl_jax.orchestrator.config import (ModeSettings, RLConfigError, max_new_tokens,
-                                        max_sample_tokens, rows_per_batch)
+from rl_jax.orchestrator.config import (ModeSettings, max_new_tokens, max_sample_tokens,
+                                        rows_per_batch)
 from rl_jax.orchestrator.evaluation import held_out_prompts
 from rl_jax.orchestrator.fleet import Fleet
 from rl_jax.orchestrator.policy import PolicyBatch, make_policy_loss
 from rl_jax.orchestrator.pool import BackgroundLoop, GeneratorPool, check_keys
 from rl_jax.orchestrator.router import RouterError, RouterWorkers
 from rl_jax.orchestrator.weights import WeightSync
-from rl_jax.recipe import RLRecipe, to_dict
-from rl_jax.rollout.pipeline import (GroupsToBatch, LognormalLengths, RolloutConfig,
-                                     RolloutDataset)
+from rl_jax.recipe.schema import RLConfigError, RLRecipe, to_dict
+from rl_jax.rollout.batching import GroupsToBatch
+from rl_jax.rollout.config import RolloutConfig
+from rl_jax.rollout.pipeline import RolloutDataset
+from rl_jax.rollout.request_plan import LognormalLengths
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, ema_update,
                                   init_state, learning_rate_schedule, make_optimizer)
-from rl_jax.trainer.step import StreamingTrainStep, default_batch_sharding, ess_update_scale, \
-    make_train_step
-from rl_jax.transfer import Publisher, PublisherConfig
+from rl_jax.trainer.step import (StreamingTrainStep, default_batch_sharding, ess_update_scale,
+                                 make_train_step)
+from rl_jax.transfer.config import PublisherConfig
+from rl_jax.transfer.publisher.core import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +118,16 @@ def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = No
                          per_sample_lengths=r.lengths.per_sample, score_until=score_until)
 
 
-class SessionSetup:
-    """The setup steps of :class:`rl_jax.orchestrator.session.Session` (a mixin: each step
-    sets the roles it builds on the session)."""
+class ModelParts:
+    """The policy's model and what a run reads with it: its config, tokenizer and prompt codec,
+    the mesh and model spec, the environment and its prompts, the batch geometry, the optimizer
+    and the loss. Every trainer process builds it first."""
 
-    def _setup_model(self):
-        c = self.c
+    def __init__(self, c: RLRecipe, base_dir: Path):
         distributed.initialize(c.distributed.coordinator, c.distributed.num_processes,
                                c.distributed.process_id)
-        self.model_config = read_config(self.base_dir)
-        self.tokenizer = load_tokenizer(self.base_dir)
+        self.model_config = read_config(base_dir)
+        self.tokenizer = load_tokenizer(base_dir)
         self.codec = Codec(self.tokenizer, self.model_config.bos_token_id, c.data.template)
         self.mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
         self.spec = ModelSpec(self.model_config, mesh=self.mesh, dtype=DTYPES[c.model.dtype],
@@ -160,46 +167,53 @@ class SessionSetup:
         loss_fn = make_policy_loss(c.loss.name, dict(c.loss.options),
                                    block_size=c.trainer.logits_block_size,
                                    temperature=c.rollout.temperature)
-        self._loss_fn = loss_fn
+        self.loss_fn = loss_fn
 
-    def _setup_trainer(self):
+
+class TrainerParts:
+    """The heavy part of the trainer's setup, which the generator servers' start-up overlaps: the
+    compiled train step, the checkpointer, the train state (restored, or from the base policy)
+    with the checkpoint's ``meta``, and the parameter average (``ema``)."""
+
+    def __init__(self, c: RLRecipe, model: ModelParts, workdir: Path, base_dir: Path,
+                 closers: list):
         """The heavy part of the trainer's setup (what the generator servers' start-up
         overlaps): the compiled train step, the train state (restored or from the base
         policy) and its warm-up."""
-        c, loss_fn = self.c, self._loss_fn
+        loss_fn = model.loss_fn
         micro_rows = int(c.trainer.micro_batch_rows)
         power = c.trainer.ess_lr_power
         update_scale = ess_update_scale(power) if power else None
         if micro_rows:
             # Batches of any size run as fixed-shape micro-batches: compiled once, here.
-            self.train_step = StreamingTrainStep(self.spec, self.tx, loss_fn,
+            self.train_step = StreamingTrainStep(model.spec, model.tx, loss_fn,
                                                  micro_rows=micro_rows,
-                                                 batch_sharding=self.batch_sharding,
+                                                 batch_sharding=model.batch_sharding,
                                                  update_scale=update_scale)
             seconds = self.train_step.compile(PolicyBatch.abstract(micro_rows,
                                                                    c.rollout.seq_len))
             log.info("train step compiled for micro-batches of %d x %d in %.1f s", micro_rows,
                      c.rollout.seq_len, seconds)
         else:
-            self.train_step = make_train_step(self.spec, self.tx, loss_fn,
+            self.train_step = make_train_step(model.spec, model.tx, loss_fn,
                                               num_microbatches=c.trainer.num_microbatches,
-                                              batch_sharding=self.batch_sharding,
+                                              batch_sharding=model.batch_sharding,
                                               update_scale=update_scale)
-        self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
+        self.checkpointer = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
                                          every=c.checkpoint.every,
                                          use_async=c.checkpoint.use_async)
-        self._closers.append(self.checkpointer.close)
+        closers.append(self.checkpointer.close)
         self.meta: dict[str, Any] = {}
         if self.checkpointer.latest_step() is not None:
             self.state, self.meta, _ = self.checkpointer.restore(
-                abstract_state(self.tx, self.spec))
+                abstract_state(model.tx, model.spec))
             log.info("resumed from %s at policy version %d", self.checkpointer.directory,
                      int(self.state.step))
         else:
-            params = self.spec.split(load_pretrained(
-                self.base_dir, self.mesh, self.spec.dtype, param_dtype=self.spec.param_dtype,
-                rules=self.spec.rules))
-            self.state = init_state(self.tx, self.spec, params)
+            params = model.spec.split(load_pretrained(
+                base_dir, model.mesh, model.spec.dtype, param_dtype=model.spec.param_dtype,
+                rules=model.spec.rules))
+            self.state = init_state(model.tx, model.spec, params)
         self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
         # An exponential moving average of the parameters, exported and evaluated at the end in
         # place of the last step's (the generators always sample from the trained policy).
@@ -217,43 +231,50 @@ class SessionSetup:
                                            PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
             log.info("train step warmed up in %.2f s", seconds)
 
-    def _start_generators(self):
-        """The weight publisher, and the generator servers started without waiting for them:
-        their start-up (loading, compiling every decode shape) runs beside the trainer's
-        (:meth:`_setup_trainer`); :meth:`_setup_generators` waits for them."""
-        c = self.c
+
+class GeneratorParts:
+    """The generator side of a run (process 0): the weight publisher and the server pool, started
+    at once without waiting (their start-up overlaps the trainer's); :meth:`connect` then waits
+    for the servers and builds the clients, the weight sync and the fleet."""
+
+    def __init__(self, c: RLRecipe, model: ModelParts, workdir: Path, base_dir: Path,
+                 compilation_cache_dir: str, closers: list):
+        self.c, self.closers = c, closers
         # SGLang servers load checkpoints, unless sidecars pull for them
         # (generator.sglang_weights); this project's servers pull themselves.
         sglang_disk = c.generator.kind == "sglang" and c.generator.sglang_weights == "disk"
-        self._weight_method = "disk" if (sglang_disk or tuple(
+        self.weight_method = "disk" if (sglang_disk or tuple(
             c.transfer.transports) == ("disk",)) else "transfer"
-        transports = (("disk",) if self._weight_method == "disk"
+        transports = (("disk",) if self.weight_method == "disk"
                       else tuple(c.transfer.transports))
         self.publisher = Publisher(PublisherConfig(
             host=c.transfer.host, port=c.transfer.port, transports=transports,
-            disk_dir=str(self.workdir / "weights") if self._weight_method == "disk" else None),
-            spec=self.spec)
-        self._closers.append(self.publisher.close)
-        self.pool = GeneratorPool(c.generator, model_dir=self.base_dir,
+            disk_dir=str(workdir / "weights") if self.weight_method == "disk" else None),
+            spec=model.spec)
+        self.closers.append(self.publisher.close)
+        self.pool = GeneratorPool(c.generator, model_dir=base_dir,
                                   publisher_url=self.publisher.url, cpu_cores=c.cpus.generators,
                                   nice=c.cpus.generators_nice,
-                                  log_dir=self.workdir / "generators",
-                                  compilation_cache_dir=self.compilation_cache_dir,
+                                  log_dir=workdir / "generators",
+                                  compilation_cache_dir=compilation_cache_dir,
                                   sidecar_transport=c.transfer.transport)
-        self._closers.append(self.pool.stop)
+        self.closers.append(self.pool.stop)
         self._pool_started = time.perf_counter()
         self.pool.start(wait=False)
 
-    def _setup_generators(self):
+    def connect(self, state: Any, *, update_when_idle: bool,
+                generation_idle: Callable[[], bool], on_applied: Callable[[int], None]):
+        """Waits for the servers, checks them (health, keys, SGLang release), builds the clients,
+        the weight sync and the fleet, and brings every server to ``state``'s version."""
         c = self.c
-        method = self._weight_method
+        method = self.weight_method
         self.pool.wait_started()
         log.info("generator pool up %.1f s after its start: %s",
                  time.perf_counter() - self._pool_started, self.pool.urls)
         client_config = ClientConfig(request_timeout=c.generator.request_timeout_s,
                                      control_timeout=max(c.transfer.timeout_s, 60.0))
         self.control_loop = BackgroundLoop("generator-control")
-        self._closers.append(self.control_loop.close)
+        self.closers.append(self.control_loop.close)
         # With a router: requests go through it; weight updates and control calls go to each
         # server (its workers and the servers of this run).
         router, servers = None, list(self.pool.urls)
@@ -268,7 +289,7 @@ class SessionSetup:
                 raise RLConfigError(f"generator.router_url={c.generator.router_url} lists no "
                                     "healthy worker and generator.num_servers is 0")
         self.control = GeneratorClient(servers, client_config, keys=self.pool.keys)
-        self._closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
+        self.closers.append(lambda: self.control_loop.run(self.control.close(), timeout=30))
         if c.generator.urls or router is not None:
             health = self.control_loop.run(self.control.check_health(), timeout=60)
             down = sorted(url for url, ok in health.items() if not ok)
@@ -285,21 +306,21 @@ class SessionSetup:
         for server in self.rollout_client.servers:  # seeds a server ignores are said once
             server.identity = identities.get(server.url)
         self.sampler = PoolSampler([self.rollout_client, self.control])
-        self._closers.append(self.sampler.close)
+        self.closers.append(self.sampler.close)
         # Updates go to the servers, or to their weight sidecars (one per SGLang server).
         weight_client = self.control
         if self.pool.sidecars is not None:
             weight_client = GeneratorClient(self.pool.weight_urls, client_config,
                                             keys=self.pool.keys)
-            self._closers.append(
+            self.closers.append(
                 lambda: self.control_loop.run(weight_client.close(), timeout=30))
         self.weights = WeightSync(
             self.publisher, weight_client, self.control_loop, method=method,
-            update_when_idle=self.settings.update_when_idle,
-            generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
-            on_applied=self._on_applied, timeout_s=c.transfer.timeout_s,
+            update_when_idle=update_when_idle,
+            generation_idle=generation_idle,
+            on_applied=on_applied, timeout_s=c.transfer.timeout_s,
             transport=c.transfer.transport)
-        self._closers.append(self.weights.close)
+        self.closers.append(self.weights.close)
         # Servers join and leave through the publisher's control server, authenticated with
         # the servers' admin key (the transfer token where they have no keys).
         self.fleet = Fleet(self.control, self.control_loop, self.rollout_client, self.weights,
@@ -316,41 +337,42 @@ class SessionSetup:
             if not self.publisher.wait_for_layouts(1, timeout=60):
                 raise RLConfigError("no generator server registered with the weight publisher")
         # Bring every server to the trainer's version before any rollout.
-        version = int(self.state.step)
+        version = int(state.step)
         versions = self.control_loop.run(self.control.weight_versions(), timeout=60)
         if version == 0 and versions and all(v == 0 for v in versions.values()):
             self.weights.published = self.weights.applied = 0
         else:
-            self.weights.publish(self.state.params, version)
+            self.weights.publish(state.params, version)
             self.weights.wait_applied(version)
         try:  # servers of this run into the router; then its worker list is followed
             self.fleet.start()
         except RouterError as e:
             raise RLConfigError(f"generator.router_url: {e}") from None
-        self._closers.append(self.fleet.close)
+        self.closers.append(self.fleet.close)
 
-    def _on_applied(self, version: int):
-        if self.rollout is not None:
-            self.rollout.set_generator_version(version)
 
-    def _setup_rollout(self):
-        c, r = self.c, self.c.rollout
-        config = rollout_config(c, self.settings, score_until=self.score_until())
-        version = int(self.state.step)
-        state = dict(self.meta.get("rollout") or {})
-        state.update(trainer_version=version, generator_version=self.weights.applied)
-        prompts = prompt_dataset(self.prompt_source, seed=c.seed,
-                                 shuffle=bool(c.data.path) and c.data.shuffle,
-                                 num_epochs=None if not c.data.epochs or not c.data.path
-                                 else int(c.data.epochs))
-        dataset = RolloutDataset(prompts, self.env, self.rollout_client,
-                                 encode=self.codec.encode, decode=self.codec.decode,
-                                 config=config, state=state, close_generator=True)
-        self.rollout = iter(dataset)
-        self._closers.append(self.rollout.close)
-        self.to_batch = GroupsToBatch(seq_len=r.seq_len, rows=self.rows, advantage=r.advantage,
-                                      pad_id=self.model_config.pad_token_id or 0,
-                                      row_multiple=self.row_multiple,
-                                      power_of_two=not c.trainer.micro_batch_rows,
-                                      share_prompts=r.share_prompts)
-        self.to_batch.warm(r.groups_per_batch, r.group_size)
+def start_rollout(c: RLRecipe, settings: ModeSettings, model: ModelParts, meta: dict[str, Any],
+                  version: int, generators: GeneratorParts, closers: list,
+                  score_until: tuple[int, ...]) -> tuple[Any, GroupsToBatch]:
+    """The rollout (an iterator of batches of groups, resumed from ``meta``) and the map that
+    packs its groups into train batches."""
+    r = c.rollout
+    config = rollout_config(c, settings, score_until=score_until)
+    state = dict(meta.get("rollout") or {})
+    state.update(trainer_version=version, generator_version=generators.weights.applied)
+    prompts = prompt_dataset(model.prompt_source, seed=c.seed,
+                             shuffle=bool(c.data.path) and c.data.shuffle,
+                             num_epochs=None if not c.data.epochs or not c.data.path
+                             else int(c.data.epochs))
+    dataset = RolloutDataset(prompts, model.env, generators.rollout_client,
+                             encode=model.codec.encode, decode=model.codec.decode,
+                             config=config, state=state, close_generator=True)
+    rollout = iter(dataset)
+    closers.append(rollout.close)
+    to_batch = GroupsToBatch(seq_len=r.seq_len, rows=model.rows, advantage=r.advantage,
+                             pad_id=model.model_config.pad_token_id or 0,
+                             row_multiple=model.row_multiple,
+                             power_of_two=not c.trainer.micro_batch_rows,
+                             share_prompts=r.share_prompts)
+    to_batch.warm(r.groups_per_batch, r.group_size)
+    return rollout, to_batch

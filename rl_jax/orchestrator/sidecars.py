@@ -1,6 +1,6 @@
 """Weight sidecars beside a run's SGLang servers (``generator.sglang_weights = "sidecar"``).
 
-One :mod:`rl_jax.transfer.sglang_sidecar` process per SGLang server, on the server's host: it
+One :mod:`rl_jax.transfer.sglang.sidecar` process per SGLang server, on the server's host: it
 pulls each version from the trainer's publisher over the transfer service's transports (digests,
 finiteness and versions checked before anything reaches SGLang) and hands it to its server
 locally (tmpfs + ``/update_weights_from_disk``, or shared-memory tensors +
@@ -9,7 +9,8 @@ locally (tmpfs + ``/update_weights_from_disk``, or shared-memory tensors +
 a checkpoint per step nor needs a filesystem shared with the generators.
 
 Each sidecar runs in the trainer's environment (it needs JAX and this package, not SGLang) on
-JAX's CPU backend, under :mod:`rl_jax.generator.orphan_guard` (it ends with this process), with
+JAX's CPU backend, under :mod:`rl_jax.generator.launcher.orphan_guard` (it ends with this process),
+with
 the servers' keys in private files. A sidecar that dies is restarted on the same port by
 :meth:`SidecarPool.restart_dead` (the pool's watchdog calls it); a restarted SGLang server keeps
 its sidecar, which brings it to the newest version at the next update.
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 from rl_jax.generator.auth import Keys, child_environ
-from rl_jax.generator.launcher import LaunchError
+from rl_jax.generator.launcher.pool import LaunchError, stop_process_groups
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class SidecarPool:
       publisher_url: the trainer's weight publisher.
       model_dir: the checkpoint the servers started from (config and tokenizer files).
       keys: the servers' keys (also guarding each sidecar's front).
-      handoff: ``"disk"`` or ``"tensor"`` (:mod:`rl_jax.transfer.sglang_sidecar`).
+      handoff: ``"disk"`` or ``"tensor"`` (:mod:`rl_jax.transfer.sglang.sidecar`).
       log_dir: where ``sidecar-<i>.log`` go.
       transport: the sidecars' pull transport (``"auto"`` or a registry name).
       startup_timeout_s: most seconds until a sidecar says it is ready.
@@ -90,9 +91,9 @@ class SidecarPool:
         return args
 
     def command(self, index: int) -> list[str]:
-        return [sys.executable, "-m", "rl_jax.generator.orphan_guard",
+        return [sys.executable, "-m", "rl_jax.generator.launcher.orphan_guard",
                 f"--parent_pid={os.getpid()}", "--",
-                sys.executable, "-m", "rl_jax.transfer.sglang_sidecar",
+                sys.executable, "-m", "rl_jax.transfer.sglang.sidecar",
                 f"--publisher_url={self.publisher_url}",
                 f"--server_url={self.server_urls[index]}", f"--port={self.ports[index]}",
                 f"--handoff={self.handoff}", f"--transport={self.transport}",
@@ -189,23 +190,8 @@ class SidecarPool:
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM to every sidecar (each removes its hand-off files), SIGKILL after
         ``timeout``; removes the key files."""
-        alive = [p for p in self.processes if p is not None and p.poll() is None]
-        for p in alive:
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in alive:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
+        stop_process_groups(self.processes, timeout)
         if self._secrets is not None:
             shutil.rmtree(self._secrets, ignore_errors=True)
             self._secrets = None
 
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass

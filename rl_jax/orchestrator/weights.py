@@ -10,7 +10,7 @@ then brings the servers to that version:
   generating, so every sample of a batch comes from one version.
 
 Two delivery methods: ``transfer`` (this project's servers pull from the
-:class:`~rl_jax.transfer.Publisher` over shared memory, sockets or ``jax.experimental.transfer``)
+:class:`~rl_jax.transfer.publisher.core.Publisher` over shared memory, sockets or ``jax.experimental.transfer``)
 and ``disk`` (the publisher writes an HF checkpoint and every server, SGLang's included, loads it
 with ``/update_weights_from_disk``). When every server runs the version, the rollout's staleness
 gate is told (``set_generator_version``), which lets it admit prompts against the new bound.
@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rl_jax.generator.client import GeneratorUnavailable
-from rl_jax.transfer import Publisher
+from rl_jax.generator.client.control import GeneratorUnavailable
+from rl_jax.transfer.publisher.core import Publisher
 
 log = logging.getLogger(__name__)
 

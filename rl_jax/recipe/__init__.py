@@ -20,20 +20,4 @@ when those exist, in :mod:`rl_jax.orchestrator.config`.
 This module imports nothing heavy: registry checks import their packages when they run.
 """
 
-from rl_jax.recipe.checks import apply_overrides, load_recipe_file, parse
-from rl_jax.recipe.schema import (GENERATOR_KINDS, GROUP_ADVANTAGES, MODES, REMAT_POLICIES,
-                                  STALENESS_POLICIES, Auth, Base, Check, Checkpoint, Cpus, Data,
-                                  Distributed, Env, Eval, Export, Generator, Lengths, Logging,
-                                  Loss, MeshAxes, Model, Optimizer, RLConfigError, RLRecipe,
-                                  Rollout, Trainer, Transfer, at_least, base_config, defaults,
-                                  field_names, fraction_below_one, http_urls, not_negative,
-                                  one_of, positive, to_dict)
 
-__all__ = [
-    "GENERATOR_KINDS", "GROUP_ADVANTAGES", "MODES", "REMAT_POLICIES", "STALENESS_POLICIES",
-    "Auth", "Base", "Check", "Checkpoint", "Cpus", "Data", "Distributed", "Env", "Eval", "Export",
-    "Generator", "Lengths", "Logging", "Loss", "MeshAxes", "Model", "Optimizer", "RLConfigError",
-    "RLRecipe", "Rollout", "Trainer", "Transfer", "apply_overrides", "at_least", "base_config",
-    "defaults", "field_names", "fraction_below_one", "http_urls", "load_recipe_file",
-    "not_negative", "one_of", "parse", "positive", "to_dict",
-]

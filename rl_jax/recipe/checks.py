@@ -36,6 +36,21 @@ def parse(config: Any, *, registries: bool = True) -> RLRecipe:
     return recipe
 
 
+def replace_fields(recipe: RLRecipe, changes: Mapping[str, Any]) -> RLRecipe:
+    """A copy of ``recipe`` with fields changed by dotted name (``{"cpus.trainer": ""}``),
+    checked again (not against the registries)."""
+    tree = to_dict(recipe)
+    for name, value in changes.items():
+        *sections, leaf = name.split(".")
+        node = tree
+        for s in sections:
+            node = node[s]
+        if leaf not in node:
+            raise RLConfigError(f"unknown recipe field {name!r}")
+        node[leaf] = value
+    return parse(tree, registries=False)
+
+
 def _plain(node: Any) -> Any:
     if hasattr(node, "to_dict"):
         return node.to_dict()
@@ -143,7 +158,7 @@ def _check_relations(r: RLRecipe) -> None:
             "generator.sglang_weights='sidecar' starts a weight sidecar beside each SGLang "
             "server this run starts: it needs generator.kind='sglang', generator.num_servers "
             ">= 1 and no generator.urls or router_url (servers started elsewhere need their "
-            "sidecars started there: python -m rl_jax.transfer.sglang_sidecar)")
+            "sidecars started there: python -m rl_jax.transfer.sglang.sidecar)")
     if g.max_slots % g.data_parallel:
         raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "
                             f"generator.data_parallel={g.data_parallel} replicas")
@@ -155,8 +170,10 @@ def _check_relations(r: RLRecipe) -> None:
 def _check_registries(r: RLRecipe) -> None:
     """Names that must be registered somewhere (imports those packages)."""
     from rl_jax import envs
-    from rl_jax.generator.launcher import LaunchError, check_nice
-    from rl_jax.losses import ADVANTAGE_ESTIMATORS, LossConfigError, make_config, names
+    from rl_jax.generator.launcher.pool import LaunchError, check_nice
+    from rl_jax.losses import make_config, names
+    from rl_jax.losses.advantages import ADVANTAGE_ESTIMATORS
+    from rl_jax.losses.configs import LossConfigError
     from rl_jax.models.config import DTYPES
     from rl_jax.trainer.state import SCHEDULE_CLOCKS
     from rl_jax.transfer import transports

@@ -338,21 +338,6 @@ class RLRecipe:
     distributed: Distributed = _section(Distributed)
     export: Export = _section(Export)
 
-    def replace(self, **dotted: Any) -> "RLRecipe":
-        """A copy with fields changed by dotted name (``replace(**{"cpus.trainer": ""})``),
-        checked again."""
-        tree = to_dict(self)
-        for name, value in dotted.items():
-            *sections, leaf = name.split(".")
-            node = tree
-            for s in sections:
-                node = node[s]
-            if leaf not in node:
-                raise RLConfigError(f"unknown recipe field {name!r}")
-            node[leaf] = value
-        from rl_jax.recipe.checks import parse
-        return parse(tree, registries=False)
-
 
 # ---- building -----------------------------------------------------------------------------------
 

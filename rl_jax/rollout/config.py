@@ -1,6 +1,6 @@
 """The rollout pipeline's settings (:class:`RolloutConfig`): the group shape, the staleness
 bound, retries and backoff, reward shaping and filtering, multi-turn limits and the forced
-lengths of benchmarks. :mod:`rl_jax.rollout.pipeline` reads them (and re-exports the class)."""
+lengths of benchmarks. :mod:`rl_jax.rollout.pipeline` reads them."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 from rl_jax.envs.shaping import RewardShaping
 from rl_jax.generator.types import SamplingParams
-from rl_jax.recipe import Rollout as RecipeRollout
+from rl_jax.recipe.schema import Rollout as RecipeRollout
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """The pipeline's settings. The group shape, staleness bound and retries default to the
-    recipe's defaults (:class:`rl_jax.recipe.Rollout`); a run sets every field from its recipe
+    recipe's defaults (:class:`rl_jax.recipe.schema.Rollout`); a run sets every field from its recipe
     (:func:`rl_jax.orchestrator.setup.rollout_config`), so the others' defaults serve library
     users only."""
 

@@ -20,8 +20,7 @@ prompt is lost and none is trained twice except those in flight at the crash (ge
 
 Beside it: :mod:`rl_jax.rollout.config` (:class:`RolloutConfig`, the settings),
 :mod:`rl_jax.rollout.request_plan` (seeds and forced lengths of each request) and
-:mod:`rl_jax.rollout.batching` (:class:`GroupsToBatch`, the map that packs groups into batches);
-all are re-exported here.
+:mod:`rl_jax.rollout.batching` (:class:`GroupsToBatch`, the map that packs groups into batches).
 """
 
 from __future__ import annotations
@@ -38,17 +37,16 @@ from typing import Any
 import grain
 import numpy as np
 
-from rl_jax.envs.base import Environment, Prompt, Segment, build_loss_mask, score_many
+from rl_jax.data.prompts import Prompt
+from rl_jax.envs.base import Environment, Segment, build_loss_mask, score_many
 from rl_jax.envs.shaping import SolveRateTracker
 from rl_jax.generator.base import Generator
-from rl_jax.generator.client import GeneratorUnavailable, ServerLeft
+from rl_jax.generator.client.control import GeneratorUnavailable, ServerLeft
 from rl_jax.generator.types import GenerateRequest
 from rl_jax.rollout.attempts import Attempts
-from rl_jax.rollout.batching import GroupsToBatch
 from rl_jax.rollout.config import RolloutConfig
 from rl_jax.rollout.records import Group, Sample
-from rl_jax.rollout.request_plan import (LognormalLengths, mask_after_stop, prompt_seed,
-                                         sample_seed, until_stop)
+from rl_jax.rollout.request_plan import mask_after_stop, prompt_seed, sample_seed, until_stop
 from rl_jax.rollout.staleness import GateConfig, StalenessGate
 
 log = logging.getLogger(__name__)
@@ -485,5 +483,3 @@ class RolloutDataset(grain.IterDataset):
                                close_generator=self._close_generator)
 
 
-__all__ = ["GroupsToBatch", "LognormalLengths", "RolloutConfig", "RolloutDataset",
-           "RolloutIterator", "prompt_seed", "sample_seed"]

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 
 from rl_jax.data.packing import pack_sequences, pack_shared_prefixes
-from rl_jax.losses import get_advantage_estimator
-from rl_jax.losses.advantages import check_groups
+from rl_jax.losses.advantages import check_groups, get_advantage_estimator
 
 
 @dataclasses.dataclass

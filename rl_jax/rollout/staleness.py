@@ -39,7 +39,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rl_jax.recipe import STALENESS_POLICIES
+from rl_jax.recipe.schema import STALENESS_POLICIES
 
 POLICIES = STALENESS_POLICIES
 

@@ -26,7 +26,7 @@ Modules:
   recipe        model shape and rollout settings from a recipe config
   plots         PNG plots (matplotlib, imported when called)
 
-Validation hook (``rl_jax.sysmodel.predict_run``)::
+Validation hook (``rl_jax.sysmodel.predict.predict_run``)::
 
     predict_run(*, decode_latency, trainer_tokens_per_s, response_lengths, prompt_len,
                 group_size, groups_per_batch, max_lag, mode, num_servers, slots_per_server,
@@ -53,31 +53,4 @@ oldest token version), ``wall_s``, ``estimate`` (the closed form) and ``sim`` (t
 ``SimResult`` with utilisation timelines); ``to_dict()`` gives JSON-ready values.
 """
 
-from rl_jax.sysmodel.accelerators import (CATALOGUE, Accelerator, accelerator_names,
-                                          get_accelerator, measure_cpu)
-from rl_jax.sysmodel.errors import SysModelError
-from rl_jax.sysmodel.invariants import Workload, balance, max_staleness_estimate, steady_state
-from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
-from rl_jax.sysmodel.memory import (GeneratorMemory, TrainerMemory, generator_memory,
-                                    host_memory, trainer_memory)
-from rl_jax.sysmodel.lengths import (ConstantLengths, EmpiricalLengths, LengthDistribution,
-                                     LogNormalLengths, SequenceLengths)
-from rl_jax.sysmodel.predict import RunPrediction, predict_run
-from rl_jax.sysmodel.shape import ModelShape
-from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
-from rl_jax.sysmodel.sweep import (Layout, LayoutResult, SweepOptions, SweepResult, format_table,
-                                   sweep)
-from rl_jax.sysmodel.weightsync import (WeightSync, shares_host, transfer_breakdown,
-                                        weight_transfer_seconds)
 
-__all__ = [
-    "CATALOGUE", "Accelerator", "accelerator_names", "get_accelerator", "measure_cpu",
-    "SysModelError", "Workload", "balance", "max_staleness_estimate", "steady_state",
-    "weight_transfer_seconds", "MeasuredLatency", "RooflineLatency", "TrainerModel",
-    "ConstantLengths", "EmpiricalLengths", "LengthDistribution", "LogNormalLengths",
-    "SequenceLengths",
-    "RunPrediction", "predict_run", "ModelShape", "MODES", "SimConfig", "SimResult", "simulate",
-    "Layout", "LayoutResult", "SweepOptions", "SweepResult", "format_table", "sweep",
-    "WeightSync", "shares_host", "transfer_breakdown",
-    "GeneratorMemory", "TrainerMemory", "generator_memory", "host_memory", "trainer_memory",
-]

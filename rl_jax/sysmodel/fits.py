@@ -24,7 +24,8 @@ from typing import Sequence
 
 from rl_jax.sysmodel.accelerators import CATALOGUE, Accelerator
 from rl_jax.sysmodel.errors import SysModelError
-from rl_jax.sysmodel.memory import generator_memory, trainer_memory
+from rl_jax.sysmodel.memory import trainer_memory
+from rl_jax.sysmodel.memory_serving import generator_memory
 from rl_jax.sysmodel.shape import ModelShape
 
 GiB = 2 ** 30

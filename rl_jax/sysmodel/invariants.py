@@ -11,8 +11,7 @@
 - *weight transfer*: every server must receive all weights; a server of ``tp`` chips receives
   ``W / tp`` per chip, and the trainer's ``n_train`` chips together send ``servers · W``, over
   the within-host link or the across-host network as the layout's placement decides, plus the
-  host-staging and fixed costs of a real update (:mod:`rl_jax.sysmodel.weightsync`, re-exported
-  here).
+  host-staging and fixed costs of a real update (:mod:`rl_jax.sysmodel.weightsync`).
 
 Times in seconds, rates in samples/s or tokens/s as named.
 """
@@ -25,7 +24,6 @@ import math
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.latency import DecodeLatency, TrainerModel
 from rl_jax.sysmodel.lengths import LengthDistribution
-from rl_jax.sysmodel.weightsync import weight_transfer_seconds  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ With a streaming accumulation the model gives each compiled program's bytes
 (``notes["programs"]``: ``accumulate`` takes the parameters and the accumulator, ``apply`` the
 state and the accumulator) and, as ``total``, the process's: the moments beside the
 accumulation program. Host memory outside XLA (the publisher's staging slots, each process's
-runtime) is :func:`host_memory`'s.
+runtime) is :func:`~rl_jax.sysmodel.memory_serving.host_memory`'s.
 
 ``backend="cpu"`` models what XLA's CPU backend compiles (the validation tests compile there);
 ``"accelerator"`` what GPU/TPU backends keep: the computation dtype, fused elementwise work and
@@ -388,7 +388,3 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
         "phases": {k: float(x) for k, x in phases.items()}, "programs": programs,
         "saved_activations_all": float(saved), "accumulation": accumulation})
 
-
-# The generator server's and the host's terms (re-exported: one import for the model).
-from rl_jax.sysmodel.memory_serving import (  # noqa: E402,F401
-    RUNTIME_BYTES, STAGING_SLOTS, GeneratorMemory, generator_memory, host_memory)

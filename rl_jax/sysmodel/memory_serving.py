@@ -1,5 +1,5 @@
 """Memory per device of a generator server, and the host memory of a run outside XLA, from the
-model's shape (the trainer's step: :mod:`rl_jax.sysmodel.memory`, which re-exports these)."""
+model's shape (the trainer's step: :mod:`rl_jax.sysmodel.memory`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.memory import MemoryBreakdown, _cdiv, _positive
 from rl_jax.sysmodel.shape import ModelShape
 
-# Positions per page of the generator's KV cache (rl_jax.generator.kv_cache.DEFAULT_PAGE_SIZE,
+# Positions per page of the generator's KV cache
+# (rl_jax.generator.engine.kv_cache.DEFAULT_PAGE_SIZE,
 # SGLang's --page-size): the systems model imports nothing of the runtime.
 DEFAULT_PAGE_SIZE = 64
 
@@ -28,7 +29,8 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
                      prefill_len: int | None = None, cache_dtype: str | None = None,
                      swap: bool = True, page_size: int = DEFAULT_PAGE_SIZE,
                      kv_cache_bytes: int = 0) -> GeneratorMemory:
-    """Bytes per device of one generator server (``rl_jax.generator.runner.ModelRunner`` under
+    """Bytes per device of one generator server (``rl_jax.generator.engine.runner.ModelRunner``
+    under
     the engine), tensor parallel over ``tensor_parallel`` chips (``generator_rules()``: heads,
     MLP and vocabulary split; the hidden axis whole).
 
@@ -121,7 +123,7 @@ def generator_memory(shape: ModelShape, *, tensor_parallel: int = 1, max_slots: 
 # Resident bytes of one trainer or generator process beyond its arrays (Python, JAX's runtime,
 # compiled programs): ~0.5 GiB each at the tiny shape on this project's CPU machines.
 RUNTIME_BYTES = 2 ** 29
-# Staging slots of the publisher's host versions (rl_jax.transfer.staging.HostStaging): a
+# Staging slots of the publisher's host versions (rl_jax.transfer.publisher.staging.HostStaging): a
 # server pulling over shared memory holds the slot of its live version while the next version
 # is written into another; more slots are made only while pullers hold older ones.
 STAGING_SLOTS = 2

@@ -11,7 +11,8 @@ The model shape is found, in order, in
 
 Rollout settings come from ``config.rollout`` (``group_size``, ``groups_per_batch``,
 ``max_new_tokens``, ``max_lag``), ``config.mode`` and ``config.generator``. An RL recipe
-(``recipe = "rl"``) is read through its schema (:func:`rl_jax.recipe.parse`, which refuses a bad
+(``recipe = "rl"``) is read through its schema (:func:`rl_jax.recipe.checks.parse`, which refuses a
+bad
 field); any other config (a supervised recipe, a partial one written for planning) takes every
 missing recipe field from the schema's defaults (:func:`recipe_value`). ``rollout.prompt_len``
 (prompt tokens per sample) is the planner's own setting, default :data:`PROMPT_LEN`. Heavy
@@ -25,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rl_jax import recipe as schema
+from rl_jax.recipe import checks, schema
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.shape import ModelShape
 
@@ -134,7 +135,7 @@ def rollout_settings(config: Any) -> dict[str, Any]:
     ``defaulted`` lists the fields the config did not set."""
     if get(config, "recipe") == "rl":
         try:
-            recipe = schema.parse(config, registries=False)
+            recipe = checks.parse(config, registries=False)
         except schema.RLConfigError as e:
             raise SysModelError(str(e)) from None
         out: dict[str, Any] = {k: getattr(recipe.rollout, k) for k in ROLLOUT_FIELDS}

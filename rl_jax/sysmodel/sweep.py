@@ -31,7 +31,8 @@ from rl_jax.sysmodel.accelerators import Accelerator
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
-from rl_jax.sysmodel.memory import GiB, generator_memory, trainer_memory
+from rl_jax.sysmodel.memory import GiB, trainer_memory
+from rl_jax.sysmodel.memory_serving import generator_memory
 from rl_jax.sysmodel.shape import ModelShape
 from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
 from rl_jax.sysmodel.weightsync import WeightSync, transfer_breakdown

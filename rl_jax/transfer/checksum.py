@@ -18,7 +18,8 @@ Algorithms (the manifest names the one used):
 XXH3 (``xxhash``; not cryptographic: it protects against faults, not against an adversary) runs
 several times faster on data in cache than memory bandwidth allows on data that is not, so the
 publisher hashes what it has just copied while it is still in cache (see
-:mod:`rl_jax.transfer.staging`). The ``xxhash`` extension releases the GIL while it hashes, so
+:mod:`rl_jax.transfer.publisher.staging`). The ``xxhash`` extension releases the GIL while it
+hashes, so
 digests run on other cores while the caller copies. (The library's exported ``XXH3_64bits``,
 called through ``ctypes``, is slower on cached data than the extension's own inlined code.)
 Rates measured: ``docs/performance.md``.

@@ -23,6 +23,14 @@ from rl_jax.transfer.errors import IntegrityError
 
 ALIGN = 64
 
+# The staging file's bookkeeping, written by the publisher and read in place by the ``shm``
+# transport: a slot's stamp is the version it holds or one of these two; each shard's progress
+# row holds the version copied into it, with NONFINITE set where a copied value was not finite
+# (``finite.copy_finite``; each staged tensor's info says ``finite``, see ``TensorInfo``).
+STAMP_WRITING = -1  # the slot is being written
+STAMP_SUPERSEDED = -2  # the slot holds a version that is no longer offered
+NONFINITE = 1 << 63
+
 _TO_SAFETENSORS = {
     np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
     np.dtype(np.int16): "I16", np.dtype(np.uint16): "U16", np.dtype(np.float16): "F16",

@@ -78,7 +78,7 @@ import shutil
 from collections.abc import Sequence
 
 from rl_jax.envs.sandbox.launch import _bwrap_binds, _Job, _run_job, default_interpreter
-from rl_jax.envs.sandbox.limits import REASONS, SandboxError, SandboxLimits, SandboxResult
+from rl_jax.envs.sandbox.limits import SandboxError, SandboxLimits, SandboxResult
 
 _SECCOMP_LIBRARY = "libseccomp.so.2"
 
@@ -286,5 +286,3 @@ def _check_tests(tests: Sequence[str] | None) -> list[str] | None:
     return list(tests)
 
 
-__all__ = ["ISOLATION_MODES", "REASONS", "Sandbox", "SandboxError", "SandboxLimits",
-           "SandboxResult", "default_interpreter", "resolve_isolation"]

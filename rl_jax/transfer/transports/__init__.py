@@ -20,9 +20,10 @@ the pullers' preference under ``PullerConfig.transport="auto"``:
 A transport is one module here with a :class:`~rl_jax.transfer.transports.base.Transport`
 subclass, and one entry in ``_REGISTRY``. Modules are imported when their transport is first
 asked for, so this module (read by the configs) imports nothing heavy. SGLang's distributed
-protocol (:mod:`rl_jax.transfer.sglang`) is not one of them: the trainer pushes whole HF tensors
+protocol (:mod:`rl_jax.transfer.sglang.broadcast`) is not one of them: the trainer pushes whole HF
+tensors
 into the servers over ``torch.distributed``, with no manifest and no puller. Real SGLang servers
-get these transports through a sidecar beside them (:mod:`rl_jax.transfer.sglang_sidecar`).
+get these transports through a sidecar beside them (:mod:`rl_jax.transfer.sglang.sidecar`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import importlib
 
 from rl_jax.transfer.errors import UnknownTransport
-from rl_jax.transfer.transports.base import STAGINGS, Fetched, Transport
+from rl_jax.transfer.transports.base import Transport
 
 _REGISTRY: dict[str, str] = {
     "shm": "rl_jax.transfer.transports.shm:ShmTransport",
@@ -69,5 +70,3 @@ def staged_on(staging: str) -> tuple[str, ...]:
     return tuple(name for name in TRANSPORTS if get(name).staging == staging)
 
 
-__all__ = ["STAGINGS", "TRANSPORTS", "Fetched", "Transport", "UnknownTransport", "get", "names",
-           "staged_on"]

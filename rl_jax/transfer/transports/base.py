@@ -6,8 +6,10 @@ into a puller's arrays in that layout. One :class:`Transport` subclass per trans
 * ``name``: what configs, manifests (``Manifest.transports[name]``) and pull requests call it;
 * ``staging``: which copy of the version the publisher makes for it, one of :data:`STAGINGS`
   and shared by every transport naming the same one: ``"host"`` (a staging slot of
-  safetensors-format chunks, :mod:`rl_jax.transfer.staging`), ``"device"`` (generator-layout
-  arrays on the trainer's devices, :mod:`rl_jax.transfer.device_staging`) or ``"disk"`` (an HF
+  safetensors-format chunks, :mod:`rl_jax.transfer.publisher.staging`), ``"device"``
+  (generator-layout
+  arrays on the trainer's devices, :mod:`rl_jax.transfer.publisher.device_staging`) or ``"disk"``
+  (an HF
   checkpoint directory written once per version for every layout);
 * ``same_host``: usable only by pullers on the publisher's host (``transport="auto"`` skips it
   when the publisher is elsewhere);
@@ -19,7 +21,7 @@ into a puller's arrays in that layout. One :class:`Transport` subclass per trans
   it; other fetches run in a thread that is abandoned at the deadline.
 
 The publisher uses the class (it passes itself to the class methods: :meth:`check_publisher`,
-:meth:`start`, :meth:`routes`, :meth:`entry`); every :class:`~rl_jax.transfer.puller.Puller`
+:meth:`start`, :meth:`routes`, :meth:`entry`); every :class:`~rl_jax.transfer.puller.core.Puller`
 makes one instance per transport it pulls over, holding what it keeps from pull to pull
 (mappings, buffers), and calls :meth:`fetch`. A fetch reads the puller's public state
 (``config``, ``client``, ``layout_key``, ``puller_id``, ``shardings``, ``directories``,

@@ -1,7 +1,8 @@
 """The ``disk`` transport: an HF safetensors checkpoint directory per version.
 
 The publisher writes the whole model once per version (``<disk_dir>/v<version>``, with
-``rl_jax_checksums.json`` beside it; :mod:`rl_jax.transfer.disk_staging`), whatever the layouts;
+``rl_jax_checksums.json`` beside it; :mod:`rl_jax.transfer.publisher.disk_staging`), whatever the
+layouts;
 pullers on any host sharing that filesystem read the tensors they need from it, cut them into
 their own shards, check every value finite and every shard's digest. It is the fallback when
 host staging has no room, and what SGLang's ``/update_weights_from_disk`` loads.

@@ -1,7 +1,8 @@
 """The ``jax_transfer`` transport: device to device through ``jax.experimental.transfer``.
 
 The publisher keeps a copy of each version in the generator's layout on its own devices
-(:mod:`rl_jax.transfer.device_staging`); a puller asks for a ticket over the control channel
+(:mod:`rl_jax.transfer.publisher.device_staging`); a puller asks for a ticket over the control
+channel
 (``POST /v1/ticket``: an id offered once, for this puller, expiring after
 ``PublisherConfig.ticket_ttl_s``) and pulls the arrays under it straight into its devices. The
 pull runs in a thread abandoned at the deadline (a pull of an id nobody offers never returns;

@@ -4,7 +4,8 @@ Zero-copy: the pulled arrays are views of the slot file, mapped read-only, and e
 once, to hash it where it lies. The slot is held with a shared ``flock`` for as long as any of
 the arrays lives (the publisher never rewrites a held slot), and its stamp file is read before
 and after. A streamed version (announced before it was staged, see
-:mod:`rl_jax.transfer.staging`) is verified block by block from the slot's progress table while
+:mod:`rl_jax.transfer.publisher.staging`) is verified block by block from the slot's progress table
+while
 the publisher writes it, so the pull ends about when the publish does.
 """
 
@@ -23,14 +24,13 @@ import jax
 import numpy as np
 
 from rl_jax.transfer import checksum
+from rl_jax.transfer.chunks import NONFINITE, STAMP_SUPERSEDED, STAMP_WRITING
 from rl_jax.transfer.control import host_id
 from rl_jax.transfer.errors import (IntegrityError, PublisherUnavailable, TransferTimeout,
                                     TransportUnavailable, VersionGone)
 from rl_jax.transfer.layout import Index
 from rl_jax.transfer.manifest import Manifest, verify
 from rl_jax.transfer.pulling import contained
-from rl_jax.transfer.shard_geometry import NONFINITE
-from rl_jax.transfer.staging import STAMP_SUPERSEDED, STAMP_WRITING
 from rl_jax.transfer.transports.base import Fetched, Transport
 
 STREAM_POLL_S = 100e-6  # how often a streamed pull looks for newly written blocks
