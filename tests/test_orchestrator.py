@@ -147,11 +147,16 @@ def test_async_run_end_to_end(base_policy, tmp_path):
 
 
 def _server_tracebacks(log: str) -> list[str]:
-    """The tracebacks in an SGLang server's log, but for its own warning when the request it
-    sends itself after start-up (``/freeze_gc``) fails, as it may on a busy host."""
-    lines = log.splitlines()
-    return [lines[i - 1] if i else "" for i, line in enumerate(lines)
-            if line.startswith("Traceback") and not (i and "freeze_gc failed" in lines[i - 1])]
+    """The tracebacks in an SGLang server's log (the log line before each), but for its own
+    warning when the request it sends itself after start-up (``/freeze_gc``) fails, as it may on
+    a busy host: that warning's chained tracebacks run until the server's next log record."""
+    found, record, excused = [], "", False
+    for line in log.splitlines():
+        if line.startswith("["):  # a new log record: "[2026-11-28 19:42:01] ..."
+            record, excused = line, "freeze_gc failed" in line
+        elif line.startswith("Traceback") and not excused:
+            found.append(record)
+    return found
 
 
 def _sidecar_dirs() -> set[str]:
