@@ -257,9 +257,11 @@ def test_the_server_still_serves_after_hostile_requests(served):
 def test_health_stays_fast_while_a_big_request_is_handled(ckpts):
     """Tokenising a big batch, detokenising and serialising its answer run off the event loop:
     /health answers quickly meanwhile."""
-    running = start(ckpts["a"], max_waiting=2048)
+    # Big enough that the request's phases (each of which would hold up every probe if it ran
+    # on the event loop) last well beyond a scheduling hiccup of a busy 2-core host.
+    running = start(ckpts["a"], max_waiting=4096)
     try:
-        texts = ["abc defg hij 0123 " * 27] * 2048  # 486 characters each
+        texts = ["abc defg hij 0123 " * 27] * 4096  # 486 characters each
         body = {"text": texts, "return_logprob": True, "return_text_in_logprobs": True,
                 "sampling_params": {"max_new_tokens": 0}}
         pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -273,7 +275,7 @@ def test_health_stays_fast_while_a_big_request_is_handled(ckpts):
             time.sleep(0.02)
         elapsed = time.perf_counter() - start_time
         status, data, _ = big.result()
-        assert status == 200 and len(data) == 2048, str(data)[:300]
+        assert status == 200 and len(data) == 4096, str(data)[:300]
         assert data[7]["meta_info"]["prompt_tokens"] == 486
         # The probes overlapped the big request, and none waited for it (with tokenising on
         # the event loop, a probe waits for the whole request).

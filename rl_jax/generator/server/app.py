@@ -244,7 +244,11 @@ class GeneratorServer(WeightUpdateEndpoints):
     def _answers_json(self, parsed: ParsedGenerate, results) -> bytes:
         answers = [self._answer(parsed, i, out)
                    for i, outs in enumerate(results) for out in outs]
-        return json.dumps(answers if parsed.as_list else answers[0]).encode()
+        if not parsed.as_list:
+            return json.dumps(answers[0]).encode()
+        # One answer at a time: the C encoder holds the GIL for a whole call, and one call over
+        # thousands of answers would stall the event loop (health probes) for its full length.
+        return b"[" + b", ".join(json.dumps(a).encode() for a in answers) + b"]"
 
     def _answer(self, parsed: ParsedGenerate, i: int, out) -> dict[str, Any]:
         item = parsed.items[i]
