@@ -340,3 +340,94 @@ def test_shared_prompt_packing_gives_the_same_loss_and_gradient(setup, loss="grp
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     assert float(m1["sequences"]) == float(m2["sequences"]) == len(samples)
+
+
+def test_a_completion_across_an_update_trains_each_token_against_its_own_version(setup):
+    """Long completions cut by an in-flight update (KV recomputed): in the packed trainer batch
+    every completion token keeps the behaviour log-prob and version it was sampled with, so the
+    trainer's importance ratio exp(log π − log μ) is 1 on the tokens of the weights it holds
+    and not on the others; the group's staleness counts from its oldest token."""
+    import time
+
+    import jax
+
+    from rl_jax.generator.types import GenerateRequest
+    from rl_jax.orchestrator.policy import PolicyBatch
+    from rl_jax.rollout.records import Group, Sample
+    spec, weights, _ = setup
+    engine = Engine(CFG, weights[0], engine_config=EngineConfig(
+        max_slots=4, max_seq_len=96, recompute_kv_on_update=True))
+    env = ArithmeticEnv(num_digits=2, reverse_answer=False)
+    prompts = [encode(env.prompt(i).text) for i in range(2)]
+    try:
+        engine.pause("in_place")
+        futures = [engine.submit(GenerateRequest(p, SamplingParams(
+            max_new_tokens=80, temperature=1.0, n=2, seed=i))) for i, p in enumerate(prompts)]
+        engine.resume()
+        while engine.stats["generated_tokens"] < 4 * 10:
+            time.sleep(0.005)
+        engine.update_weights(weights[1], version=1)
+        outputs = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.shutdown()
+    groups = [Group(position=i, samples=[Sample(
+        group_id=i, prompt_ids=prompts[i], completion_ids=list(o.output_ids),
+        behaviour_logprobs=list(o.output_logprobs), versions=list(o.output_versions),
+        finish_reason=o.finish_reason.get("type", ""), reward=float(j))
+        for j, o in enumerate(outs)]) for i, outs in enumerate(outputs)]
+    crossing = [s for g in groups for s in g.samples if len(set(s.versions)) == 2]
+    assert crossing, [sorted(set(s.versions)) for g in groups for s in g.samples]
+    assert all(g.min_version == 0 for g in groups)  # staleness from the oldest token
+
+    batch = GroupsToBatch(seq_len=96, rows=0, share_prompts=True)(groups)
+    policy_batch = PolicyBatch.from_numpy(batch)
+
+    @jax.jit
+    def logprobs(params, batch):
+        return spec.merge(params).token_stats(batch.tokens, batch.targets, batch.positions,
+                                              batch.segment_ids,
+                                              prefix_ids=batch.prefix_ids)["logprobs"]
+
+    mask = batch["loss_mask"] > 0
+    versions, behaviour = batch["versions"][mask], batch["behaviour_logprobs"][mask]
+    assert set(versions.tolist()) == {0, 1}
+    for held in (0, 1):
+        log_ratio = np.asarray(logprobs(weights[held], policy_batch))[mask] - behaviour
+        np.testing.assert_allclose(log_ratio[versions == held], 0.0, atol=2e-4)
+        assert np.abs(log_ratio[versions != held]).max() > 1e-2
+
+
+def test_overlong_completions_are_filtered_or_penalised(setup):
+    """rollout.overlong: a completion cut off by the length limit keeps its place in its group
+    (its reward counts in the baseline) with loss mask 0 ("filter"), or gets the fixed reward
+    ("penalize"); finished completions are untouched."""
+    from rl_jax.envs.shaping import RewardShaping
+    spec, weights, engine = setup
+    env = ArithmeticEnv(num_digits=2, reverse_answer=False)
+    sampling = SamplingParams(max_new_tokens=3, temperature=1.0, seed=5)
+    results = {}
+    for name, extra in (("keep", {}), ("filter", {"overlong_filter": True}),
+                        ("penalize", {"shaping": RewardShaping(max_tokens=3,
+                                                               truncated_reward=-1.0)})):
+        config = RolloutConfig(group_size=4, groups_per_batch=4, max_lag=1, sampling=sampling,
+                               **extra)
+        it = iter(make_rollout(engine, config, env))
+        try:
+            results[name] = next(it)
+        finally:
+            it.close()
+    for name, groups in results.items():
+        samples = [s for g in groups for s in g.samples]
+        cut = [s for s in samples if s.finish_reason == "length"]
+        done = [s for s in samples if s.finish_reason != "length"]
+        assert cut, name  # random weights: most samples run to the limit
+        if name == "filter":
+            assert all(s.loss_mask == [0.0] * len(s.completion_ids) for s in cut)
+            assert all(s.loss_mask is None for s in done)
+            batch = GroupsToBatch(seq_len=32, rows=0)(groups)
+            assert batch["loss_mask"].sum() == sum(len(s.completion_ids) for s in done)
+        elif name == "penalize":
+            assert all(s.reward == -1.0 for s in cut) and all(s.reward >= 0 for s in done)
+            assert all(s.loss_mask is None for s in samples)
+        else:
+            assert all(s.reward >= 0 and s.loss_mask is None for s in samples)

@@ -17,10 +17,14 @@ from tokenizers import Tokenizer
 
 from rl_jax.data.arithmetic import ArithmeticTask
 from rl_jax.data.packing import PackedBatch, pack_sequences
+from rl_jax.data.scratchpad import ScratchpadAdditionTask
 from rl_jax.data.tokenizer import encode, special_token_ids
 
 
-def max_example_length(task: ArithmeticTask) -> int:
+Task = ArithmeticTask | ScratchpadAdditionTask
+
+
+def max_example_length(task: Task) -> int:
     """Most tokens in an encoded example: ``<bos>`` + prompt + longest answer + ``<eos>``."""
     return 1 + task.prompt_length + task.max_answer_length + 1
 
@@ -33,7 +37,7 @@ class ExampleEncoder:
     ``<bos>`` when ``loss_on_all_tokens``.
     """
 
-    def __init__(self, task: ArithmeticTask, tokenizer: Tokenizer, *,
+    def __init__(self, task: Task, tokenizer: Tokenizer, *,
                  loss_on_all_tokens: bool = False):
         self.task = task
         self.tokenizer = tokenizer
@@ -52,7 +56,7 @@ class ExampleEncoder:
         return {"tokens": tokens, "loss_mask": loss_mask}
 
 
-def example_dataset(task: ArithmeticTask, tokenizer: Tokenizer, *,
+def example_dataset(task: Task, tokenizer: Tokenizer, *,
                     loss_on_all_tokens: bool = False) -> grain.MapDataset:
     """``grain.MapDataset`` whose element ``i`` is example ``i`` of ``task``, encoded.
 
@@ -86,16 +90,41 @@ class _PackRows:
         return batch
 
 
-def examples_per_row(task: ArithmeticTask, seq_len: int) -> int:
+class _TokenBudgetBatch:
+    """Batch ``k`` → examples drawn with a Philox generator seeded by ``(seed, k)`` while their
+    tokens fit in ``num_rows * seq_len``, packed first-fit-decreasing (an example that the
+    packing cannot place is left out, so the rows never overflow). A pure function of
+    ``(task, seed, k)``, as a resumed run needs."""
+
+    def __init__(self, encoder: ExampleEncoder, seq_len: int, num_rows: int, seed: int):
+        self.encoder, self.seq_len, self.num_rows, self.seed = encoder, seq_len, num_rows, seed
+
+    def __call__(self, k: int) -> PackedBatch:
+        rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self.seed, 7, k])))
+        budget, examples = self.num_rows * self.seq_len, []
+        while True:
+            example = self.encoder(int(rng.integers(0, 2**62)))
+            if len(example["tokens"]) > budget:
+                break
+            budget -= len(example["tokens"])
+            examples.append(example)
+        batch, _ = pack_sequences([e["tokens"] for e in examples], self.seq_len,
+                                  num_rows=self.num_rows,
+                                  loss_masks=[e["loss_mask"] for e in examples],
+                                  pad_id=self.encoder.pad_id)
+        return batch
+
+
+def examples_per_row(task: Task, seq_len: int) -> int:
     """Examples packed per row: ``seq_len // max_example_length(task)``, so any draw fits."""
     longest = max_example_length(task)
     if seq_len < longest:
         raise ValueError(f"seq_len={seq_len} is shorter than the longest example ({longest} tokens "
-                         f"for num_digits={task.num_digits})")
+                         f"of {task})")
     return seq_len // longest
 
 
-def lm_batches(task: ArithmeticTask, tokenizer: Tokenizer, *, rows_per_batch: int, seq_len: int,
+def lm_batches(task: Task, tokenizer: Tokenizer, *, rows_per_batch: int, seq_len: int,
                seed: int, loss_on_all_tokens: bool = False) -> grain.MapDataset:
     """Packed training batches: an infinite ``grain.MapDataset``, element ``k`` = batch ``k``.
 
@@ -118,8 +147,12 @@ def lm_batches(task: ArithmeticTask, tokenizer: Tokenizer, *, rows_per_batch: in
         raise ValueError(f"lm_batches trains on the train split; got a {task.split!r} task")
     if rows_per_batch < 1:
         raise ValueError(f"rows_per_batch must be positive, got {rows_per_batch}")
-    per_batch = rows_per_batch * examples_per_row(task, seq_len)
     encoder = ExampleEncoder(task, tokenizer, loss_on_all_tokens=loss_on_all_tokens)
+    if isinstance(task, ScratchpadAdditionTask):  # lengths vary by 10x: fill rows by tokens
+        examples_per_row(task, seq_len)  # validates seq_len
+        return grain.MapDataset.range(sys.maxsize).map(
+            _TokenBudgetBatch(encoder, seq_len, rows_per_batch, seed))
+    per_batch = rows_per_batch * examples_per_row(task, seq_len)
     return (grain.MapDataset.range(sys.maxsize)
             .random_map(_DrawTaskIndex(), seed=seed)
             .map(encoder)
@@ -127,7 +160,7 @@ def lm_batches(task: ArithmeticTask, tokenizer: Tokenizer, *, rows_per_batch: in
                    batch_fn=_PackRows(seq_len, rows_per_batch, encoder.pad_id)))
 
 
-def eval_arrays(task: ArithmeticTask, tokenizer: Tokenizer, n: int, seq_len: int, *,
+def eval_arrays(task: Task, tokenizer: Tokenizer, n: int, seq_len: int, *,
                 rows_multiple_of: int = 1) -> PackedBatch:
     """The first ``n`` eval-split examples of ``task``, packed, with exact-match bookkeeping.
 

@@ -4,6 +4,7 @@ Built in, by name (``rl_jax.envs.get(name, **kwargs)``):
 
 ==============  ==================================================================
 ``arithmetic``  multi-digit addition (:class:`rl_jax.envs.arithmetic.ArithmeticEnv`)
+``scratchpad``  long addition with written work (:class:`rl_jax.envs.scratchpad.ScratchpadEnv`)
 ``countdown``   reach a target with + − × ÷ (:class:`rl_jax.envs.countdown.CountdownEnv`)
 ``sorting``     sort a list of integers (:class:`rl_jax.envs.sorting.SortingEnv`)
 ``math``        final-answer checking (:class:`rl_jax.envs.math.MathEnv`)
@@ -23,6 +24,7 @@ from rl_jax.envs.base import EnvError, Environment
 
 _BUILTIN = {
     "arithmetic": "rl_jax.envs.arithmetic:ArithmeticEnv",
+    "scratchpad": "rl_jax.envs.scratchpad:ScratchpadEnv",
     "countdown": "rl_jax.envs.countdown:CountdownEnv",
     "sorting": "rl_jax.envs.sorting:SortingEnv",
     "math": "rl_jax.envs.math:MathEnv",

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from rl_jax import distributed, envs
 from rl_jax.data import sources
 from rl_jax.data.sources import env_source, prompt_dataset
+from rl_jax.envs.shaping import RewardShaping
 from rl_jax.generator.client.core import ClientConfig, GeneratorClient
 from rl_jax.generator.client.identity import UnsupportedServer
 from rl_jax.generator.launcher.pool import PoolConfig
@@ -109,7 +110,14 @@ def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = No
                 f"rollout.groups_per_batch={r.groups_per_batch} groups of {r.group_size} "
                 f"exceed what {c.generator.num_servers} server(s) queue "
                 f"({PoolConfig.max_waiting} sequences each)")
+    shaping = None
+    if r.overlong == "penalize":
+        shaping = RewardShaping(max_tokens=r.max_new_tokens, truncated_reward=r.overlong_reward)
+    elif r.overlong == "soft":
+        shaping = RewardShaping(length_penalty="overlong", max_tokens=r.max_new_tokens,
+                                cache_tokens=r.overlong_buffer or max(r.max_new_tokens // 4, 1))
     return RolloutConfig(group_size=r.group_size, groups_per_batch=r.groups_per_batch,
+                         shaping=shaping, overlong_filter=r.overlong == "filter",
                          max_in_flight_groups=in_flight_cap, max_lag=settings.max_lag,
                          staleness_policy=r.staleness_policy, sampling=sampling,
                          max_retries=r.max_retries, filter_zero_signal=r.filter_zero_signal,

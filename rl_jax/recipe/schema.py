@@ -15,6 +15,7 @@ STALENESS_POLICIES = ("prevent", "drop")
 GENERATOR_KINDS = ("rl_jax", "sglang")
 REMAT_POLICIES = ("none", "full", "dots")
 GROUP_ADVANTAGES = ("grpo", "rloo", "dr_grpo")  # compare the samples of one prompt
+OVERLONG = ("keep", "filter", "penalize", "soft")  # what becomes of a cut-off completion
 
 
 class RLConfigError(UserError, ValueError):
@@ -165,6 +166,13 @@ class Rollout:
     share_prompts: bool = _f(True)  # a group's prompt packed once, its completions attend to it
     rows_per_batch: int = _f(0, at_least(0))  # 0: as many as each batch needs
     max_retries: int = _f(3, at_least(1))
+    # A completion cut off at max_new_tokens: "keep" (scored as it is), "filter" (kept in its
+    # group's baseline, never trained on: loss mask 0), "penalize" (reward = overlong_reward)
+    # or "soft" (DAPO's soft overlong penalty, linear from 0 to -1 over the last
+    # overlong_buffer tokens; 0 = max_new_tokens // 4).
+    overlong: str = _f("keep", one_of(*OVERLONG))
+    overlong_reward: float = _f(-1.0)
+    overlong_buffer: int = _f(0, at_least(0))
     lengths: Lengths = _section(Lengths)
 
 

@@ -28,6 +28,9 @@ class RolloutConfig:
     # generation/scoring failures of one prompt before it is skipped
     max_retries: int = RecipeRollout.max_retries
     shaping: RewardShaping | None = None  # length penalties on top of the environment's reward
+    # DAPO's overlong filtering: a completion cut off by the length limit is kept in its group
+    # (its reward counts in the group's baseline) with loss mask 0, so it is never trained on.
+    overlong_filter: bool = False
     # DAPO-style dynamic sampling: a group whose rewards are all equal (no learning signal) is
     # discarded and another prompt takes its place.
     filter_zero_signal: bool = False

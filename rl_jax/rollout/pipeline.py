@@ -392,6 +392,9 @@ class RolloutIterator(grain.DatasetIterator):
         # they are trained on (compute) with loss mask 0, so the policy learns what it scored.
         masks = [None if cfg.length_of is None or not cfg.score_until else
                  mask_after_stop(o.output_ids, cfg.score_until) for o in outputs]
+        if cfg.overlong_filter:
+            masks = [[0.0] * len(o.output_ids) if o.finish_reason.get("type") == "length"
+                     else mask for o, mask in zip(outputs, masks)]
         samples = [Sample(group_id=position, prompt_ids=list(ids),
                           completion_ids=list(o.output_ids),
                           behaviour_logprobs=list(o.output_logprobs),
@@ -438,15 +441,18 @@ class RolloutIterator(grain.DatasetIterator):
         tokens = build_loss_mask(segments)
         p = tokens.prompt_length
         reward = state.total_reward
+        truncated = finish == "length" and not state.done
         if cfg.shaping is not None:
-            reward = cfg.shaping.apply(reward, len(tokens.token_ids) - p,
-                                       truncated=finish == "length" and not state.done)
+            reward = cfg.shaping.apply(reward, len(tokens.token_ids) - p, truncated=truncated)
+        loss_mask = tokens.loss_mask[p:].astype(float)
+        if truncated and cfg.overlong_filter:
+            loss_mask[:] = 0.0
         return Sample(group_id=position, prompt_ids=list(ids),
                       completion_ids=tokens.token_ids[p:].tolist(),
                       behaviour_logprobs=tokens.logprobs[p:].tolist(),
                       versions=tokens.versions[p:].tolist(), finish_reason=finish,
                       reward=float(reward), info={**info, "turns": state.turn},
-                      loss_mask=tokens.loss_mask[p:].astype(float).tolist())
+                      loss_mask=loss_mask.tolist())
 
 
 class RolloutDataset(grain.IterDataset):

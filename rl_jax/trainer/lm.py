@@ -22,6 +22,7 @@ from tqdm import tqdm
 from rl_jax import distributed
 from rl_jax.data.arithmetic import ArithmeticTask
 from rl_jax.data.lm import eval_arrays, examples_per_row, exact_match, lm_batches
+from rl_jax.data.scratchpad import ScratchpadAdditionTask
 from rl_jax.data.tokenizer import build_char_tokenizer, special_token_ids
 from rl_jax.errors import UserError
 from rl_jax.metrics import MetricsWriter, plot_curves, write_json
@@ -76,6 +77,26 @@ def validate(c: ml_collections.ConfigDict, mesh_batch_size: int):
             "batch shards of the mesh (data × fsdp)")
     if c.task.loss_on not in ("answer", "all"):
         raise RecipeConfigError(f"task.loss_on must be 'answer' or 'all', got {c.task.loss_on!r}")
+    if c.task.get("kind", "addition") not in TASKS:
+        raise RecipeConfigError(f"task.kind must be one of {sorted(TASKS)}, got "
+                                f"{c.task.kind!r}")
+
+
+TASKS = ("addition", "scratchpad")
+
+
+def make_task(c: ml_collections.ConfigDict) -> ArithmeticTask | ScratchpadAdditionTask:
+    """The recipe's train-split task: ``task.kind`` "addition" (``num_digits``,
+    ``reverse_answer``) or "scratchpad" (``min_digits``, ``max_digits``, ``power``)."""
+    t = c.task
+    try:
+        if t.get("kind", "addition") == "scratchpad":
+            return ScratchpadAdditionTask(min_digits=t.min_digits, max_digits=t.max_digits,
+                                          power=t.power, seed=c.seed)
+        return ArithmeticTask(num_digits=t.num_digits, reverse_answer=t.reverse_answer,
+                              seed=c.seed)
+    except (ValueError, AttributeError) as e:
+        raise RecipeConfigError(f"task: {e}") from None
 
 
 def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -84,10 +105,11 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                            c.distributed.process_id)
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer(ArithmeticTask.ALPHABET)
-    special = special_token_ids(tokenizer)
     mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     validate(c, mesh.shape["data"] * mesh.shape["fsdp"])
+    task = make_task(c)
+    tokenizer = build_char_tokenizer(task.ALPHABET)
+    special = special_token_ids(tokenizer)
 
     if c.model.init_from:
         cfg = read_config(c.model.init_from)
@@ -123,8 +145,6 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     log.info("model: %s, %.2fM parameters, mesh %s", cfg.architecture, n_params / 1e6,
              dict(mesh.shape))
 
-    task = ArithmeticTask(num_digits=c.task.num_digits, reverse_answer=c.task.reverse_answer,
-                          seed=c.seed)
     batches = lm_batches(task, tokenizer, rows_per_batch=c.data.rows_per_batch,
                          seq_len=c.data.seq_len, seed=c.seed,
                          loss_on_all_tokens=c.task.loss_on == "all")
@@ -147,7 +167,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer = MetricsWriter(workdir)
     # `stop_after` ends training early on the schedule of `steps` (a partly trained base policy).
     total = min(c.trainer.steps, c.trainer.get("stop_after", 0) or c.trainer.steps)
-    tokens_per_batch = c.data.rows_per_batch * c.data.seq_len
+    tokens_per_batch = c.data.rows_per_batch * c.data.seq_len  # token slots
     start_step = int(state.step) + int(state.skipped)
     bar = tqdm(total=total, initial=min(start_step, total), desc="train", unit="step",
                disable=jax.process_index() != 0, dynamic_ncols=True)
@@ -193,16 +213,19 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                  dtype=_dtype(c.export.dtype))
     summary = {"steps": int(state.step), "skipped_steps": int(state.skipped),
                "parameters": int(n_params), "export": str(export_dir), **final,
-               "examples_per_batch": c.data.rows_per_batch * examples_per_row(task,
-                                                                              c.data.seq_len)}
+               **({} if isinstance(task, ScratchpadAdditionTask) else {
+                   "examples_per_batch": c.data.rows_per_batch * examples_per_row(
+                       task, c.data.seq_len)})}
     write_json(workdir / "summary.json", summary)
     steps, loss = writer.series("loss")
     esteps, em = writer.series("eval_exact_match")
     plot_curves(workdir / "training.png",
                 [("loss (nats/token)", [("train", steps, loss)]),
                  ("held-out exact match", [("greedy", esteps, em)])],
-                title=f"{cfg.architecture} {n_params / 1e6:.2f}M on {task.num_digits}-digit "
-                      "addition")
+                title=f"{cfg.architecture} {n_params / 1e6:.2f}M on " + (
+                    f"{task.min_digits}-{task.max_digits}-digit scratchpad addition"
+                    if isinstance(task, ScratchpadAdditionTask)
+                    else f"{task.num_digits}-digit addition"))
     log.info("done: %s", summary)
     if jax.process_index() == 0:
         print(f"exported {export_dir}: eval exact match {final['eval_exact_match']:.3f}, "

@@ -1,0 +1,57 @@
+"""Long-completion asynchronous RL recipe (CPU default): the tiny model learns to add two 2- to
+25-digit numbers by writing out every column (``configs/scratchpad_lm.py``,
+:mod:`rl_jax.envs.scratchpad`). Its completions run from 26 to 314 tokens (median about 62,
+95th percentile about 250), their length set by the problem: a synchronous step waits for its
+longest sample, completions cross weight updates while they are generated, and the trainer's
+batches vary in tokens from step to step.
+
+    python -m launch.train --config=configs/scratchpad_rl.py --workdir=runs/scratchpad_rl
+
+The base policy is ``base.checkpoint``; when that is empty the run first trains one with
+``configs/scratchpad_lm.py`` stopped after 400 of its 600 steps (held-out exact match about
+0.2; about nine minutes) into ``<workdir>/base``. ``--config.mode=sync`` or ``one_step_off``
+runs the same recipe in the other modes.
+"""
+
+from ml_collections import ConfigDict
+
+from rl_jax.recipe.schema import base_config
+
+
+def get_config() -> ConfigDict:
+    c = base_config()
+    c.base.lm_config = "configs/scratchpad_lm.py"
+    c.base.lm_overrides = ("trainer.stop_after=400",)
+    c.model.update(dtype="float32", remat="none", scan_layers=False)
+
+    c.env.name = "scratchpad"
+    c.env.kwargs = ConfigDict(dict(min_digits=2, max_digits=25, power=1.3))
+
+    c.rollout.update(
+        max_lag=4,
+        groups_per_batch=8,
+        group_size=8,
+        # the longest trace (25 digits: 314 characters) and <eos>
+        max_new_tokens=320,
+        # a completion cut off at the limit stays in its group's baseline, untrained
+        overlong="filter",
+        seq_len=512,
+        share_prompts=True,
+    )
+    # Completions cross weight updates while they are generated: the policy term is weighted
+    # by each token's truncated importance ratio against its own behaviour log-prob.
+    c.loss.options = ConfigDict(dict(correction="tis"))
+    c.trainer.update(
+        steps=3000,  # an upper bound: the time limit ends the run first on 2 CPU cores
+        time_limit_s=600.0,
+        # fixed [2, 512] micro-batches: a step's rows follow its tokens, with no recompilation
+        micro_batch_rows=2,
+        ema_decay=0.99,
+    )
+    c.optimizer.update(learning_rate=3e-4, warmup_steps=5, final_lr_ratio=0.3, b2=0.98,
+                       schedule_on="progress")
+    c.generator.update(max_seq_len=512, dtype="float32", warmup_shapes=True)
+    c.cpus.update(trainer="0", generators="1", rollout="0", generators_nice=10)
+    c.eval.update(examples=128, every=20, max_new_tokens=320)
+    c.export.dtype = "float32"
+    return c
