@@ -50,7 +50,8 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "learning_study"
 
-_STUDY = flags.DEFINE_enum("study", "plateau", ["plateau", "ceiling", "staleness", "defaults"],
+_STUDY = flags.DEFINE_enum("study", "plateau", ["plateau", "ceiling", "staleness", "defaults",
+                                                "modes"],
                            "Which set of variants to run.")
 _VARIANTS = flags.DEFINE_list("variants", [], "Only these variants of the study (default all).")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds (config.seed) of every variant.")
@@ -105,6 +106,9 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
     """``{variant name: config overrides}`` of a study."""
     if study == "defaults":
         return {"defaults": ()}
+    if study == "modes":
+        # The same recipe asynchronous (in-flight updates, max_lag), one step off, synchronous.
+        return {mode: (f"mode={mode}",) for mode in ("async", "one_step_off", "sync")}
     if study == "plateau":
         return {
             "defaults": (),
@@ -148,7 +152,7 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
 
 def default_time_limit(study: str) -> float:
     """The recipe's own time budget for ``defaults``; the study's fixed one otherwise."""
-    if study == "defaults":
+    if study in ("defaults", "modes"):
         from rl_jax.recipe.checks import load_recipe_file
         return float(load_recipe_file(ROOT / _RECIPE.value).trainer.time_limit_s)
     return {"ceiling": 570.0, "plateau": 300.0, "staleness": 90.0}[study]
@@ -158,10 +162,15 @@ def ensure_base(workdir: Path) -> Path:
     """The recipe's base policy, trained once into ``workdir/base`` as the recipe does."""
     if _BASE.value:
         return Path(_BASE.value).absolute()
-    sys.path.insert(0, str(ROOT))
-    from configs import tiny_rl
+    import importlib.util
     from rl_jax.orchestrator.rl import ensure_base_checkpoint
-    return ensure_base_checkpoint(tiny_rl.get_config(), workdir)
+    spec = importlib.util.spec_from_file_location("recipe", ROOT / _RECIPE.value)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    config = recipe.get_config()
+    # One base per supervised recipe and its overrides (recipes that share one share it).
+    key = "_".join([Path(config.base.lm_config).stem, *config.base.lm_overrides])
+    return ensure_base_checkpoint(config, workdir / "bases" / key.replace("=", ""))
 
 
 def read_run(name: str, overrides: tuple[str, ...], seed: int, out: Path) -> dict:

@@ -1,6 +1,6 @@
 """Long-completion asynchronous RL recipe (CPU default): the tiny model learns to add two 2- to
 25-digit numbers by writing out every column (``configs/scratchpad_lm.py``,
-:mod:`rl_jax.envs.scratchpad`). Its completions run from 26 to 314 tokens (median about 62,
+:mod:`rl_jax.envs.scratchpad`). Its completions run from 25 to 301 tokens (median about 61,
 95th percentile about 250), their length set by the problem: a synchronous step waits for its
 longest sample, completions cross weight updates while they are generated, and the trainer's
 batches vary in tokens from step to step.
@@ -31,7 +31,7 @@ def get_config() -> ConfigDict:
         max_lag=4,
         groups_per_batch=8,
         group_size=8,
-        # the longest trace (25 digits: 314 characters) and <eos>
+        # the longest work (25 digits: 300 characters) and <eos>
         max_new_tokens=320,
         # a completion cut off at the limit stays in its group's baseline, untrained
         overlong="filter",

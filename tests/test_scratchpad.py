@@ -20,24 +20,28 @@ def score(env, prompt, completion):
 
 
 def test_the_work_is_written_column_by_column_with_carries():
-    assert TASK.format_prompt(507, 219, 3) == "c5b0a7+c2b1a9="
-    assert TASK.format_completion(507, 219, 3) == "a7+9+0=16;b0+1+1=02;c5+2+0=07;|c7b2a6"
-    # a final carry gets the next letter; leading zeros of the operands are written
-    assert TASK.format_completion(95, 8, 2) == "a5+8+0=13;b9+0+1=10;|c1b0a3"
-    assert TASK.format_prompt(95, 8, 2) == "b9a5+b0a8="
-    assert TASK.parse_prompt("c5b0a7+c2b1a9=") == (507, 219, 3)
-    for bad in ("c5b0a7+b1a9=", "a5b0c7+c2b1a9=", "c5b0a7+c2b1a9", "507+219=", "c5b0a7+c2b1a9=x"):
+    assert TASK.format_prompt(507, 219, 3) == "a79b01c52="
+    work = "a:7+9+0=1,6;b:0+1+1=0,2;c:5+2+0=0,7;"
+    assert TASK.format_completion(507, 219, 3) == work
+    assert TASK.stated_answer(work, 3) == 726
+    # the last step's carry leads the answer; leading zeros of the operands are written
+    assert TASK.format_prompt(95, 8, 2) == "a58b90="
+    assert TASK.format_completion(95, 8, 2) == "a:5+8+0=1,3;b:9+0+1=1,0;"
+    assert TASK.stated_answer("a:5+8+0=1,3;b:9+0+1=1,0;<eos>", 2) == 103
+    assert TASK.parse_prompt("a79b01c52=") == (507, 219, 3)
+    for bad in ("a79b01c5=", "b79a01c52=", "a79b01c52", "507+219=", "a79b01c52=x", "a79a01=",
+                "a79b0١c52="):
         with pytest.raises(ValueError):
             ScratchpadAdditionTask.parse_prompt(bad)
 
 
 def test_lengths_follow_the_problem_and_vary_tenfold():
-    """Median >= 60 characters, p95/p50 >= 4 (no ignore_eos: the written work's own length)."""
+    """Median >= 60 tokens, p95/p50 >= 4 (no ignore_eos: the written work's own length)."""
     lengths = []
     for i in range(3000):
         a, b, n = TASK.operands(i)
         completion = TASK.format_completion(a, b, n)
-        assert len(completion) == TASK.completion_length(n, carry=a + b >= 10**n)
+        assert TASK.check((a, b, n), completion)
         lengths.append(len(completion) + 1)  # + <eos>
     p50, p95 = np.percentile(lengths, [50, 95])
     assert p50 >= 60 and p95 / p50 >= 4, (p50, p95)
@@ -52,46 +56,48 @@ def test_examples_are_pure_and_the_splits_disjoint():
     test = {tuple(sorted(held_out.operands(i)[:2])) for i in range(300)}
     assert not train & test
     assert all(held_out.in_split(*held_out.operands(i)[:2]) for i in range(50))
-    for bad in (dict(min_digits=0), dict(min_digits=5, max_digits=4), dict(max_digits=26),
+    for bad in (dict(min_digits=0), dict(min_digits=5, max_digits=4), dict(max_digits=27),
                 dict(power=-1.0), dict(split="test"), dict(eval_fraction=1.0)):
         with pytest.raises(ValueError):
             ScratchpadAdditionTask(**bad)
 
 
-def test_the_reward_grades_only_the_stated_result_and_refuses_hacks():
+def test_the_reward_checks_the_answer_the_work_spells_and_refuses_hacks():
     env = envs.get("scratchpad", format_reward=0.1)
-    prompt = env.prompt(7)
+    prompt = next(p for p in (env.prompt(i) for i in range(100)) if p.info["operands"][2] >= 4)
     a, b, n = prompt.info["operands"]
     right = env.task.format_completion(a, b, n)
-    result = env.task.format_result(a, b, n)
-    assert score(env, prompt, right) == (1.0, {"expected": result, "digits": n,
+    assert score(env, prompt, right) == (1.0, {"expected": str(a + b), "digits": n,
                                                 "correct": True, "reason": "correct"})
     assert score(env, prompt, right + "<eos>")[0] == 1.0
-    assert score(env, prompt.text, "|" + result)[0] == 1.0  # the work is not graded
-    wrong = env.task.tagged(str(a + b + 1).zfill(len(result) // 2))
+    assert score(env, prompt.text, right)[0] == 1.0  # the prompt parsed from its text
+    steps = [right[i:i + 12] for i in range(0, len(right), 12)]
+    # the digits of A and B the work restates are not graded, only what it adds up to
+    restated = "".join(s[:2] + "0+0+" + s[6:] for s in steps)
+    assert score(env, prompt, restated)[0] == 1.0
+    flipped = right[:-2] + str((int(right[-2]) + 1) % 10) + ";"
     hostile = {
-        right + "|" + wrong: (0.0, "several_answers"),        # two results: never credited
-        wrong and ("|" + wrong + "|" + result): (0.0, "several_answers"),
-        right[:right.index("|")]: (0.0, "no_answer"),        # work, no result
+        flipped: (0.1, "wrong_answer"),
+        right[:-12]: (0.0, "bad_format"),                      # a column left out
+        right + steps[-1]: (0.0, "bad_format"),                # a column too many
+        right + right: (0.0, "bad_format"),                    # two answers
+        "".join(reversed(steps)): (0.0, "bad_format"),         # columns out of order
         right + "0": (0.0, "bad_format"),                      # trailing junk
-        right.replace("|", "| "): (0.0, "bad_format"),
-        "|" + result[1::2]: (0.0, "bad_format"),               # digits without their letters
-        "|" + result.upper(): (0.0, "bad_format"),
-        "|" + "".join(result[i:i + 2] for i in range(len(result) - 2, -1, -2)): (
-            0.1, "wrong_answer"),                              # places in the wrong order
-        "|" + wrong: (0.1, "wrong_answer"),
-        "": (0.0, "no_answer"),
-        "|" * 10_000: (0.0, "several_answers"),
-        "a" * 100_000 + "|" + result + "<eos><eos>": (0.0, "bad_format"),
-        "|" + result + "\x00": (0.0, "bad_format"),
-        "|" + "a١": (0.0, "bad_format"),                       # a non-ASCII digit
+        right + "<eos><eos>": (0.0, "bad_format"),
+        right.replace(";", "; ", 1): (0.0, "bad_format"),
+        right.upper(): (0.0, "bad_format"),
+        right.replace("1", "١"): (0.0, "bad_format"),          # non-ASCII digits
+        right[:-1] + "\x00": (0.0, "bad_format"),
+        "": (0.0, "bad_format"),
+        str(a + b): (0.0, "bad_format"),                        # the bare answer
+        "a" * 100_000: (0.0, "bad_format"),
     }
     for completion, (reward, reason) in hostile.items():
         got, info = score(env, prompt, completion)
         assert (got, info["reason"]) == (reward, reason), completion[:60]
         assert info["correct"] is False
     with pytest.raises(EnvError, match="not a scratchpad addition prompt"):
-        score(env, "12+34=", "|a6b4")
+        score(env, "12+34=", right)
     with pytest.raises(EnvError, match="format_reward"):
         envs.get("scratchpad", format_reward=1.0)
     with pytest.raises(EnvError, match="max_digits"):

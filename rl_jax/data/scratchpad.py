@@ -1,19 +1,20 @@
-"""Long addition written out digit by digit: a task whose answers need variable-length reasoning.
+"""Long addition written out column by column: a task whose answers need variable-length reasoning.
 
 A problem adds two ``n``-digit numbers; ``n`` varies from problem to problem (``min_digits`` to
 ``max_digits``, small sizes more likely: the mass of a truncated power law ``n ** -power``), so
-the written work, and the completion's length, follows the problem: 12 characters per digit,
-26 to 300 and more. Every digit carries an index letter (``a`` for the units, ``b`` for
-the tens, ...), so a small model finds the digits of one column by their letter, as a person
-finds them by lining the numbers up::
+the written work, and the completion's length, follows the problem: 12 characters per column,
+25 to 301 in all. The prompt gives the columns lined up, units first, each after the letter of
+its place (``a`` units, ``b`` tens, ...); the completion works through them, one step per column,
+carrying as it goes::
 
-    prompt      c5b0a7+c2b1a9=
-    completion  a7+9+0=16;b0+1+1=02;c5+2+0=07;|c7b1a6
+    507 + 219:  prompt      a79b01c52=
+                completion  a:7+9+0=1,6;b:0+1+1=0,2;c:5+2+0=0,7;
 
-One step per column, units first: ``<letter><digit of A>+<digit of B>+<carry in>=<two-digit
-column sum>;`` (the sum's first digit is the carry out, its second the result's digit), then
-``|`` and the result, most significant digit first, each digit after its letter (a final carry
-gets the next letter: ``|d1c0...``). The answer checked is the result after the last ``|``.
+A step is ``<letter>:<digit of A>+<digit of B>+<carry in>=<carry out>,<digit>;``. The answer is
+the number the steps spell: their digits, units first, under the last step's carry
+(``726`` above). Every fact a step needs is its own column in the prompt (found by its letter)
+or the step before it, however long the problem: what makes a long problem harder is only that
+it has more columns to get right.
 
 Example ``i`` of a split is a pure function of ``(seed, split, i)`` (a Philox generator seeded by
 ``SeedSequence([seed, split, i])``); an unordered operand pair belongs to the held-out split iff
@@ -34,8 +35,11 @@ from rl_jax.data.arithmetic import operand_pair_in_eval
 _SPLIT_CODES = {"train": 0, "eval": 1}
 _MAX_DRAWS = 10_000
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-STEP_CHARS = 10  # "a7+9+0=16;"
-_RESULT_RE = re.compile(r"(?:[a-z][0-9])+")  # ASCII digits only (\d takes any script's)
+STEP_CHARS = 12  # "a:7+9+0=1,6;"
+# ASCII digits only ([0-9]: \d takes any script's digits).
+_STEP_RE = re.compile(r"([a-z]):([0-9])\+([0-9])\+([0-9])=([0-9]),([0-9]);")
+_WORK_RE = re.compile(r"(?:[a-z]:[0-9]\+[0-9]\+[0-9]=[0-9],[0-9];)+")
+_PROMPT_RE = re.compile(r"(?:[a-z][0-9][0-9])+=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +47,10 @@ class ScratchpadAdditionTask:
     """Addition of two ``n``-digit numbers with a written column-by-column trace.
 
     Attributes:
-      min_digits, max_digits: the range of ``n`` (1 <= min <= max <= 25).
+      min_digits, max_digits: the range of ``n`` (1 <= min <= max <= 26).
       power: ``P(n) ∝ n ** -power`` over that range (0: uniform); the defaults give a median of
-        5 digits (62 characters of completion), a 95th percentile of 21 (254) and a mean of 87.
+        5 digits (61 characters of work, with ``<eos>``), a 95th percentile of 21 (253) and a
+        mean of 83.
       seed: selects the example stream; the train/eval assignment does not depend on it.
       split: ``"train"`` or ``"eval"``.
       eval_fraction: fraction of operand pairs held out.
@@ -58,12 +63,12 @@ class ScratchpadAdditionTask:
     split: str = "train"
     eval_fraction: float = 0.1
 
-    ALPHABET: ClassVar[str] = "0123456789+=;|" + LETTERS
+    ALPHABET: ClassVar[str] = "0123456789+=:,;" + LETTERS
     EOS_TEXT: ClassVar[str] = "<eos>"
 
     def __post_init__(self):
-        if not 1 <= self.min_digits <= self.max_digits <= len(LETTERS) - 1:
-            raise ValueError(f"need 1 <= min_digits <= max_digits <= {len(LETTERS) - 1}, got "
+        if not 1 <= self.min_digits <= self.max_digits <= len(LETTERS):
+            raise ValueError(f"need 1 <= min_digits <= max_digits <= {len(LETTERS)}, got "
                              f"{self.min_digits}..{self.max_digits}")
         if not self.power >= 0:
             raise ValueError(f"power must be >= 0, got {self.power}")
@@ -85,18 +90,13 @@ class ScratchpadAdditionTask:
 
     @property
     def prompt_length(self) -> int:
-        """Most characters in a prompt (``4 * max_digits + 2``)."""
-        return 4 * self.max_digits + 2
+        """Most characters in a prompt (``3 * max_digits + 1``)."""
+        return 3 * self.max_digits + 1
 
     @property
     def max_answer_length(self) -> int:
-        """Most characters in a completion (the trace of the largest problem)."""
-        return self.completion_length(self.max_digits, carry=True)
-
-    @staticmethod
-    def completion_length(n: int, *, carry: bool) -> int:
-        """Characters of the completion of an ``n``-digit problem (with a final carry or not)."""
-        return STEP_CHARS * n + 1 + 2 * (n + int(carry))
+        """Most characters in a completion (the work of the largest problem)."""
+        return STEP_CHARS * self.max_digits
 
     def with_split(self, split: str) -> ScratchpadAdditionTask:
         return dataclasses.replace(self, split=split)
@@ -122,29 +122,21 @@ class ScratchpadAdditionTask:
         raise RuntimeError(f"no {self.split} operand pair of {n} digits in {_MAX_DRAWS} draws")
 
     @staticmethod
-    def tagged(digits: str) -> str:
-        """``"507"`` → ``"c5b0a7"``: each digit after the letter of its place."""
-        k = len(digits)
-        return "".join(LETTERS[k - 1 - i] + d for i, d in enumerate(digits))
+    def format_prompt(a: int, b: int, n: int) -> str:
+        """The columns, units first: ``<letter><digit of a><digit of b>`` each, then ``=``."""
+        da, db = f"{a:0{n}d}"[::-1], f"{b:0{n}d}"[::-1]
+        return "".join(LETTERS[i] + da[i] + db[i] for i in range(n)) + "="
 
-    def format_prompt(self, a: int, b: int, n: int) -> str:
-        return f"{self.tagged(f'{a:0{n}d}')}+{self.tagged(f'{b:0{n}d}')}="
-
-    def format_result(self, a: int, b: int, n: int) -> str:
-        """The tagged sum, ``n`` digits plus a final carry when there is one."""
-        total = a + b
-        width = n + 1 if total >= 10**n else n
-        return self.tagged(f"{total:0{width}d}")
-
-    def format_completion(self, a: int, b: int, n: int) -> str:
-        """The whole written work and result (what the supervised recipe trains on)."""
+    @staticmethod
+    def format_completion(a: int, b: int, n: int) -> str:
+        """The whole written work (what the supervised recipe trains on)."""
         da, db = f"{a:0{n}d}"[::-1], f"{b:0{n}d}"[::-1]
         steps, carry = [], 0
         for i in range(n):
             column = int(da[i]) + int(db[i]) + carry
-            steps.append(f"{LETTERS[i]}{da[i]}+{db[i]}+{carry}={column:02d};")
+            steps.append(f"{LETTERS[i]}:{da[i]}+{db[i]}+{carry}={column // 10},{column % 10};")
             carry = column // 10
-        return "".join(steps) + "|" + self.format_result(a, b, n)
+        return "".join(steps)
 
     def example(self, index: int) -> tuple[str, str]:
         """``(prompt, completion)`` of example ``index``."""
@@ -156,25 +148,28 @@ class ScratchpadAdditionTask:
     @staticmethod
     def parse_prompt(prompt: str) -> tuple[int, int, int]:
         """``(a, b, n)`` of a prompt written by :meth:`format_prompt`; ``ValueError`` otherwise."""
-        match = re.fullmatch(r"((?:[a-z][0-9])+)\+((?:[a-z][0-9])+)=", prompt)
-        if match is None:
-            raise ValueError(f"not a scratchpad addition prompt: {prompt[:80]!r}")
-        a, b = match[1][1::2], match[2][1::2]
-        if len(a) != len(b) or match[1] != ScratchpadAdditionTask.tagged(a) \
-                or match[2] != ScratchpadAdditionTask.tagged(b):
-            raise ValueError(f"malformed scratchpad addition prompt: {prompt[:80]!r}")
-        return int(a), int(b), len(a)
+        if not isinstance(prompt, str) or not _PROMPT_RE.fullmatch(prompt):
+            raise ValueError(f"not a scratchpad addition prompt: {str(prompt)[:80]!r}")
+        n = (len(prompt) - 1) // 3
+        if prompt[0:-1:3] != LETTERS[:n]:
+            raise ValueError(f"the columns of a scratchpad addition prompt must be lettered "
+                             f"a, b, c, ... in order: {prompt[:80]!r}")
+        a, b = int(prompt[1:-1:3][::-1]), int(prompt[2:-1:3][::-1])
+        return a, b, n
 
-    def final_result(self, completion: str) -> str | None:
-        """The result the completion states: what follows its last ``|`` (one trailing
-        ``<eos>`` allowed), if it is a well-formed tagged number; else None."""
+    def stated_answer(self, completion: str, n: int) -> int | None:
+        """The number the completion's work spells, if it is exactly ``n`` well-formed steps
+        lettered ``a, b, c, ...`` in order (one trailing ``<eos>`` allowed); else None."""
         text = completion.removesuffix(self.EOS_TEXT)
-        if "|" not in text:
+        if len(text) != STEP_CHARS * n or not _WORK_RE.fullmatch(text):
             return None
-        result = text.rsplit("|", 1)[1]
-        return result if _RESULT_RE.fullmatch(result) else None
+        steps = _STEP_RE.findall(text)
+        if "".join(s[0] for s in steps) != LETTERS[:n]:
+            return None
+        digits = "".join(s[5] for s in steps)[::-1]
+        return int(steps[-1][4] + digits)
 
     def check(self, operands: tuple[int, int, int], completion: str) -> bool:
-        """Whether the completion's final result is the sum, exactly as :meth:`format_result`
-        writes it (the work before it is not graded)."""
-        return self.final_result(completion) == self.format_result(*operands)
+        """Whether the completion's work spells the sum (see :meth:`stated_answer`)."""
+        a, b, n = operands
+        return self.stated_answer(completion, n) == a + b

@@ -1,9 +1,9 @@
 """Long addition with written work as a reward environment (:mod:`rl_jax.data.scratchpad`).
 
-Prompts are ``"c5b0a7+c2b1a9="`` (every digit after the letter of its place); a completion writes
-the columns out and ends with ``|`` and the tagged sum. Only the stated result is graded: the
-work before it is the policy's own business, and its length follows the problem (2 to 25 digits,
-26 to 314 characters).
+Prompts line the two numbers' columns up, units first (``"a79b01c52="`` for 507 + 219); a
+completion works through the columns, one step each (``"a:7+9+0=1,6;b:0+1+1=0,2;..."``), and its
+answer is the number those steps spell. Its length follows the problem (2 to 25 digits, 25 to 301
+tokens).
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ from rl_jax.envs.base import EnvError, Environment, PromptLike, as_prompt
 
 
 class ScratchpadEnv(Environment):
-    """Exact-result reward for long addition with a scratchpad.
+    """Exact-answer reward for long addition with written work.
 
     Args:
       min_digits, max_digits, power: the problem sizes (see :class:`ScratchpadAdditionTask`).
       seed: selects the prompt stream.
       eval_fraction: fraction of operand pairs held out for the eval split.
-      format_reward: reward of a wrong but well-formed result (one ``|``, then tagged digits).
+      format_reward: reward of well-formed work (one step per column, lettered in order) whose
+        answer is wrong.
 
-    Reward: 1 for the exact result; ``format_reward`` for a well-formed wrong one; 0 otherwise,
-    including completions that state more than one result (a ``|`` more than once).
-    ``info["digits"]`` is the problem's size.
+    Reward: 1 when the work spells the sum; ``format_reward`` for well-formed work that does
+    not; 0 otherwise: a step too many or too few, steps out of order, anything after the work
+    but one ``<eos>``. ``info["digits"]`` is the problem's size.
     """
 
     name: ClassVar[str] = "scratchpad"
@@ -48,7 +49,7 @@ class ScratchpadEnv(Environment):
     def prompt(self, index: int, split: str = "train") -> Prompt:
         task = self.task.with_split(split)
         a, b, n = task.operands(index)
-        return Prompt(text=task.format_prompt(a, b, n), answer=task.format_result(a, b, n),
+        return Prompt(text=task.format_prompt(a, b, n), answer=str(a + b),
                       info={"operands": (a, b, n)}, index=int(index), split=split)
 
     def _operands(self, prompt: Prompt) -> tuple[int, int, int]:
@@ -62,16 +63,11 @@ class ScratchpadEnv(Environment):
 
     async def score(self, prompt: PromptLike, completion: str) -> tuple[float, dict[str, Any]]:
         a, b, n = self._operands(as_prompt(prompt))
-        expected = self.task.format_result(a, b, n)
-        info: dict[str, Any] = {"expected": expected, "digits": n}
-        if not isinstance(completion, str):
-            return 0.0, {**info, "correct": False, "reason": "bad_format"}
-        if completion.count("|") > 1:
-            return 0.0, {**info, "correct": False, "reason": "several_answers"}
-        stated = self.task.final_result(completion)
+        info: dict[str, Any] = {"expected": str(a + b), "digits": n}
+        stated = (self.task.stated_answer(completion, n) if isinstance(completion, str)
+                  else None)
         if stated is None:
-            reason = "no_answer" if "|" not in completion else "bad_format"
-            return 0.0, {**info, "correct": False, "reason": reason}
-        if stated == expected:
+            return 0.0, {**info, "correct": False, "reason": "bad_format"}
+        if stated == a + b:
             return 1.0, {**info, "correct": True, "reason": "correct"}
         return self.format_reward, {**info, "correct": False, "reason": "wrong_answer"}

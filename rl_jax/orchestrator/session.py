@@ -264,6 +264,8 @@ class Session:
                     "reward/std": host["metrics"]["reward/std"],
                     "rollout/accuracy": float(correct),
                     "groups/zero_signal": host["metrics"]["groups/zero_signal"],
+                    **{k: v for k, v in host["metrics"].items()
+                       if k.startswith("completions/")},
                     # Which prompts (stream positions) the step trained on.
                     "rollout/prompts": [int(x) for x in host["metrics"]["positions"]],
                     "staleness/batch_max": float(max(staleness)),

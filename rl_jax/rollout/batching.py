@@ -39,6 +39,8 @@ class GroupsToBatch:
                             share_prompts=self.share_prompts)
         rewards = batch["rewards"]
         solve = np.asarray([float(np.mean(g.rewards >= 1.0)) for g in groups])
+        samples = [s for g in groups for s in g.samples]
+        lengths = np.asarray([len(s.completion_ids) for s in samples], np.float64)
         batch["metrics"] = {
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "groups/zero_signal": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
@@ -46,6 +48,16 @@ class GroupsToBatch:
             "tokens/completion": float(sum(len(s.completion_ids) for g in groups
                                            for s in g.samples)),
             "versions/min": float(min(g.min_version for g in groups)),
+            # The completions' lengths, those cut at the limit, and those whose tokens came
+            # from two or more weight versions (an update landed while they were generated).
+            "completions/length_mean": float(lengths.mean()),
+            "completions/length_p50": float(np.percentile(lengths, 50)),
+            "completions/length_p95": float(np.percentile(lengths, 95)),
+            "completions/length_max": float(lengths.max()),
+            "completions/truncated": float(np.mean([s.finish_reason == "length"
+                                                    for s in samples])),
+            "completions/multi_version": float(np.mean([len(set(s.versions)) > 1
+                                                        for s in samples])),
             "positions": [g.position for g in groups],
         }
         return batch
