@@ -14,6 +14,9 @@ recipe's periodic held-out evaluation (greedy, ``eval.examples`` problems). A ru
                  runs ahead and the bound is reached
   ``defaults``   the recipe exactly as the README runs it (the seeds' spread)
   ``ceiling``    full-length runs of the changes that may lift the end of the curve
+  ``modes``      the recipe in ``async``, ``one_step_off`` and ``sync`` mode (with
+                 ``--reference=sync``: each mode's time to sync's final accuracy; with
+                 ``--peers=FILE``: TRL's runs of the same task beside them)
 
 and ``--variants=NAME,...`` keeps some of them. Per run, the per-step records give what changes
 as the curve flattens: the fraction of groups with no reward signal, entropy, learning rate,
@@ -29,8 +32,12 @@ variant, one line per seed).
         [--recipe=configs/tiny_rl_sglang.py] [--out=NAME]
     python benchmarks/learning_study.py --by_step=NAME,NAME --out=PLOT   # accuracy per step
 
-``--recipe`` runs another recipe from the same base (``configs/tiny_rl_sglang.py``: a real SGLang
-server as the generator); ``--by_step`` compares results per optimizer step (the check that a
+    python benchmarks/learning_study.py --study=modes --recipe=configs/scratchpad_rl.py \
+        --seeds=0,1,2 --reference=sync --peers=benchmarks/results/learning_study/trl_scratchpad.json
+
+``--recipe`` runs another recipe (``configs/tiny_rl_sglang.py``: the tiny one with a real SGLang
+server as the generator, from the same base; ``configs/scratchpad_rl.py``: long completions), each
+from its supervised recipe's base, trained once into ``<workdir>/bases/``; ``--by_step`` compares results per optimizer step (the check that a
 generator's log-probs and versions train the policy as this project's server's do).
 """
 
@@ -70,7 +77,7 @@ _REPORT = flags.DEFINE_bool("report", False, "Run nothing: print the markdown ta
                             "result already written (results/learning_study/<out>.json).")
 _RECIPE = flags.DEFINE_string("recipe", "configs/tiny_rl.py", "The recipe every run starts from "
                               "(e.g. configs/tiny_rl_sglang.py: the same with a real SGLang "
-                              "server); its base policy is configs/tiny_rl.py's.")
+                              "server); its base policy is the one its base.lm_config trains.")
 _BY_STEP = flags.DEFINE_list("by_step", [], "Run nothing: plot held-out accuracy against the "
                              "optimizer step for these results (results/learning_study/"
                              "<name>.json, e.g. defaults_own,defaults_sglang) into <out>.png, "
@@ -78,6 +85,13 @@ _BY_STEP = flags.DEFINE_list("by_step", [], "Run nothing: plot held-out accuracy
                              "accuracy of each run at a few steps.")
 _FROM_RUNS = flags.DEFINE_bool("from_runs", False, "Run nothing: summarize and plot the runs "
                                 "already in --workdir (e.g. after changing the plots).")
+_PEERS = flags.DEFINE_list("peers", [], "Result files of peer systems run on the same task "
+                           "(benchmarks/trl_baseline.py's JSON): their runs join the plot, the "
+                           "table and the comparison with --reference.")
+_REFERENCE = flags.DEFINE_string("reference", "", "A variant (or peer run name): every run is "
+                                 "also timed to the median final accuracy of its seeds, and "
+                                 "the summary gives each variant's speed-up to it (median over "
+                                 "seeds), e.g. --reference=sync in the modes study.")
 CHECKPOINTS_S = (60, 120, 300, 570)
 
 # The staleness study slows the trainer (seconds of sleep per step) so that the generator runs
@@ -356,6 +370,51 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
+def first_time_at(curve: list, accuracy: float) -> float | None:
+    """The RL wall time of the first held-out evaluation at or above ``accuracy``."""
+    return next((w for w, _, a in curve if a >= accuracy - 1e-9), None)
+
+
+def peer_runs(paths: list[str]) -> list[dict]:
+    """Runs of peer systems (``trl_baseline.py`` results) shaped like this study's."""
+    runs = []
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["runs"]:
+            curve = [tuple(p) for p in r["curve"]]
+            runs.append(dict(name=r["name"], seed=r["seed"], curve=curve, series={},
+                             final_accuracy=float(r["final_accuracy"]), steps=r["steps"],
+                             wall_s=r["wall_s"], peer=str(path),
+                             time_to={t: first_time_at(curve, float(t)) for t in _TARGETS.value},
+                             best_accuracy=max(a for _, _, a in curve)))
+    return runs
+
+
+def compare_to(runs: list[dict], reference: str) -> dict:
+    """Each variant against ``reference``: the reference's median final accuracy, every run's
+    time to reach it, and the speed-up (the reference's median time to its own final accuracy
+    over the variant's median time to it; None when a variant's median run never reaches it)."""
+    ref = [r for r in runs if r["name"] == reference]
+    if not ref:
+        return {}
+    target = float(np.median([r["final_accuracy"] for r in ref]))
+
+    def median_time(mine):
+        times = [first_time_at(r["curve"], target) for r in mine]
+        times = sorted(float("inf") if t is None else t for t in times)
+        middle = times[len(times) // 2] if len(times) % 2 else float(np.mean(
+            times[len(times) // 2 - 1:len(times) // 2 + 1]))
+        return times, middle
+
+    _, ref_time = median_time(ref)
+    out = {"reference": reference, "target_accuracy": target, "reference_time_s": ref_time}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        times, middle = median_time([r for r in runs if r["name"] == name])
+        out[name] = {"times_s": [None if t == float("inf") else t for t in times],
+                     "median_time_s": None if middle == float("inf") else middle,
+                     "speedup": None if middle in (0.0, float("inf")) else ref_time / middle}
+    return out
+
+
 def accuracy_at(curve: list, seconds: float) -> float | None:
     """The last held-out accuracy measured at or before ``seconds`` of RL."""
     seen = [a for w, _, a in curve if w <= seconds]
@@ -447,17 +506,22 @@ def main(argv):
     name = _OUT.value or study
     runs: list[dict] = []
 
+    peers = peer_runs(_PEERS.value)
+
     def write() -> dict:  # after every run: a study cut short keeps what it measured
+        everything = runs + peers
         result = {
             "study": study, "recipe": _RECIPE.value, "time_limit_s": time_limit,
             "seeds": _SEEDS.value,
             "extra_overrides": _EXTRA.value, "host": platform.node(), "cpus": os.cpu_count(),
             "command": " ".join(["python", "benchmarks/learning_study.py",
                                  *[a for a in sys.argv[1:] if a != "--from_runs"]]),
-            "summary": aggregate(runs), "runs": runs,
+            "summary": aggregate(everything), "runs": everything,
+            **({"compared_to": compare_to(everything, _REFERENCE.value)}
+               if _REFERENCE.value else {}),
         }
         (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
-        plot(runs, RESULTS / f"{name}.png",
+        plot(everything, RESULTS / f"{name}.png",
              f"{study}: {_RECIPE.value}, {time_limit:.0f} s of RL per run, seeds "
              f"{','.join(_SEEDS.value)}")
         if study == "staleness":
@@ -471,6 +535,8 @@ def main(argv):
             runs.append(run_one(variant, overrides, seed, base, workdir, time_limit))
             result = write()
     print(report(result))
+    if "compared_to" in result:
+        print(json.dumps(result["compared_to"], indent=1))
     print(f"wrote {RESULTS / name}.json and .png")
 
 
