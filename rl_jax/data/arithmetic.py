@@ -37,6 +37,17 @@ def operand_pair_in_eval(a: int, b: int, eval_fraction: float) -> bool:
     return int.from_bytes(digest, "little") < eval_fraction * 2.0**64
 
 
+def check_split_fields(split: str, eval_fraction: float, seed: int) -> None:
+    """Raises ``ValueError`` naming the field unless ``split`` is "train" or "eval",
+    ``0 < eval_fraction < 1`` and ``seed >= 0`` (what every split-hashed synthetic task needs)."""
+    if split not in _SPLIT_CODES:
+        raise ValueError(f"split must be one of {sorted(_SPLIT_CODES)}, got {split!r}")
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
     """Addition of two ``num_digits``-digit numbers, with exact-match checking.
@@ -61,12 +72,7 @@ class ArithmeticTask:
     def __post_init__(self):
         if not 1 <= self.num_digits <= 18:
             raise ValueError(f"num_digits must be in 1..18, got {self.num_digits}")
-        if self.split not in _SPLIT_CODES:
-            raise ValueError(f"split must be one of {sorted(_SPLIT_CODES)}, got {self.split!r}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be non-negative, got {self.seed}")
+        check_split_fields(self.split, self.eval_fraction, self.seed)
 
     # Lengths, in characters.
     @property

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from rl_jax.data.arithmetic import operand_pair_in_eval
+from rl_jax.data.arithmetic import check_split_fields, operand_pair_in_eval
 
 _SPLIT_CODES = {"train": 0, "eval": 1}
 _MAX_DRAWS = 10_000
@@ -72,12 +72,7 @@ class ScratchpadAdditionTask:
                              f"{self.min_digits}..{self.max_digits}")
         if not self.power >= 0:
             raise ValueError(f"power must be >= 0, got {self.power}")
-        if self.split not in _SPLIT_CODES:
-            raise ValueError(f"split must be one of {sorted(_SPLIT_CODES)}, got {self.split!r}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be non-negative, got {self.seed}")
+        check_split_fields(self.split, self.eval_fraction, self.seed)
 
     # ---- sizes ----------------------------------------------------------------------------------
 
