@@ -577,3 +577,99 @@ def test_the_server_refuses_corrupt_weights_and_says_why(ckpts, tmp_path, served
     assert status == 200 and data["weight_version"] == version - 1, data
     assert gen(url, [1, 8, 9], max_new_tokens=8, temperature=0)["output_ids"] == \
         before["output_ids"]
+
+
+# ---- the weight publisher a server pulls from -------------------------------------------------
+
+class FakePublisher:
+    """A loopback HTTP peer posing as a weight publisher: it records every request it gets
+    (head and body) and answers each with ``answer`` (raw bytes), sent ``trickle`` bytes at a
+    time every ``pause_s`` seconds when ``trickle`` is set."""
+
+    def __init__(self, answer: bytes, trickle: int = 0, pause_s: float = 0.0):
+        self.answer, self.trickle, self.pause_s = answer, trickle, pause_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests: list[bytes] = []
+        self.closed_at: list[float] = []  # when each connection was closed by the puller
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            self.requests.append(data)
+            try:
+                if not self.trickle:
+                    conn.sendall(self.answer)
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(1)
+                    return
+                for i in range(0, len(self.answer), self.trickle):
+                    if self._stop.wait(self.pause_s):
+                        return
+                    conn.sendall(self.answer[i:i + self.trickle])
+            except OSError:  # the puller closed the connection
+                self.closed_at.append(time.monotonic())
+
+    @property
+    def received(self) -> bytes:
+        return b"".join(self.requests)
+
+    def close(self):
+        self._stop.set()
+        self.sock.close()
+
+
+def json_answer(data, status: str = "200 OK") -> bytes:
+    raw = json.dumps(data).encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: "
+            f"{len(raw)}\r\nConnection: close\r\n\r\n").encode() + raw
+
+
+TRANSFER_TOKEN = "transfer-token-of-the-trainers-publisher-0123"
+API_KEY, ADMIN_KEY = "hardening-api-key-0123456789", "hardening-admin-key-0123456789"
+
+
+def test_the_transfer_token_goes_only_to_the_configured_publisher(ckpts, monkeypatch):
+    """A keyed server's admin (or anyone, were the server unkeyed) naming another publisher
+    is refused before any connection: the transfer token never reaches that address, and
+    nothing of what it would answer comes back. The configured publisher does get it."""
+    from rl_jax.generator.auth import Keys
+    monkeypatch.setenv("RL_JAX_TRANSFER_TOKEN", TRANSFER_TOKEN)
+    secret = "internal-service-answer-0123456789"
+    mine = FakePublisher(json_answer({"version": 0, "error": "nothing yet"}, "503 Busy"))
+    foreign = FakePublisher(json_answer({"transports": [secret], "host_id": secret}))
+    running = start(ckpts["a"], keys=Keys(API_KEY, ADMIN_KEY), publisher_url=mine.url)
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    try:
+        for named in (foreign.url, foreign.url.removeprefix("http://"),
+                      foreign.url.replace("127.0.0.1", "localhost")):
+            status, data, _ = http(running.url, "/update_weights_from_transfer",
+                                   {"publisher_url": named, "wait_s": 0}, headers=admin)
+            assert status == 403, data
+            assert "pulls only from its publisher" in data["error"]["message"], data
+            assert mine.url in data["error"]["message"] and secret not in json.dumps(data)
+        time.sleep(0.2)
+        assert foreign.requests == []  # never contacted, so never sent the token
+        status, data, _ = http(running.url, "/update_weights_from_transfer", {"wait_s": 0},
+                               headers=admin)
+        assert status == 400 and not data["success"], data
+        assert f"Authorization: Bearer {TRANSFER_TOKEN}".encode() in mine.received
+    finally:
+        running.close()
+        mine.close()
+        foreign.close()

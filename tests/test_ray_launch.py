@@ -110,6 +110,11 @@ def test_commands_carry_the_placement_and_no_keys():
     assert ours == ["py", "-m", "launch.generator_server", "--model=/ckpt", "--host=h",
                     "--port=5", "--parent_pid=77", "--publisher_url=http://p:9",
                     "--max_slots=8"]
+    # A first start names the publisher too (the one address its transfer token may go to),
+    # without pulling from it before the trainer publishes.
+    first = generator_command(spec(), host="h", port=5, parent_pid=77,
+                              publisher_url="http://p:9", pull_on_start=False, python="py")
+    assert first[-2:] == ["--publisher_url=http://p:9", "--nopull_on_start"]
     sglang = generator_command(spec(generator_kind="sglang",
                                     generators=RoleSpec(1, args=("--tp-size", "2"))),
                                host="h", port=5, parent_pid=1, sglang_config="/private/k.yaml",

@@ -434,7 +434,6 @@ def test_a_generator_pulls_only_from_its_publisher():
     for other in ("http://127.0.0.1:4001", "http://10.0.0.5:4000", "127.0.0.2:4000"):
         with pytest.raises(PublisherNotAllowed, match="pulls only from its publisher"):
             pinned_publisher(other, mine)
-        assert pinned_publisher(other, mine, allow_any=True).endswith(other.split("//")[-1])
     with pytest.raises(PublisherNotAllowed, match="started without a publisher"):
         pinned_publisher("http://127.0.0.1:4001", None)
     for bad in ("x", "http://127.0.0.1", "ftp://h:1", "http://u:p@h:1", "http://h:1/path", 5):

@@ -245,7 +245,7 @@ class RayLaunch:
                                                                       self.admin_api_key))
         return generator_command(self.spec, host=host, port=port,
                                  parent_pid=proc.node["pid"],
-                                 publisher_url=self.publisher_url if restart else "",
+                                 publisher_url=self.publisher_url, pull_on_start=restart,
                                  sglang_config=sglang_config, python=proc.node["python"])
 
     def _start_generators(self) -> None:

@@ -220,10 +220,12 @@ def trainer_command(spec: LaunchSpec, process_id: int, *, coordinator: str,
 
 
 def generator_command(spec: LaunchSpec, *, host: str, port: int, parent_pid: int,
-                      publisher_url: str = "", sglang_config: str | None = None,
+                      publisher_url: str = "", pull_on_start: bool = True,
+                      sglang_config: str | None = None,
                       python: str = sys.executable) -> list[str]:
     """One generator server bound to ``host:port``. This project's server exits with its
-    supervisor (``parent_pid``) and, given ``publisher_url`` (a restart), pulls the newest
+    supervisor (``parent_pid``), pulls only from ``publisher_url`` (the one address its
+    transfer token goes to) and, with ``pull_on_start`` (a restart), pulls the newest
     published weights before it answers ``/health``."""
     if spec.generator_kind == "rl_jax":
         cmd = [spec.generator_python or python, "-m", "launch.generator_server",
@@ -231,6 +233,8 @@ def generator_command(spec: LaunchSpec, *, host: str, port: int, parent_pid: int
                f"--host={host}", f"--port={port}", f"--parent_pid={parent_pid}"]
         if publisher_url:
             cmd.append(f"--publisher_url={publisher_url}")
+            if not pull_on_start:
+                cmd.append("--nopull_on_start")
     else:
         cmd = [spec.generator_python or python, "-m", "sglang.launch_server", "--model-path",
                spec.generator_model, "--host", host, "--port", str(port)]

@@ -50,8 +50,8 @@ class AuthenticationError(TransferError):
 
 
 class PublisherNotAllowed(TransferError):
-    """A pull names a publisher other than the one this generator was started with (and its
-    configuration does not allow any publisher)."""
+    """A pull names a publisher other than the one this generator was started with (its
+    transfer token is bound to that one)."""
 
 
 class StagingSpaceError(TransferError):

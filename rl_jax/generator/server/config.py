@@ -48,15 +48,14 @@ class ServerConfig:
     warmup_shapes: bool = False  # ... every decode batch size and length (slower start)
     served_model_name: str | None = None
     parent_pid: int = 0  # when > 0, exit once that process is gone (set by the pool launcher)
-    publisher_url: str | None = None  # weight publisher for /update_weights_from_transfer
+    # The weight publisher of /update_weights_from_transfer: the only one this server pulls
+    # from, and the only address its transfer token ($RL_JAX_TRANSFER_TOKEN) is sent to.
+    publisher_url: str | None = None
     # With a publisher_url: pull the newest published version (if any) before serving, so a
     # server (re)started during a run never answers with weights older than the run's.
     pull_on_start: bool = True
     # API key and admin API key (rl_jax.generator.auth; never shown in a repr or a log)
     keys: auth.Keys = auth.NO_KEYS
-    # /update_weights_from_transfer may name another publisher than publisher_url. A keyed
-    # server allows it too: the endpoint is an admin one, so its caller proved the key.
-    allow_any_publisher: bool = False
     # Request bounds, checked before a request costs memory or time. Bodies larger than this
     # are refused (413) before they are read in full.
     max_request_bytes: int = 64 << 20

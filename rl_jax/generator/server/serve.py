@@ -76,10 +76,12 @@ _WARMUP_SHAPES = flags.DEFINE_bool("warmup_shapes", False, "Also compile every d
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in /v1/models.")
 _PARENT = flags.DEFINE_integer("parent_pid", 0, "Exit when this process (the launcher) is gone.")
 _PUBLISHER = flags.DEFINE_string("publisher_url", None, "The trainer's weight publisher "
-                                 "(rl_jax.transfer), for /update_weights_from_transfer.")
-_ANY_PUBLISHER = flags.DEFINE_bool("allow_any_publisher", False, "Let "
-                                   "/update_weights_from_transfer pull from publishers other "
-                                   "than --publisher_url.")
+                                 "(rl_jax.transfer), for /update_weights_from_transfer: the "
+                                 "only one this server pulls from, and the only address its "
+                                 "transfer token (RL_JAX_TRANSFER_TOKEN) is sent to.")
+_PULL_ON_START = flags.DEFINE_bool("pull_on_start", True, "With --publisher_url: pull the "
+                                   "newest published version before serving (--nopull_on_start "
+                                   "when the publisher starts after the server).")
 _CPU_CORES = flags.DEFINE_string("cpu_cores", "", "CPU cores to run on, e.g. '1' or '2-3' "
                                  "(taskset syntax; empty: any).")
 _API_KEY = flags.DEFINE_string("api_key", None, "API key for the normal endpoints (SGLang's "
@@ -133,8 +135,7 @@ def main(argv):
         weight_version=_VERSION.value, strict=_STRICT.value, warmup=_WARMUP.value,
         warmup_shapes=_WARMUP_SHAPES.value,
         served_model_name=_NAME.value, parent_pid=_PARENT.value,
-        publisher_url=_PUBLISHER.value, keys=keys,
-        allow_any_publisher=_ANY_PUBLISHER.value)
+        publisher_url=_PUBLISHER.value, pull_on_start=_PULL_ON_START.value, keys=keys)
     try:
         server.run(config)
     except USER_ERRORS as e:

@@ -118,16 +118,17 @@ class WeightUpdateEndpoints:
     async def update_weights_from_transfer(self, request):
         """Pulls the newest weights from the trainer's publisher (rl_jax.transfer) straight into
         the engine's shardings, verifies their checksums, and swaps them in between two decode
-        steps. Body: ``publisher_url`` (default: the server's), ``weight_version`` (pull at least
-        this version), ``wait_s`` (wait this long for a newer version), ``transport``."""
+        steps. Body: ``publisher_url`` (the server's own, ``--publisher_url``: its transfer token is
+        bound to it, and any other is refused with 403 before a connection is made),
+        ``weight_version`` (pull at least this version), ``wait_s`` (wait this long for a
+        newer version), ``transport``."""
         from rl_jax.transfer.puller.generator import GeneratorPuller
         from rl_jax.transfer.errors import PublisherNotAllowed, TransferError
         from rl_jax.transfer.puller.generator import pinned_publisher
 
         body = await self._json_body(request, optional=True)
         try:
-            url = pinned_publisher(body.get("publisher_url"), self.config.publisher_url,
-                                   self.config.allow_any_publisher or bool(self.config.keys))
+            url = pinned_publisher(body.get("publisher_url"), self.config.publisher_url)
         except PublisherNotAllowed as e:
             return error_response(str(e), "forbidden", 403)
         except ValueError as e:

@@ -20,11 +20,15 @@ from rl_jax.transfer.puller.core import Puller, PullMetrics, WeightUpdate
 log = logging.getLogger(__name__)
 
 
-def pinned_publisher(requested: str | None, configured: str | None, allow_any: bool = False
-                     ) -> str:
+def pinned_publisher(requested: str | None, configured: str | None) -> str:
     """The publisher a generator may pull from when a request names ``requested`` (None:
-    the ``configured`` one, the generator's own): that one, or any other only with
-    ``allow_any``.
+    the ``configured`` one, the generator's own): that one only.
+
+    The transfer token (``$RL_JAX_TRANSFER_TOKEN``) is a credential for the publisher the
+    generator was started with; binding every pull to that publisher keeps it from being sent
+    anywhere else, and keeps a request from making the generator connect to an address of its
+    caller's choosing. A pull from another publisher without the token could not succeed (every
+    publisher requires one), so it is refused before any connection.
 
     Addresses are compared as ``http://host:port`` (lower-case host). Raises
     :class:`PublisherNotAllowed` for another publisher, ``ValueError`` for a malformed address
@@ -37,15 +41,13 @@ def pinned_publisher(requested: str | None, configured: str | None, allow_any: b
     url = normalize_url(requested)
     if configured and url == normalize_url(configured):
         return configured  # as configured: the generator keeps one puller per publisher
-    if allow_any:
-        return url
     if not configured:
         raise PublisherNotAllowed(f"this generator was started without a publisher and may "
-                                  f"not pull from {url} (its configuration does not allow any "
-                                  "publisher)")
+                                  f"not pull from {url}: its transfer token is sent only to the "
+                                  f"publisher it is started with (--publisher_url={url})")
     raise PublisherNotAllowed(f"this generator pulls only from its publisher "
-                              f"{normalize_url(configured)}, not {url} (its configuration does "
-                              "not allow other publishers)")
+                              f"{normalize_url(configured)}, not {url}: its transfer token is "
+                              "bound to the publisher it was started with (--publisher_url)")
 
 
 class GeneratorPuller:
