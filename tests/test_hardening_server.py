@@ -673,3 +673,29 @@ def test_the_transfer_token_goes_only_to_the_configured_publisher(ckpts, monkeyp
         running.close()
         mine.close()
         foreign.close()
+
+
+@pytest.mark.parametrize("answer,words", [
+    (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 46\r\n\r\n"
+     b"<html>internal-answer-secret-0123456789</html>", "200 with 46 bytes of 'text/html'"),
+    (json_answer({"transports": 5, "host_id": "internal-answer-secret-0123456789"}),
+     "not a publisher"),
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 209715200\r\n\r\n",
+     "209715200 bytes of 'application/json'"),
+])
+def test_a_configured_publisher_answering_junk_is_a_400_that_echoes_nothing(ckpts, answer,
+                                                                           words):
+    """Whatever answers at the server's own publisher address: the update is refused with a
+    400 saying what the answer was (status, size, content type), never its content, and the
+    old weights keep serving."""
+    junk = FakePublisher(answer)
+    running = start(ckpts["a"], publisher_url=junk.url, pull_on_start=False)
+    try:
+        status, data, _ = http(running.url, "/update_weights_from_transfer", {"wait_s": 0})
+        assert status == 400 and not data["success"], data
+        assert words in data["message"], data
+        assert "internal-answer-secret" not in json.dumps(data) and "<html>" not in data["message"]
+        assert http(running.url, "/get_weight_version")[1]["weight_version"] == 0
+    finally:
+        running.close()
+        junk.close()

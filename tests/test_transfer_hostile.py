@@ -29,7 +29,7 @@ from rl_jax.trainer.state import ModelSpec
 from rl_jax.transfer.config import PublisherConfig, PullerConfig
 from rl_jax.transfer.control import ControlClient, ControlServer, HTTPStatus
 from rl_jax.transfer.errors import (AuthenticationError, IntegrityError, PublisherNotAllowed,
-                                    TransferTimeout)
+                                    PublisherUnavailable, TransferTimeout)
 from rl_jax.transfer.layout import Layout, flatten
 from rl_jax.transfer.publisher.core import Publisher
 from rl_jax.transfer.puller.core import Puller
@@ -506,9 +506,12 @@ def test_a_stalled_publisher_releases_the_pull_within_its_deadline(spec):
         stalled.close()
 
 
-def test_a_publisher_trickling_its_answer_cannot_stretch_the_deadline(spec):
+@pytest.mark.parametrize("timeout_s,http_timeout_s", [(2.0, 5.0), (5.0, 2.0)])
+def test_a_publisher_trickling_its_answer_cannot_stretch_the_deadline(spec, timeout_s,
+                                                                      http_timeout_s):
     """One byte of the status line and headers every 0.3 s, for ever: the pull still ends at
-    its deadline, although no single read waits longer than the socket timeout."""
+    its deadline, or at the request's own bound (``http_timeout_s`` covers a whole request)
+    if that comes first, although no single read waits longer than the socket timeout."""
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -524,7 +527,8 @@ def test_a_publisher_trickling_its_answer_cannot_stretch_the_deadline(spec):
     threading.Thread(target=trickle, daemon=True).start()
     url = f"http://127.0.0.1:{server.getsockname()[1]}"
     engine = FakeEngine(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target_of(spec)))
-    gp = GeneratorPuller(url, config=puller_config(timeout_s=2.0, http_timeout_s=1.0))
+    gp = GeneratorPuller(url, config=puller_config(timeout_s=timeout_s,
+                                                   http_timeout_s=http_timeout_s))
     start = time.monotonic()
     try:
         with pytest.raises(TransferTimeout, match="deadline"):
@@ -533,6 +537,200 @@ def test_a_publisher_trickling_its_answer_cannot_stretch_the_deadline(spec):
     finally:
         stop.set()
         server.close()
+
+
+# ---- whatever answers at the publisher's address -----------------------------------------------
+
+class AnsweringPeer:
+    """A loopback peer that answers every request with ``head`` and then ``body_bytes`` bytes
+    of ``b"x"`` (counted in :attr:`sent` as they go out), or with ``head`` alone when
+    ``body_bytes`` is 0; it stops sending once the other side hangs up."""
+
+    def __init__(self, head: bytes, body_bytes: int = 0):
+        self.head, self.body_bytes, self.sent = head, body_bytes, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        piece = b"x" * (64 << 10)
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(self.head)
+                left = self.body_bytes
+                while left > 0:
+                    n = conn.send(piece[:left])
+                    self.sent += n
+                    left -= n
+            except OSError:
+                return
+
+    def close(self):
+        self.sock.close()
+
+
+def test_an_oversized_answer_is_refused_unread(spec):
+    """A 200 MB answer, announced or not, is refused at the answer cap
+    (``PullerConfig.max_answer_bytes``, 16 MiB by default): it is not read into memory, and
+    the error says what it was (status, size, content type)."""
+    import tracemalloc
+    big = 200 << 20
+    announced = AnsweringPeer(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % big, big)
+    unannounced = AnsweringPeer(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\n\r\n", big)
+    try:
+        for peer, words in ((announced, f"{big} bytes of 'application/json'"),
+                            (unannounced, f"more than {16 << 20} bytes")):
+            tracemalloc.start()
+            try:
+                with pytest.raises(PublisherUnavailable, match="max_answer_bytes") as e:
+                    Puller(peer.url, target_of(spec), config=puller_config()).register()
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert words in str(e.value) and "200" in str(e.value), e.value
+            assert peak < 40 << 20, peak  # at most the cap read, never the answer
+            assert peer.sent < 48 << 20, peer.sent  # the puller hung up
+        # The cap is a setting.
+        small = AnsweringPeer(json_answer_bytes({"transports": ["socket"] * 1000,
+                                                 "host_id": "h"}))
+        try:
+            with pytest.raises(PublisherUnavailable, match="more than the 4096 bytes"):
+                Puller(small.url, target_of(spec),
+                       config=puller_config(max_answer_bytes=4096)).register()
+        finally:
+            small.close()
+    finally:
+        announced.close()
+        unannounced.close()
+
+
+def json_answer_bytes(data, status: str = "200 OK", content_type="application/json") -> bytes:
+    raw = data if isinstance(data, bytes) else json.dumps(data).encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: "
+            f"{len(raw)}\r\nConnection: close\r\n\r\n").encode() + raw
+
+
+SECRET = "internal-answer-secret-0123456789"
+
+
+@pytest.mark.parametrize("answer,words", [
+    (json_answer_bytes(f"<html>{SECRET}</html>".encode(), content_type="text/html"),
+     "200 with 46 bytes of 'text/html', not JSON"),
+    (json_answer_bytes(f"{SECRET} oops".encode(), "500 Oops", "text/plain"),
+     "500 with 38 bytes of 'text/plain', not JSON"),
+    (json_answer_bytes(f'{{"a": "{SECRET}"'.encode()), "does not parse as JSON"),
+    (json_answer_bytes(b"[" * 100_000 + b"]" * 100_000), "does not parse as JSON"),
+    (json_answer_bytes([SECRET]), "200 and list, not an object"),
+    (json_answer_bytes({"transports": SECRET, "host_id": SECRET}),
+     "without a list of transports and a host_id: not a publisher"),
+    (json_answer_bytes({"detail": SECRET}, "502 Bad Gateway"), "failed (GET /v1/info): 502"),
+])
+def test_a_peer_that_is_no_publisher_is_described_not_echoed(spec, answer, words):
+    """Whatever answers at the publisher's address: the puller's error says what the answer
+    was (status, size, content type) and never repeats its content."""
+    peer = AnsweringPeer(answer)
+    try:
+        with pytest.raises(PublisherUnavailable) as e:
+            Puller(peer.url, target_of(spec), config=puller_config()).register()
+        assert words in str(e.value), e.value
+        assert SECRET not in str(e.value) and "html" not in str(e.value).replace(
+            "'text/html'", ""), e.value
+    finally:
+        peer.close()
+
+
+class TricklingProxy:
+    """A raw HTTP proxy in front of a real publisher: every answer is forwarded, those to
+    ``/v1/chunk`` one byte every 0.2 s (for as long as the puller keeps reading)."""
+
+    def __init__(self, upstream: str):
+        parts = urllib.parse.urlsplit(upstream)
+        self.upstream = (parts.hostname, parts.port)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        reader = conn.makefile("rb")
+        with conn, reader:
+            while not self._stop.is_set():
+                line = reader.readline()
+                if not line:
+                    return
+                method, path, _ = line.decode().split(" ", 2)
+                headers = {}
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    name, value = line.decode().split(":", 1)
+                    headers[name.strip()] = value.strip()
+                body = reader.read(int(headers.get("Content-Length", 0))) or None
+                up = http.client.HTTPConnection(*self.upstream, timeout=30)
+                up.request(method, path, body=body, headers=headers)
+                resp = up.getresponse()
+                data = resp.read()
+                up.close()
+                answer = (f"HTTP/1.1 {resp.status} {resp.reason}\r\nContent-Type: "
+                          f"{resp.getheader('Content-Type')}\r\nContent-Length: "
+                          f"{len(data)}\r\n\r\n").encode() + data
+                try:
+                    if not path.startswith("/v1/chunk"):
+                        conn.sendall(answer)
+                        continue
+                    for i in range(len(answer)):
+                        if self._stop.wait(0.2):
+                            return
+                        conn.sendall(answer[i:i + 1])
+                except OSError:  # the puller hung up
+                    return
+
+    def close(self):
+        self._stop.set()
+        self.sock.close()
+
+
+def test_a_trickled_chunk_is_cut_at_the_deadline_of_the_whole_pull(publisher, spec):
+    """The socket transport's chunks come one byte every 0.2 s: every read gets its byte
+    well within the socket timeout, yet the pull ends at its deadline and so do its chunk
+    readers (none keeps reading, or holds a connection, after the pull gave up)."""
+    def readers():
+        return [t for t in threading.enumerate() if t.name.startswith("transfer-socket")
+                and t.is_alive()]
+
+    proxy = TricklingProxy(publisher.url)
+    try:
+        puller = Puller(proxy.url, target_of(spec), transports=["socket"],
+                        config=puller_config(timeout_s=2.0, http_timeout_s=1.0))
+        puller.register()
+        publisher.publish(params_of(spec, 1), 1)
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            puller.pull(0)
+        assert time.monotonic() - start <= 3.0
+        deadline = time.monotonic() + 2.0
+        while readers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not readers(), readers()
+    finally:
+        proxy.close()
 
 
 # ---- running out of staging space --------------------------------------------------------------

@@ -18,6 +18,11 @@ TOKEN_ENV = "RL_JAX_TRANSFER_TOKEN"
 # generator server builds them).
 TIMEOUT_ENV = "RL_JAX_TRANSFER_TIMEOUT_S"
 MAX_WAIT_S = 600.0  # the longest a manifest long-poll may wait
+# The largest control answer a puller reads (PullerConfig.max_answer_bytes). The largest
+# legitimate one is a manifest: about 0.1 MB for llama-3.1-70b in bfloat16 over 8 devices (12
+# stacked tensors, 75 shards, 2,100 staging chunks of 64 MiB), growing by ~50 bytes per chunk
+# and ~150 per shard; 16 MiB leaves two orders of magnitude.
+MAX_ANSWER_BYTES = 16 << 20
 
 
 def env_token() -> str | None:
@@ -151,7 +156,10 @@ class PullerConfig:
         long-poll's ``wait_s`` comes on top); past it the pull is abandoned with
         :class:`TransferTimeout` and the generator keeps its weights. Default:
         ``$RL_JAX_TRANSFER_TIMEOUT_S``, else 120.
-      http_timeout_s: socket timeout of one control request.
+      http_timeout_s: the longest one control request may take, whole (a manifest long-poll
+        gets its wait on top), and the longest a chunk read may wait.
+      max_answer_bytes: the largest control answer read (:data:`MAX_ANSWER_BYTES`); a bigger
+        one is refused unread.
       socket_connections: parallel HTTP connections of the socket transport.
       num_transport_addresses: streams of this process's jax transfer server (must equal the
         publisher's).
@@ -181,8 +189,11 @@ class PullerConfig:
     host_buffers: int = 3
     auth_token: str | None = dataclasses.field(default=None, repr=False)
     check_finite: bool = True
+    max_answer_bytes: int = MAX_ANSWER_BYTES
 
     def __post_init__(self):
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got "
                              f"{self.timeout_s!r}")
+        if self.max_answer_bytes < 1024:
+            raise ValueError(f"max_answer_bytes must be >= 1024, got {self.max_answer_bytes}")

@@ -40,7 +40,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from rl_jax.transfer.config import env_token
+from rl_jax.transfer.config import MAX_ANSWER_BYTES, env_token
 from rl_jax.transfer.errors import AuthenticationError, PublisherUnavailable, TransferTimeout
 
 log = logging.getLogger(__name__)
@@ -336,6 +336,10 @@ class _DeadlineConnection(http.client.HTTPConnection):
         self._deadline = deadline
 
     def connect(self):
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed before connecting")
+        self.timeout = min(self.timeout, left)
         super().connect()
         raw = self.sock
         sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
@@ -344,14 +348,70 @@ class _DeadlineConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+MAX_ERROR_ANSWER_BYTES = 64 << 10  # of an error answer to a chunk or delta request
+
+
+def describe_answer(resp: http.client.HTTPResponse, nbytes: int | None = None) -> str:
+    """What an answer was without its content: ``"404 with 120 bytes of 'application/json'"``
+    (``nbytes`` read, else the announced ``Content-Length``)."""
+    kind = (resp.getheader("Content-Type") or "").split(";")[0].strip()
+    size = nbytes if nbytes is not None else resp.getheader("Content-Length")
+    size_text = "a body of unannounced length" if size is None else f"{str(size)[:20]} bytes"
+    return (f"{resp.status} with {size_text} of "
+            f"{repr(kind[:60]) if kind else 'no Content-Type'}")
+
+
+def read_answer(resp: http.client.HTTPResponse, limit: int, what: str) -> bytes:
+    """The body of ``resp``, refused (:class:`PublisherUnavailable`, naming ``what``, the status,
+    size and content type, never the content) when it announces or sends more than ``limit``
+    bytes: an oversized answer is not read into memory."""
+    announced = (resp.getheader("Content-Length") or "").strip()
+    if announced.isdigit() and int(announced) > limit:
+        raise PublisherUnavailable(f"{what}: {describe_answer(resp)}, more than the {limit} "
+                                   f"bytes a control answer may have (PullerConfig."
+                                   f"max_answer_bytes); refused unread")
+    data = resp.read(limit + 1)
+    if len(data) > limit:
+        raise PublisherUnavailable(f"{what}: {resp.status} with more than {limit} bytes (the "
+                                   f"most a control answer may have: PullerConfig."
+                                   f"max_answer_bytes); refused")
+    return data
+
+
+def peer_error(payload: Any) -> str:
+    """The ``error`` message of a publisher's JSON error answer (whitespace collapsed, at most
+    200 characters); "" when the answer is not such an object."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return " ".join(error.split())[:200] if isinstance(error, str) else ""
+
+
+def error_answer(resp: http.client.HTTPResponse) -> str:
+    """A refused chunk or delta request's answer in words: its status and the publisher's
+    error message when it sent one (read within :data:`MAX_ERROR_ANSWER_BYTES`), else its size
+    and content type (:func:`describe_answer`)."""
+    try:
+        data = read_answer(resp, MAX_ERROR_ANSWER_BYTES, "error answer")
+    except PublisherUnavailable:
+        return describe_answer(resp)
+    try:
+        message = peer_error(json.loads(data))
+    except (ValueError, RecursionError):
+        message = ""
+    return f"{resp.status}: {message}" if message else describe_answer(resp, len(data))
+
+
 class ControlClient:
     """Blocking JSON requests to a publisher (one connection per request), authenticated with
-    ``token`` (default: ``$RL_JAX_TRANSFER_TOKEN`` when each request is made)."""
+    ``token`` (default: ``$RL_JAX_TRANSFER_TOKEN`` when each request is made). Each request
+    ends within its timeout (the whole request, not each read) and the pull's deadline; an
+    answer over ``max_answer_bytes`` is refused unread."""
 
-    def __init__(self, url: str, timeout: float = 30.0, token: str | None = None):
+    def __init__(self, url: str, timeout: float = 30.0, token: str | None = None,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
         self.url = normalize_url(url)
         parts = urllib.parse.urlsplit(self.url)
         self.host, self.port, self.timeout = parts.hostname, parts.port, timeout
+        self.max_answer_bytes = max_answer_bytes
         self._token = token
 
     def headers(self) -> dict[str, str]:
@@ -359,38 +419,48 @@ class ControlClient:
         token = self._token or env_token()
         return {"Authorization": f"Bearer {token}"} if token else {}
 
-    def connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
+    def connection(self, timeout: float | None = None, deadline: float | None = None
+                   ) -> http.client.HTTPConnection:
+        """A connection to the publisher whose reads wait at most ``timeout`` each and, with
+        ``deadline`` (``time.monotonic()``), end there whatever the peer sends."""
+        timeout = timeout or self.timeout
+        if deadline is None:
+            return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        return _DeadlineConnection(self.host, self.port, timeout, deadline)
 
     def request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
                 body: dict[str, Any] | None = None, timeout: float | None = None,
                 deadline: float | None = None) -> tuple[int, Any]:
         """Returns ``(status, decoded JSON or None)``; raises :class:`PublisherUnavailable` when
-        the publisher cannot be reached or answers 5xx, :class:`AuthenticationError` on 401,
-        and :class:`TransferTimeout` once ``deadline`` (``time.monotonic()``) has passed."""
+        the publisher cannot be reached, answers 5xx or something that is not a JSON answer
+        within ``max_answer_bytes``, :class:`AuthenticationError` on 401, and
+        :class:`TransferTimeout` once ``timeout`` (for the whole request) or ``deadline``
+        (``time.monotonic()``, the pull's) has passed. Errors name the answer's status, size and
+        content type, and the publisher's ``error`` message, never other content."""
         if query:
             path += "?" + urllib.parse.urlencode(query)
         raw = None if body is None else json.dumps(body).encode()
         timeout = timeout or self.timeout
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"publisher {self.url}: the pull's deadline passed before "
-                                      f"{method} {url_path(path)}")
-            timeout = min(timeout, left)
-        conn = self.connection(timeout) if deadline is None else \
-            _DeadlineConnection(self.host, self.port, timeout, deadline)
+        own = time.monotonic() + timeout
+        if deadline is not None and deadline - time.monotonic() <= 0:
+            raise TransferTimeout(f"publisher {self.url}: the pull's deadline passed before "
+                                  f"{method} {url_path(path)}")
+        end = own if deadline is None else min(own, deadline)
+        conn = self.connection(timeout, end)
         headers = self.headers()
         if raw:
             headers["Content-Type"] = "application/json"
+        what = f"publisher {self.url} answered {method} {url_path(path)} with"
         try:
             conn.request(method, path, body=raw, headers=headers)
             resp = conn.getresponse()
-            data = resp.read()
+            data = read_answer(resp, self.max_answer_bytes, what.removesuffix(" with"))
         except (OSError, http.client.HTTPException) as e:
-            if deadline is not None and time.monotonic() >= deadline - 0.05:
+            if time.monotonic() >= end - 0.05:
+                which = "the pull's deadline" if deadline is not None and deadline <= own \
+                    else f"its deadline ({timeout:g} s)"
                 raise TransferTimeout(f"publisher {self.url} did not answer {method} "
-                                      f"{url_path(path)} before the pull's deadline") from e
+                                      f"{url_path(path)} before {which}") from e
             raise PublisherUnavailable(f"publisher {self.url} unreachable ({method} "
                                        f"{url_path(path)}): {type(e).__name__}: {e}") from e
         finally:
@@ -399,16 +469,21 @@ class ControlClient:
             raise AuthenticationError(f"publisher {self.url} refused this puller's token (set "
                                       "RL_JAX_TRANSFER_TOKEN or PullerConfig.auth_token to the "
                                       "publisher's)")
-        try:
-            payload = json.loads(data) if data else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise PublisherUnavailable(f"publisher {self.url} answered {method} "
-                                       f"{url_path(path)} with {resp.status} and a body that "
-                                       f"is not JSON: {data[:100]!r}") from None
+        payload = None
+        if data:
+            kind = (resp.getheader("Content-Type") or "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                raise PublisherUnavailable(f"{what} {describe_answer(resp, len(data))}, not "
+                                           "JSON")
+            try:
+                payload = json.loads(data)
+            except (ValueError, RecursionError):
+                raise PublisherUnavailable(f"{what} {describe_answer(resp, len(data))} that "
+                                           "does not parse as JSON") from None
         if resp.status >= 500:
-            message = payload.get("error") if isinstance(payload, dict) else data[:200]
-            raise PublisherUnavailable(f"publisher {self.url} failed ({method} {path}): "
-                                       f"{resp.status} {message}")
+            raise PublisherUnavailable(f"publisher {self.url} failed ({method} "
+                                       f"{url_path(path)}): {resp.status} "
+                                       f"{peer_error(payload)}".rstrip())
         return resp.status, payload
 
 

@@ -119,7 +119,8 @@ class Manifest:
                            tuple(TensorInfo.from_json(t) for t in d["tensors"]),
                            dict(d.get("transports", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise IntegrityError(f"malformed manifest: {e!r}") from e
+            raise IntegrityError(f"malformed manifest: {type(e).__name__}: "
+                                 f"{str(e)[:200]}") from e
         if manifest.algorithm not in checksum.ALGORITHMS:
             raise IntegrityError(f"manifest of version {manifest.version} names checksum "
                                  f"{manifest.algorithm[:40]!r}; known: {checksum.ALGORITHMS}")

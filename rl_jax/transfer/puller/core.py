@@ -36,7 +36,7 @@ import numpy as np
 from rl_jax.transfer import finite, transports as registry
 from rl_jax.transfer.chunks import numpy_dtype, parse_chunk
 from rl_jax.transfer.config import MAX_WAIT_S, STAGING_PREFIX, PullerConfig
-from rl_jax.transfer.control import ControlClient, host_id
+from rl_jax.transfer.control import ControlClient, host_id, peer_error
 from rl_jax.transfer.errors import (IntegrityError, LayoutError, NonFiniteWeights,
                                     PublisherUnavailable, TransferError, TransferTimeout,
                                     TransportUnavailable, VersionGone)
@@ -110,7 +110,8 @@ class Puller:
             raise ValueError(f"transport must be 'auto' or one of {registry.names()}, got "
                              f"{config.transport!r}")
         self.config = config
-        self.client = ControlClient(url, config.http_timeout_s, config.auth_token)
+        self.client = ControlClient(url, config.http_timeout_s, config.auth_token,
+                                    config.max_answer_bytes)
         self.layout = Layout.from_arrays(target)
         self.layout_key = self.layout.key
         flat = flatten(target)
@@ -146,18 +147,24 @@ class Puller:
         status, info = self.client.request("GET", "/v1/info", deadline=self._deadline)
         if status != 200 or not isinstance(info, dict):
             raise PublisherUnavailable(f"publisher {self.client.url} answered /v1/info with "
-                                       f"{status}: {str(info)[:200]}")
+                                       f"{status} and {type(info).__name__}, not an object "
+                                       f"{peer_error(info)}".rstrip())
+        offered, host = info.get("transports"), info.get("host_id")
+        if not isinstance(offered, list) or not all(isinstance(t, str) for t in offered) \
+                or not isinstance(host, str):
+            raise PublisherUnavailable(f"publisher {self.client.url} answered /v1/info without "
+                                       "a list of transports and a host_id: not a publisher")
         self.directories = {"staging": self._staging_dir(info.get("staging_dir")),
                             "disk": info.get("disk_dir") if isinstance(info.get("disk_dir"), str)
                             else None}
         if self._transports is None:
-            self._transports = [self._choose(info["transports"], info["host_id"])]
+            self._transports = [self._choose(offered, host)]
         status, data = self.client.request("POST", "/v1/register", body={
             "layout": self.layout.to_json(), "transports": self._transports,
             "puller_id": self.puller_id}, deadline=self._deadline)
         if status != 200:
-            raise TransportUnavailable(f"publisher refused the registration: "
-                                       f"{(data or {}).get('error')}")
+            raise TransportUnavailable(f"publisher refused the registration: {status} "
+                                       f"{peer_error(data)}".rstrip())
         self._registered = True
         return data
 
@@ -185,14 +192,15 @@ class Puller:
                 continue
             if status == 409:
                 raise LayoutError(f"publisher cannot produce this generator's layout: "
-                                  f"{data.get('error')}")
+                                  f"{peer_error(data)}")
             if status == 204 or data is None:
                 return None
             if status != 200:
-                raise TransferError(f"manifest request failed: {status} {data}")
+                raise TransferError(f"manifest request failed: {status} "
+                                    f"{peer_error(data)}".rstrip())
             if not isinstance(data, dict):
-                raise IntegrityError(f"the publisher's manifest is not a JSON object: "
-                                     f"{str(data)[:200]}")
+                raise IntegrityError(f"the publisher's manifest is a JSON "
+                                     f"{type(data).__name__}, not an object")
             manifest = Manifest.from_json(data)
             if manifest.version <= after:
                 raise IntegrityError(f"the publisher answered with version {manifest.version} "
@@ -295,7 +303,8 @@ class Puller:
                                           deadline=self._deadline)
         except TransferError:
             return False
-        return info.get("version") is not None and info["version"] > manifest.version
+        version = info.get("version") if isinstance(info, dict) else None
+        return isinstance(version, int) and version > manifest.version
 
     def _report(self, version, transport, ok, seconds, nbytes, error):
         body = {"puller_id": self.puller_id, "version": version, "transport": transport,

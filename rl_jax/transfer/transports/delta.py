@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import http.client
+import json
 import logging
 import os
 import threading
@@ -29,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from rl_jax.transfer.control import HTTPStatus, query_int
+from rl_jax.transfer.control import (MAX_ERROR_ANSWER_BYTES, HTTPStatus, error_answer, peer_error,
+                                    query_int, read_answer)
 from rl_jax.transfer.errors import (IntegrityError, PublisherUnavailable, TransferError,
                                     VersionGone)
 from rl_jax.transfer.manifest import Manifest, verify
@@ -91,7 +93,7 @@ class DeltaTransport(Transport):
         shipped = 0
         if base is not None:
             try:
-                shipped += self._get_chunks(manifest, chunks, buf, base)
+                shipped += self._get_chunks(manifest, chunks, buf, base, deadline)
                 arrays = self.puller.arrays_from_chunks(manifest, buf)
                 verify(manifest, arrays, what=f"version {manifest.version} rebuilt from "
                        f"version {base[1]} and deltas")
@@ -104,14 +106,14 @@ class DeltaTransport(Transport):
                             manifest.version, str(e)[:300])
                 self._base = None
                 self.stats["refetched_versions"] += 1
-        shipped += self._get_chunks(manifest, chunks, buf, None)
+        shipped += self._get_chunks(manifest, chunks, buf, None, deadline)
         self._base = (buf, manifest.version, chunks)  # the puller verifies it before use
         return Fetched(self.puller.arrays_from_chunks(manifest, buf), shipped)
 
     def _get_chunks(self, manifest: Manifest, chunks: tuple, buf: np.ndarray,
-                    base: tuple | None) -> int:
-        """Fills ``buf`` with every chunk of ``manifest``'s version over a few connections;
-        returns the bytes received."""
+                    base: tuple | None, deadline: float) -> int:
+        """Fills ``buf`` with every chunk of ``manifest``'s version over a few connections
+        whose reads end at ``deadline``; returns the bytes received."""
         local = threading.local()
         headers = self.puller.client.headers()
         key, version = self.puller.layout_key, manifest.version
@@ -124,14 +126,17 @@ class DeltaTransport(Transport):
         def get(chunk) -> int:
             offset, nbytes = chunk
             conn = getattr(local, "conn", None)
-            if conn is None:
-                conn = local.conn = self.puller.client.connection()
+            if conn is None:  # its reads end at the pull's deadline, however the peer sends
+                conn = local.conn = self.puller.client.connection(deadline=deadline)
             target = buf[offset:offset + nbytes]
             try:
                 if base is not None:
                     resp = request(conn, f"/v1/delta?layout={key}&version={version}"
                                          f"&base={base[1]}&offset={offset}&nbytes={nbytes}")
-                    body = resp.read()
+                    # zstd's output bound for the chunk (incompressible XORs), or an error
+                    limit = nbytes + (nbytes >> 7) + (64 << 10) if resp.status == 200 \
+                        else MAX_ERROR_ANSWER_BYTES
+                    body = read_answer(resp, limit, f"delta of the chunk at {offset}")
                     if resp.status == 200:
                         try:
                             delta = zstd.ZstdDecompressor().decompress(
@@ -152,7 +157,12 @@ class DeltaTransport(Transport):
                 resp = request(conn, f"/v1/chunk?layout={key}&version={version}"
                                      f"&offset={offset}&nbytes={nbytes}")
                 if resp.status != 200:
-                    _refuse(resp.status, resp.read(), version)
+                    answer = error_answer(resp)
+                    local.conn = None
+                    conn.close()
+                    if resp.status == 410:
+                        raise VersionGone(f"version {version} was superseded")
+                    raise TransferError(f"chunk request failed: {answer}")
                 read_chunk(resp, target, offset)
                 self.stats["whole_chunks"] += 1
                 return nbytes
@@ -173,9 +183,16 @@ def _digests(manifest: Manifest) -> dict[str, dict]:
 
 
 def _refuse(status: int, body: bytes, version: int):
+    """Raises for a refused delta request: :class:`VersionGone` (410), else a
+    :class:`TransferError` with the status and the publisher's error message, if any."""
     if status == 410:
         raise VersionGone(f"version {version} was superseded")
-    raise TransferError(f"delta request failed: {status} {body[:300]!r}")
+    try:
+        message = peer_error(json.loads(body))
+    except (ValueError, RecursionError):
+        message = ""
+    raise TransferError(f"delta request failed: {status}: "
+                        f"{message or f'{len(body)} bytes that are no error message'}")
 
 
 def _serve_delta(publisher: Any, query: Mapping[str, str]) -> bytes:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rl_jax.transfer.control import FileSlice, HTTPStatus, query_int
+from rl_jax.transfer.control import FileSlice, HTTPStatus, describe_answer, error_answer, query_int
 from rl_jax.transfer.errors import PublisherUnavailable, TransferError, VersionGone
 from rl_jax.transfer.manifest import Manifest
 from rl_jax.transfer.transports.base import Fetched, Route, Transport
@@ -113,19 +113,27 @@ class SocketTransport(Transport):
         def get(chunk):
             offset, nbytes = chunk
             conn = getattr(local, "conn", None)
-            if conn is None:
-                conn = local.conn = self.puller.client.connection()
+            if conn is None:  # its reads end at the pull's deadline, however the peer sends
+                conn = local.conn = self.puller.client.connection(deadline=deadline)
             query = (f"/v1/chunk?layout={self.puller.layout_key}&version={manifest.version}"
                      f"&offset={offset}&nbytes={nbytes}")
             try:
                 conn.request("GET", query, headers=headers)
                 resp = conn.getresponse()
                 if resp.status == 410:
-                    resp.read()
+                    local.conn = None
+                    conn.close()
                     raise VersionGone(f"version {manifest.version} was superseded")
                 if resp.status != 200:
-                    raise TransferError(f"chunk request failed: {resp.status} "
-                                        f"{resp.read()[:300]!r}")
+                    answer = error_answer(resp)
+                    local.conn = None
+                    conn.close()
+                    raise TransferError(f"chunk request failed: {answer}")
+                if resp.length is not None and resp.length != nbytes:
+                    local.conn = None
+                    conn.close()
+                    raise TransferError(f"chunk at {offset}: the publisher answered "
+                                        f"{describe_answer(resp)}, not the chunk's {nbytes}")
                 read_chunk(resp, buf[offset:offset + nbytes], offset)
             except (OSError, http.client.HTTPException) as e:
                 local.conn = None
