@@ -165,6 +165,12 @@ HOSTILE = {  # name: (raw body, HTTP status, words the error names)
                           "sampling_params.min_p"),
     "NaN in an ignored field": (b'{"input_ids": [1], "custom_labels": {"a": [NaN]}}', 400,
                                 "custom_labels.a[0]"),
+    "temperature 1e38 (its float32 reciprocal is subnormal)": (
+        b'{"input_ids": [1], "sampling_params": {"temperature": 1e38}}', 400,
+        "temperature must be at most"),
+    "temperature at the float32 maximum": (
+        b'{"input_ids": [1], "sampling_params": {"temperature": 3.4028234e38}}', 400,
+        "temperature must be at most"),
     "5000-digit top_k": (b'{"input_ids": [1], "sampling_params": {"top_k": ' + b"9" * 5000
                          + b"}}", 400, "sampling_params.top_k"),
     "100-digit token id": (b'{"input_ids": [1, ' + b"7" * 100 + b"]}", 400, "input_ids[1]"),
@@ -699,3 +705,24 @@ def test_a_configured_publisher_answering_junk_is_a_400_that_echoes_nothing(ckpt
     finally:
         running.close()
         junk.close()
+
+
+def test_no_answer_ever_holds_a_nan(served, monkeypatch):
+    """Were a temperature the sampler cannot divide by let through (the bound lifted here),
+    its NaN log-probs would not be written as the non-JSON token ``NaN``: the answer is
+    refused as a 500 saying why, plain or streamed. The bound itself sits just below where
+    that starts."""
+    from rl_jax.generator import types
+    body = {"input_ids": [1, 5], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 1e38, "ignore_eos": True}}
+    assert gen(served.url, [1, 5], max_new_tokens=2, temperature=types.MAX_TEMPERATURE)
+    monkeypatch.setattr(types, "MAX_TEMPERATURE", 3.5e38)
+    status, data, _ = http(served.url, "/generate", body, timeout=900)
+    assert status == 500 and "non-finite" in data["error"]["message"], data
+    status, text, _ = http(served.url, "/generate", {**body, "stream": True}, timeout=900)
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line]
+    assert status == 200 and events[-1] == "[DONE]", text
+    for event in events[:-1]:  # strict JSON: NaN or Infinity would raise here
+        parsed = json.loads(event, parse_constant=lambda c: pytest.fail(f"{c} in {event}"))
+        assert "non-finite" in parsed["error"]["message"], parsed
+    assert gen(served.url, [1, 2], max_new_tokens=3)["meta_info"]["completion_tokens"] == 3

@@ -6,6 +6,12 @@ import dataclasses
 from typing import Any
 
 
+# The largest temperature sampled with: the device scales logits by its reciprocal, which must
+# be a normal float32 (above 1 / 1.18e-38 = 8.5e37 it is subnormal, flushed to zero, and the
+# log-probabilities become NaN). Any temperature above ~1e8 already samples uniformly.
+MAX_TEMPERATURE = 1e37
+
+
 class GeneratorError(ValueError):
     """A request the generator cannot serve (bad parameters, too long, unknown tokens)."""
 
@@ -42,6 +48,9 @@ class SamplingParams:
             (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
              f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be at most {MAX_TEMPERATURE:g} (the sampler divides by it in "
+             f"float32), got {self.temperature:.6g}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),

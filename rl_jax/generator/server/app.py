@@ -69,7 +69,6 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
-import json
 import logging
 import signal
 import sys
@@ -88,9 +87,9 @@ from rl_jax.generator.protocol import ParsedGenerate, parse_generate
 from rl_jax.generator.responses import apply_stop_strings, error_json, output_json
 from rl_jax.generator.server.config import ServerConfig, text_limit
 from rl_jax.generator.server.distributed_endpoints import DistributedWeightEndpoints
-from rl_jax.generator.server.httpio import (EngineStopped, ProtocolLog, all_results, error_response,
-                                            errors_middleware, exit_with_parent, json_response,
-                                            read_body, sse_event)
+from rl_jax.generator.server.httpio import (EngineStopped, NonFiniteAnswer, ProtocolLog,
+                                            all_results, dumps, error_response, errors_middleware,
+                                            exit_with_parent, json_response, read_body, sse_event)
 from rl_jax.generator.server.setup import build_engine
 from rl_jax.generator.server.warmup import compile_engine
 from rl_jax.generator.server.weight_endpoints import WeightUpdateEndpoints
@@ -245,10 +244,10 @@ class GeneratorServer(WeightUpdateEndpoints):
         answers = [self._answer(parsed, i, out)
                    for i, outs in enumerate(results) for out in outs]
         if not parsed.as_list:
-            return json.dumps(answers[0]).encode()
+            return dumps(answers[0]).encode()
         # One answer at a time: the C encoder holds the GIL for a whole call, and one call over
         # thousands of answers would stall the event loop (health probes) for its full length.
-        return b"[" + b", ".join(json.dumps(a).encode() for a in answers) + b"]"
+        return b"[" + b", ".join(dumps(a).encode() for a in answers) + b"]"
 
     def _answer(self, parsed: ParsedGenerate, i: int, out) -> dict[str, Any]:
         item = parsed.items[i]
@@ -294,7 +293,11 @@ class GeneratorServer(WeightUpdateEndpoints):
                 for j, chunk in enumerate(chunks):
                     if parsed.as_list:
                         chunk["index"] = offsets[i] + j
-                    await sse_event(response, chunk)
+                    try:
+                        await sse_event(response, chunk)
+                    except NonFiniteAnswer as e:  # in-band too: nothing of it was written
+                        log.error("%s", e)
+                        await sse_event(response, error_json(str(e), "internal_error", 500))
 
     # ---- control --------------------------------------------------------------------------------
 

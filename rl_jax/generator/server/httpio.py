@@ -102,8 +102,23 @@ async def all_results(futures: list[concurrent.futures.Future]) -> list:
     return [f.result() for f in futures]
 
 
+class NonFiniteAnswer(RuntimeError):
+    """An answer holds a NaN or an infinity, which JSON cannot carry: it is not sent (a 500: a
+    request that could produce one should have been refused)."""
+
+
+def dumps(data: Any) -> str:
+    """``data`` as strict JSON: a non-finite number raises :class:`NonFiniteAnswer` instead of
+    being written as the non-JSON tokens ``NaN`` or ``Infinity``."""
+    try:
+        return json.dumps(data, allow_nan=False)
+    except ValueError as e:
+        raise NonFiniteAnswer(f"the answer holds a non-finite number (NaN or infinity), which "
+                              f"JSON cannot carry; not sent ({e})") from None
+
+
 def json_response(data: Any, status: int = 200, headers=None) -> web.Response:
-    return web.Response(text=json.dumps(data), status=status, headers=headers,
+    return web.Response(text=dumps(data), status=status, headers=headers,
                         content_type="application/json")
 
 
@@ -112,7 +127,7 @@ def error_response(message: str, kind: str, status: int, headers=None) -> web.Re
 
 
 async def sse_event(response: web.StreamResponse, data: Any):
-    await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+    await response.write(b"data: " + dumps(data).encode() + b"\n\n")
 
 
 async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
