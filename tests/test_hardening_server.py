@@ -171,6 +171,15 @@ HOSTILE = {  # name: (raw body, HTTP status, words the error names)
     "temperature at the float32 maximum": (
         b'{"input_ids": [1], "sampling_params": {"temperature": 3.4028234e38}}', 400,
         "temperature must be at most"),
+    "stop as an object": (b'{"input_ids": [1], "sampling_params": {"stop": {}}}', 400,
+                          "stop must be a string or a list of strings"),
+    "stop_token_ids as an object": (b'{"input_ids": [1], "sampling_params": '
+                                    b'{"stop_token_ids": {}}}', 400,
+                                    "stop_token_ids must be a list"),
+    "stream as a list": (b'{"input_ids": [1], "stream": []}', 400,
+                         "stream must be true or false"),
+    "return_text_in_logprobs as 0": (b'{"input_ids": [1], "return_text_in_logprobs": 0}', 400,
+                                     "return_text_in_logprobs must be true or false"),
     "5000-digit top_k": (b'{"input_ids": [1], "sampling_params": {"top_k": ' + b"9" * 5000
                          + b"}}", 400, "sampling_params.top_k"),
     "100-digit token id": (b'{"input_ids": [1, ' + b"7" * 100 + b"]}", 400, "input_ids[1]"),
@@ -253,6 +262,48 @@ def test_malformed_http_is_one_warning_line(served, server_log, raw):
     assert mine[0].exc_info is None and "\n" not in mine[0].getMessage()
     assert "malformed HTTP request from 127.0.0.1" in mine[0].getMessage()
 
+
+def test_a_body_that_lies_about_its_encoding_is_a_400(served, server_log):
+    """``Content-Encoding: gzip`` on a plain body: a 400 naming the encoding, one warning line,
+    no traceback; a body that is gzip is read as JSON."""
+    import gzip
+    body = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}).encode()
+    status, data, _ = http(served.url, "/generate", raw=body,
+                           headers={"Content-Encoding": "gzip"})
+    assert status == 400, data
+    assert "does not decode as its Content-Encoding 'gzip'" in data["error"]["message"], data
+    time.sleep(0.2)  # anything aiohttp would log after the answer
+    mine = [r for r in server_log if r.name.startswith("rl_jax.generator")]
+    assert [r.levelno for r in mine] == [logging.WARNING], [r.getMessage() for r in mine]
+    assert mine[0].exc_info is None
+    status, data, _ = http(served.url, "/generate", raw=gzip.compress(body),
+                           headers={"Content-Encoding": "gzip"})
+    assert status == 200 and data["meta_info"]["completion_tokens"] == 2, data
+
+
+def test_weight_update_fields_are_checked_before_use(served, server_log):
+    """A model path no filesystem can hold, a version that is not an integer, a pause mode
+    of the wrong type: each a 400 naming the field, one warning line, nothing changed."""
+    version = http(served.url, "/get_weight_version")[1]["weight_version"]
+    cases = [
+        ("/update_weights_from_disk", {"model_path": "a" * 100_000}, "model_path"),
+        ("/update_weights_from_disk", {"model_path": "/tmp/" + "a" * 300},
+         "cannot be read: File name too long"),
+        ("/update_weights_from_disk", {"model_path": "/tmp/x\0y"}, "model_path"),
+        *[("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": v},
+           "weight_version") for v in (1.5, 7.0, "1.5", True, 2 ** 63, [])],
+        ("/pause_generation", {"mode": {}}, "mode must be one of"),
+    ]
+    for path, body, words in cases:
+        server_log.clear()
+        status, data, _ = http(served.url, path, body)
+        assert status == 400, (str(body)[:200], str(data)[:300])
+        message = data.get("message") or data["error"]["message"]
+        assert words in message and len(message) < 500, (str(body)[:200], message[:300])
+        mine = [r for r in server_log if r.name.startswith("rl_jax.generator")]
+        assert [r.levelno for r in mine] == [logging.WARNING], [r.getMessage() for r in mine]
+    assert http(served.url, "/get_weight_version")[1]["weight_version"] == version
+    assert http(served.url, "/get_server_info")[1]["paused"] is False
 
 def test_the_server_still_serves_after_hostile_requests(served):
     data = gen(served.url, [1, 2], max_new_tokens=3)
@@ -723,6 +774,23 @@ def test_no_answer_ever_holds_a_nan(served, monkeypatch):
     events = [line.removeprefix("data: ") for line in text.splitlines() if line]
     assert status == 200 and events[-1] == "[DONE]", text
     for event in events[:-1]:  # strict JSON: NaN or Infinity would raise here
-        parsed = json.loads(event, parse_constant=lambda c: pytest.fail(f"{c} in {event}"))
+        parsed = json.loads(event, parse_constant=lambda c, e=event: pytest.fail(f"{c} in {e}"))
         assert "non-finite" in parsed["error"]["message"], parsed
     assert gen(served.url, [1, 2], max_new_tokens=3)["meta_info"]["completion_tokens"] == 3
+
+
+def test_a_checkpoint_of_integers_is_refused_before_it_is_cast(ckpts, tmp_path, served):
+    """An int8 tensor in a checkpoint (a quantised one without its scales, or a corrupted
+    one) is refused by its stored dtype, before the load would cast it to floats."""
+    import shutil
+    bad = tmp_path / "int8"
+    shutil.copytree(ckpts["b"], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = min(tensors)
+    tensors[name] = np.clip(tensors[name] * 100, -127, 127).astype(np.int8)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    version = http(served.url, "/get_weight_version")[1]["weight_version"]
+    status, data, _ = http(served.url, "/update_weights_from_disk", {"model_path": str(bad)})
+    assert status == 400 and data["success"] is False, data
+    assert "floating point only" in data["message"] and f"{name}: I8" in data["message"], data
+    assert http(served.url, "/get_weight_version")[1]["weight_version"] == version

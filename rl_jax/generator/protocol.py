@@ -212,16 +212,17 @@ def parse_sampling(raw: Any, *, prompt_len: int, max_seq_len: int | None, strict
     if raw.get("ignore_eos") is not None:
         kw["ignore_eos"] = _bool(raw["ignore_eos"], "ignore_eos")
     stops = raw.get("stop_token_ids")
-    if stops:
+    if stops is not None:
         if not isinstance(stops, list):
-            raise ProtocolError(f"stop_token_ids must be a list of token ids, got {stops!r}")
-        kw["stop_token_ids"] = tuple(_token_ids(stops, "stop_token_ids", vocab_size))
+            raise ProtocolError(f"stop_token_ids must be a list of token ids, got {stops!r:.80}")
+        if stops:
+            kw["stop_token_ids"] = tuple(_token_ids(stops, "stop_token_ids", vocab_size))
     seed = raw.get("sampling_seed", raw.get("seed"))
     if seed is not None:
         kw["seed"] = _int(seed, "sampling_seed", INT64[0], INT64[1])
     text = {"stop": (), "no_stop_trim": False, "skip_special_tokens": True}
     stop = raw.get("stop")
-    if stop:
+    if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ProtocolError(f"stop must be a string or a list of strings, got {stop!r:.80}")
@@ -340,10 +341,8 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None,
     logprob = _per_prompt(body.get("return_logprob"), "return_logprob", count, batch)
     start = _per_prompt(body.get("logprob_start_len"), "logprob_start_len", count, batch)
     top = _per_prompt(body.get("top_logprobs_num"), "top_logprobs_num", count, batch)
-    stream = body.get("stream") or False
-    _bool(stream, "stream")
-    in_text = body.get("return_text_in_logprobs") or False
-    _bool(in_text, "return_text_in_logprobs")
+    stream, in_text = (False if body.get(name) is None else _bool(body[name], name)
+                       for name in ("stream", "return_text_in_logprobs"))
 
     items = []
     for i, prompt in enumerate(prompts):

@@ -108,8 +108,13 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, _Mapping]:
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # e.g. a name longer than the filesystem allows
+        raise CheckpointError(f"checkpoint directory {str(path)[:200]!r} cannot be read: "
+                              f"{e.strerror or e}") from None
+    if not is_dir:
+        raise CheckpointError(f"checkpoint directory {str(path)[:200]!r} does not exist")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{config_file} is missing: an HF checkpoint needs config.json")
@@ -162,6 +167,10 @@ class _TensorReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.location[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype, as safetensors names it (``F32``, ``BF16``, ``I8``, ``BOOL``...)."""
+        return str(self._handles[self.location[name]].get_slice(name).get_dtype())
+
     def get(self, name: str) -> np.ndarray:
         try:
             return self._handles[self.location[name]].get_tensor(name)
@@ -192,6 +201,13 @@ def _check_tensors(reader: _TensorReader, cfg: ModelConfig, maps: dict[str, _Map
         if got != shape:
             raise CheckpointError(f"shape mismatch between config and weights: tensor {n!r} "
                                   f"has shape {got}, config.json implies {shape}")
+    # Before anything is cast to the model's dtype: a cast would turn integers (a quantised
+    # checkpoint without its scales, or a corrupted one) into plausible-looking weights.
+    stored = {n: reader.dtype(n) for n in expected}
+    bad = sorted(f"{n}: {d}" for n, d in stored.items() if not d.startswith(("F", "BF")))
+    if bad:
+        raise CheckpointError(f"checkpoint has {len(bad)} tensor(s) stored in a dtype that "
+                              f"cannot hold weights (floating point only), e.g. {bad[:5]}")
 
 
 def load_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, dtype: Any = jnp.float32,

@@ -399,9 +399,9 @@ class GeneratorServer(WeightUpdateEndpoints):
     async def pause_generation(self, request):
         self._require_alive()
         body = await self._json_body(request, optional=True)
-        mode = body.get("mode") or "abort"
-        if mode not in PAUSE_MODES:
-            raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        mode = "abort" if body.get("mode") is None else body["mode"]
+        if not isinstance(mode, str) or mode not in PAUSE_MODES:
+            raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r:.60}")
         await asyncio.to_thread(self.engine.pause, mode)
         return json_response({"message": "Generation paused successfully.", "status": "ok",
                                "mode": mode})

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl_jax.generator.json_body import ProtocolError
 from rl_jax.generator.responses import error_json
 from rl_jax.generator.types import GeneratorError, Overloaded
 from rl_jax.models.hf import CheckpointError
@@ -130,9 +131,16 @@ async def sse_event(response: web.StreamResponse, data: Any):
     await response.write(b"data: " + dumps(data).encode() + b"\n\n")
 
 
+class UndecodableBody(ProtocolError):
+    """A request body that does not decode as its ``Content-Encoding`` says (HTTP 400; the
+    connection is closed after the answer, since the rest of the body cannot be read)."""
+
+
 async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
-    """The request's body, refused (413) past ``limit`` bytes, announced or not, and (408) when
-    it takes longer than ``timeout`` seconds to arrive."""
+    """The request's body, refused (413) past ``limit`` bytes, announced or not, (408) when it
+    takes longer than ``timeout`` seconds to arrive, and (400, :class:`UndecodableBody`) when
+    it does not decode as its ``Content-Encoding`` says (aiohttp decompresses it, the limit
+    counting decompressed bytes)."""
     size = request.content_length
     if size is not None and size > limit:
         raise web.HTTPRequestEntityTooLarge(
@@ -153,6 +161,13 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     except TimeoutError:
         raise web.HTTPRequestTimeout(
             reason=f"the request body did not arrive within {timeout:g} s") from None
+    except web.RequestPayloadError as e:
+        request.content.feed_eof()  # nothing more is read from it (no lingering read)
+        encoding = request.headers.get("Content-Encoding", "")
+        detail = getattr(e.__cause__, "message", None) or str(e)
+        raise UndecodableBody(f"the request body does not decode as its Content-Encoding "
+                              f"{encoding[:40]!r} says ({' '.join(str(detail).split())[:200]})"
+                              ) from None
     return b"".join(chunks)
 
 
@@ -171,6 +186,11 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(e), "overloaded", 503, headers={"Retry-After": "1"})
     except EngineStopped as e:
         return error_response(str(e), "unavailable", 503)
+    except UndecodableBody as e:
+        log_refused(request, 400, str(e))
+        response = error_response(str(e), "invalid_request_error", 400)
+        response.force_close()
+        return response
     except (GeneratorError, CheckpointError) as e:
         log_refused(request, 400, str(e))
         return error_response(str(e), "invalid_request_error", 400)

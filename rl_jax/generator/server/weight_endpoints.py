@@ -19,25 +19,34 @@ from aiohttp import web
 
 from rl_jax.generator.engine.weights import (SWAP_TIMEOUT_S, WeightsRefused, check_update,
                                              load_params, wait_for_swap)
-from rl_jax.generator.json_body import ProtocolError
+from rl_jax.generator.json_body import INT64, ProtocolError
 from rl_jax.generator.responses import error_json
-from rl_jax.generator.server.httpio import EngineStopped, error_response, json_response
+from rl_jax.generator.server.httpio import (EngineStopped, error_response, json_response,
+                                            log_refused)
 from rl_jax.models.hf import CheckpointError
 
 log = logging.getLogger("rl_jax.generator.server")  # one logger for the server's modules
 
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer model_path names no file
+
 
 def parse_version(value: Any, current: int) -> int:
-    """A request's ``weight_version`` (int or integer string; None → current + 1)."""
+    """A request's ``weight_version``: an integer within int64, or a string of one (SGLang
+    sends strings); None → current + 1. Anything else (``1.5``, ``true``, ``"1.5"``) is a
+    :class:`ProtocolError`, never rounded."""
     if value is None:
         return current + 1
-    if isinstance(value, bool):
-        raise ProtocolError(f"weight_version must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
+    text = value.strip() if isinstance(value, str) else None
+    digits = text[1:] if text and text[0] in "+-" else text
+    if isinstance(value, bool) or not (
+            type(value) is int or digits and digits.isascii() and digits.isdigit()
+            and len(digits) <= 19):
         raise ProtocolError(f"weight_version must be an integer (this engine counts optimizer "
-                            f"steps), got {value!r}") from None
+                            f"steps), got {value!r:.60}")
+    version = int(value)
+    if not INT64[0] <= version <= INT64[1]:
+        raise ProtocolError(f"weight_version must lie within int64, got {value!r:.60}")
+    return version
 
 
 class WeightUpdateEndpoints:
@@ -77,6 +86,10 @@ class WeightUpdateEndpoints:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise ProtocolError("model_path (an HF checkpoint directory) is required")
+        if len(path) > MAX_PATH_CHARS or "\0" in path:
+            raise ProtocolError(f"model_path must be a directory path of at most "
+                                f"{MAX_PATH_CHARS} characters without NUL bytes, got "
+                                f"{len(path)} characters")
         load_format = body.get("load_format")
         if load_format not in (None, "auto", "safetensors"):
             raise ProtocolError(f"load_format={load_format!r} is not supported "
@@ -94,6 +107,7 @@ class WeightUpdateEndpoints:
                 _, params = await asyncio.to_thread(load_params, path, mesh=self.mesh,
                                                     rules=self.rules, dtype=self.dtype)
             except CheckpointError as e:
+                log_refused(request, 400, str(e))
                 return json_response({"success": False, "message": str(e),
                                        **error_json(str(e), "invalid_request_error", 400)},
                                       status=400)
