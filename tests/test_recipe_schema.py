@@ -306,6 +306,7 @@ def test_user_errors_derive_from_one_leaf_base():
     import ast
 
     from rl_jax.compile_cache import CacheDirError
+    from rl_jax.envs.sandbox.limits import SandboxError
     from rl_jax.errors import USER_ERRORS, UserError
     from rl_jax.losses.advantages import GroupSizeError
     from rl_jax.losses.configs import LossConfigError
@@ -320,10 +321,11 @@ def test_user_errors_derive_from_one_leaf_base():
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     for error in (ConfigError, CheckpointError, ShardingError, CheckpointRestoreError,
                   RecipeConfigError, LossConfigError, GroupSizeError, RLConfigError,
-                  CacheDirError, SysModelError):
+                  CacheDirError, SysModelError, SandboxError):
         assert issubclass(error, USER_ERRORS) and issubclass(error, UserError), error
     assert issubclass(RLConfigError, ValueError)  # callers catching ValueError still do
     assert issubclass(CheckpointRestoreError, RuntimeError)
+    assert issubclass(SandboxError, RuntimeError)
 
 
 def test_weight_sidecars_need_sglang_servers_started_by_the_run():

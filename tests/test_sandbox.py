@@ -28,6 +28,7 @@ BWRAP = sandbox_lib._bwrap_problem() is None
 # What tests that do not name a mode use: the default where it works, else the weakest mode,
 # asked for by name (``auto`` refuses to fall back).
 DEFAULT_ISOLATION = "auto" if BWRAP else "rlimits"
+MIN_ISOLATION = "bwrap" if BWRAP else "rlimits"  # the weaker mode must be allowed too
 
 WALL = 2.0
 LIMITS = SandboxLimits(wall_time=WALL, cpu_time=WALL, memory_bytes=256 * 2**20,
@@ -82,7 +83,8 @@ def sandbox(request):
         pytest.skip(f"bwrap isolation unavailable: {sandbox_lib._bwrap_problem()}")
     if request.param == "namespaces" and not NAMESPACES:
         pytest.skip(f"namespaces isolation unavailable: {sandbox_lib._namespaces_problem()}")
-    with Sandbox(LIMITS, max_concurrency=8, isolation=request.param, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=8, isolation=request.param,
+                 min_isolation=request.param, uid_base=UID_BASE) as sb:
         yield sb
 
 
@@ -181,7 +183,8 @@ def test_detached_descendants_are_killed(sandbox):
 
 @needs_namespaces
 def test_namespace_isolation():
-    with Sandbox(LIMITS, max_concurrency=1, isolation="namespaces", uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=1, isolation="namespaces", min_isolation="namespaces",
+                 uid_base=UID_BASE) as sb:
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -215,7 +218,8 @@ def test_concurrent_mixed_programs():
                 (STUBBORN_FORK_BOMB, "process_limit"), (good, "ok"), (BUSY_LOOP, "timeout"),
                 (good, "ok"), ("1/0", "runtime_error")]
     assert len(programs) == 16
-    with Sandbox(LIMITS, max_concurrency=8, isolation=DEFAULT_ISOLATION, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=8, isolation=DEFAULT_ISOLATION,
+                 min_isolation=MIN_ISOLATION, uid_base=UID_BASE) as sb:
         async def go():
             return await asyncio.gather(*(sb.run(p, f"{i}\n") for i, (p, _) in enumerate(programs)))
         start = time.monotonic()
@@ -231,7 +235,8 @@ def test_concurrent_mixed_programs():
 
 
 def test_sandbox_works_from_several_event_loops():
-    with Sandbox(LIMITS, max_concurrency=2, isolation=DEFAULT_ISOLATION, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=2, isolation=DEFAULT_ISOLATION,
+                 min_isolation=MIN_ISOLATION, uid_base=UID_BASE) as sb:
         for _ in range(2):
             assert run(sb.run("print(1)")).stdout == "1\n"
 
@@ -245,13 +250,13 @@ def test_configuration_errors(monkeypatch):
         Sandbox(isolation="docker")
     monkeypatch.setattr(sandbox_lib, "_namespaces_problem", lambda: "it needs root")
     with pytest.raises(SandboxError, match="'namespaces' is unavailable: it needs root"):
-        Sandbox(isolation="namespaces")
+        Sandbox(isolation="namespaces", min_isolation="namespaces")
     monkeypatch.setattr(sandbox_lib, "_bwrap_problem", lambda: "it needs root")
     with pytest.raises(SandboxError, match="'bwrap' is unavailable: it needs root"):
         sandbox_lib.resolve_isolation("auto")  # never a silent fall-back
-    assert sandbox_lib.resolve_isolation("rlimits") == "rlimits"
+    assert sandbox_lib.resolve_isolation("rlimits", "rlimits") == "rlimits"
     with pytest.raises(SandboxError, match="not an executable"):
-        Sandbox(isolation="rlimits", interpreter="python3")
+        Sandbox(isolation="rlimits", min_isolation="rlimits", interpreter="python3")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +305,7 @@ REFERENCE_FUNCTIONS = {
 @pytest.fixture(scope="module")
 def code_env():
     env = envs.get("code", limits=LIMITS, max_concurrency=8, format_reward=0.1, num_tests=3,
-                   seed=2, isolation=DEFAULT_ISOLATION)
+                   seed=2, isolation=DEFAULT_ISOLATION, min_isolation=MIN_ISOLATION)
     yield env
     run(env.close())
 
@@ -339,7 +344,7 @@ def test_code_env_rewards(code_env, completion, reward, reason):
 
 def test_code_env_fraction_and_asserts():
     env = envs.get("code", limits=LIMITS, max_concurrency=4, reward_mode="fraction",
-                   isolation=DEFAULT_ISOLATION)
+                   isolation=DEFAULT_ISOLATION, min_isolation=MIN_ISOLATION)
     prompt = Prompt("solve", info={"assert_tests": ["assert solve(1) == 2", "assert solve(2) == 4",
                                                     "assert solve(0) == 1"]})
     reward, info = run(env.score(prompt, "```python\ndef solve(x):\n    return 2 * x\n```"))
@@ -354,7 +359,7 @@ def test_code_env_fraction_and_asserts():
 
 def test_code_env_multi_turn_feedback():
     env = envs.get("code", limits=LIMITS, max_concurrency=2, max_turns=3,
-                   isolation=DEFAULT_ISOLATION)
+                   isolation=DEFAULT_ISOLATION, min_isolation=MIN_ISOLATION)
     prompt = Prompt("Print the input doubled.", info={"tests": [{"stdin": "21\n",
                                                                  "stdout": "42\n"}]})
     answers = iter(["```python\nprint(input() * 2)\n```",

@@ -4,6 +4,7 @@ through ``Sandbox.run(tests=...)`` (exiting early, killing the harness, printing
 patching builtins, always-equal objects, SystemExit inside a test)."""
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import pathlib
 import platform
 import signal
 import socket
+import subprocess
 import threading
 import uuid
 
@@ -52,7 +54,8 @@ def strong():
 
 @pytest.fixture(scope="module", params=_modes())
 def any_mode(request):
-    with Sandbox(LIMITS, max_concurrency=2, isolation=request.param, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=2, isolation=request.param,
+                 min_isolation=request.param, uid_base=UID_BASE) as sb:
         yield sb
 
 
@@ -202,7 +205,8 @@ def test_cannot_create_a_user_namespace_to_escape_the_disk_limit(mode):
         pytest.skip(f"namespaces isolation unavailable: {sandbox_lib._namespaces_problem()}")
     if sandbox_lib._seccomp_problem() is not None:
         pytest.skip(sandbox_lib._seccomp_problem())
-    with Sandbox(LIMITS, max_concurrency=1, isolation=mode, uid_base=UID_BASE) as sb:
+    with Sandbox(LIMITS, max_concurrency=1, isolation=mode, min_isolation=mode,
+                 uid_base=UID_BASE) as sb:
         result = sb.run_sync(USER_NAMESPACE)
         lines = result.stdout.splitlines()
         assert lines[:2] == ["-1 1", "-1 1"], result  # EPERM
@@ -363,7 +367,8 @@ def test_test_failures_are_reported(any_mode):
                                   "print_markers", "system_exit_in_test"])
 def test_code_env_rejects_reward_hacks(hack):
     isolation = "auto" if BWRAP_PROBLEM is None else "rlimits"
-    env = envs.get("code", limits=LIMITS, max_concurrency=2, isolation=isolation)
+    env = envs.get("code", limits=LIMITS, max_concurrency=2, isolation=isolation,
+                   min_isolation="bwrap" if isolation == "auto" else isolation)
     prompt = Prompt("add", info={"assert_tests": TESTS})
     try:
         reward, info = asyncio.run(env.score(prompt, f"```python\n{HACKS[hack]}```"))
@@ -388,8 +393,119 @@ def test_auto_refuses_weaker_isolation(monkeypatch, caplog):
     with pytest.raises(SandboxError, match="'bwrap' is unavailable"):
         envs.get("code")
     with caplog.at_level(logging.WARNING, logger=sandbox_lib.logger.name):
-        with Sandbox(isolation="rlimits", max_concurrency=1, uid_base=UID_BASE) as sb:
+        with Sandbox(isolation="rlimits", min_isolation="rlimits", max_concurrency=1,
+                     uid_base=UID_BASE) as sb:
             assert sb.isolation == "rlimits" and sb.run_sync("print(1)").stdout == "1\n"
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "isolation 'rlimits' was asked for instead of 'bwrap'; not protected:" in warning
     assert "no network isolation" in warning and "filesystem is readable" in warning
+
+
+def test_weaker_modes_need_the_minimum_lowered(monkeypatch):
+    """A weaker mode is refused unless the minimum isolation allows it; a deployment's
+    RL_JAX_SANDBOX_MIN_ISOLATION is a floor that a recipe's min_isolation cannot lower."""
+    monkeypatch.delenv(sandbox_lib.MIN_ISOLATION_ENV, raising=False)
+    for mode in ("namespaces", "rlimits"):
+        with pytest.raises(SandboxError, match=f"isolation '{mode}' is weaker than the minimum "
+                                               f"'bwrap' \\(the default\\).*min_isolation='{mode}'"):
+            Sandbox(isolation=mode, uid_base=UID_BASE)
+        with pytest.raises(SandboxError, match=f"'{mode}' is weaker than the minimum 'bwrap'"):
+            envs.get("code", isolation=mode)  # as a recipe's env.kwargs would ask
+    with pytest.raises(SandboxError, match="'rlimits' is weaker than the minimum 'namespaces'"):
+        Sandbox(isolation="rlimits", min_isolation="namespaces", uid_base=UID_BASE)
+    with pytest.raises(SandboxError, match="min_isolation must be one of"):
+        Sandbox(isolation="rlimits", min_isolation="none", uid_base=UID_BASE)
+    # The deployment forbids weaker modes: a recipe cannot allow them again.
+    monkeypatch.setenv(sandbox_lib.MIN_ISOLATION_ENV, "bwrap")
+    with pytest.raises(SandboxError, match="'rlimits' is weaker than the minimum 'bwrap' "
+                                           "\\(RL_JAX_SANDBOX_MIN_ISOLATION=bwrap\\)"):
+        envs.get("code", isolation="rlimits", min_isolation="rlimits", limits=LIMITS)
+    monkeypatch.setenv(sandbox_lib.MIN_ISOLATION_ENV, "no-sandbox")
+    with pytest.raises(SandboxError, match="RL_JAX_SANDBOX_MIN_ISOLATION must be one of"):
+        Sandbox(isolation="rlimits", min_isolation="rlimits", uid_base=UID_BASE)
+    # The deployment allows rlimits: a recipe may still ask for more.
+    monkeypatch.setenv(sandbox_lib.MIN_ISOLATION_ENV, "rlimits")
+    with pytest.raises(SandboxError, match="minimum 'namespaces' \\(min_isolation='namespaces'"):
+        Sandbox(isolation="rlimits", min_isolation="namespaces", uid_base=UID_BASE)
+    env = envs.get("code", isolation="rlimits", limits=LIMITS, max_concurrency=1)
+    try:
+        assert env.sandbox.isolation == "rlimits"
+        reward, info = asyncio.run(env.score(Prompt("add", info={"assert_tests": TESTS}),
+                                             f"```python\n{SOLVE}```"))
+        assert (reward, info["reason"]) == (1.0, "correct"), info
+    finally:
+        asyncio.run(env.close())
+    # bwrap passes every minimum.
+    if BWRAP_PROBLEM is None:
+        monkeypatch.setenv(sandbox_lib.MIN_ISOLATION_ENV, "bwrap")
+        with Sandbox(LIMITS, max_concurrency=1, uid_base=UID_BASE) as sb:
+            assert sb.isolation == "bwrap"
+
+
+def _host_damage(marker: str) -> str:
+    """A program that solves the task and also leaves files in the host's /dev/shm (4 MiB),
+    /tmp (2000 directories) and /var/tmp, and a System V shared memory segment (4 MiB)."""
+    return (f"import ctypes, os\n"
+            f"with open('/dev/shm/{marker}', 'wb') as f:\n"
+            "    for _ in range(4):\n        f.write(b'x' * 2**20)\n"
+            f"for i in range(2000):\n    os.makedirs(f'/tmp/{marker}/{{i}}', exist_ok=True)\n"
+            f"open('/var/tmp/{marker}', 'w').write('x')\n"
+            "ctypes.CDLL(None).shmget(0, 4 * 2**20, 0o1000 | 0o600)\n" + SOLVE)
+
+
+def _left_on_host(marker: str) -> list[str]:
+    return [os.path.join(d, marker) for d in ("/tmp", "/var/tmp", "/dev/shm")
+            if os.path.lexists(os.path.join(d, marker))]
+
+
+def _sysv_segments_of(uids) -> list[str]:
+    with open("/proc/sysvipc/shm") as f:
+        header = f.readline().split()
+        return [line for line in f if int(line.split()[header.index("cuid")]) in uids]
+
+
+@pytest.mark.parametrize("reward_mode", ["all", "fraction"])
+def test_rlimits_pays_nothing_for_a_program_that_leaves_files_on_the_host(reward_mode):
+    """The weakest mode cannot keep a program from writing the host's /tmp, /dev/shm and System
+    V shared memory: such a program fails with reason host_files, earns 0 (no format reward, no
+    partial credit) and, as root, what it left is removed; an honest program still earns 1."""
+    marker = f"sandbox-damage-{uuid.uuid4().hex}"
+    limits = dataclasses.replace(LIMITS, wall_time=20.0, cpu_time=20.0)
+    sandbox = Sandbox(limits, max_concurrency=2, isolation="rlimits", min_isolation="rlimits",
+                      uid_base=UID_BASE)
+    env = envs.get("code", sandbox=sandbox, reward_mode=reward_mode, format_reward=0.1)
+    uids = set(range(UID_BASE, UID_BASE + 4))
+    scratch = sandbox._scratch
+    try:
+        prompt = Prompt("add", info={"assert_tests": TESTS})
+        reward, info = asyncio.run(env.score(prompt, f"```python\n{_host_damage(marker)}```"))
+        assert (reward, info["correct"], info["reason"]) == (0.0, False, "host_files"), info
+        detail = info["failure"]["detail"]
+        assert f"/dev/shm/{marker}" in detail and f"/tmp/{marker}" in detail, detail
+        assert "System V shm" in detail, detail
+        if os.geteuid() == 0:
+            assert "removed" in detail and not _left_on_host(marker), detail
+            assert not _sysv_segments_of(uids)
+        reward, info = asyncio.run(env.score(prompt, f"```python\n{SOLVE}```"))
+        assert (reward, info["reason"]) == (1.0, "correct"), info
+    finally:
+        asyncio.run(env.close())
+        sandbox.close()
+        for path in _left_on_host(marker):  # without root the sandbox leaves them in place
+            subprocess.run(["rm", "-rf", "--", path], check=True)
+    assert not os.path.exists(scratch)  # the programs' scratch directories are gone
+
+
+def test_namespaces_program_leaves_nothing_on_the_host():
+    if sandbox_lib._namespaces_problem() is not None:
+        pytest.skip(f"namespaces isolation unavailable: {sandbox_lib._namespaces_problem()}")
+    marker = f"sandbox-damage-{uuid.uuid4().hex}"
+    limits = dataclasses.replace(LIMITS, max_files=10**4, max_disk_bytes=32 * 2**20)
+    with Sandbox(limits, max_concurrency=1, isolation="namespaces", min_isolation="namespaces",
+                 uid_base=UID_BASE) as sb:
+        program = _host_damage(marker).replace(f"/tmp/{marker}/", f"/tmp/{marker}-d/")
+        result = sb.run_sync(program, tests=TESTS)
+        # /tmp, /var/tmp and /dev/shm are its own tmpfs, System V IPC its own namespace.
+        assert result.ok, result
+    assert not _left_on_host(marker) and not _left_on_host(marker + "-d")
+    assert not _sysv_segments_of({UID_BASE, UID_BASE + 1})

@@ -19,7 +19,11 @@ completion if it parses as Python. Tests come with the prompt, in ``Prompt.info`
 Every run is a separate sandboxed process (:class:`rl_jax.envs.sandbox.Sandbox`): a program that
 loops, forks, hogs memory, floods the disk or prints without end fails its test with the
 sandbox's reason (``"timeout"``, ``"process_limit"``, ``"memory"``, ``"file_limit"``,
-``"output_limit"``) and never affects the caller or other samples.
+``"output_limit"``) and never affects the caller or other samples. Under a weaker isolation mode
+(``namespaces``, ``rlimits``: allowed only when ``min_isolation`` or the deployment's
+``RL_JAX_SANDBOX_MIN_ISOLATION`` lowers the minimum from ``bwrap``), a program that leaves files
+or IPC objects on the host (``"host_files"``) earns 0 for the whole completion, no format reward
+and no partial credit, however many tests it passed.
 
 Multi-turn: with ``max_turns > 1``, a failing program gets an observation describing the first
 failure (the test's input, expected and actual output and the end of stderr when
@@ -220,9 +224,10 @@ class CodeEnv(Environment):
 
     Args:
       sandbox: the worker pool to run programs on; by default one is made from ``limits``,
-        ``max_concurrency`` and ``isolation`` (see :class:`Sandbox`: ``"auto"`` refuses to start
-        without bubblewrap; ``"namespaces"`` or ``"rlimits"`` must be asked for by name) and
-        closed by :meth:`close`.
+        ``max_concurrency``, ``isolation`` and ``min_isolation`` (see :class:`Sandbox`: ``"auto"``
+        refuses to start without bubblewrap; ``"namespaces"`` or ``"rlimits"`` must be asked for
+        by name and allowed by ``min_isolation``, which the environment variable
+        ``RL_JAX_SANDBOX_MIN_ISOLATION`` may forbid) and closed by :meth:`close`.
       reward_mode: ``"all"`` (1 if every test passes; stops at the first failure) or
         ``"fraction"`` (the fraction of tests passed; runs them all, concurrently).
       format_reward: reward of a failing program that was in a code fence and parses.
@@ -239,9 +244,9 @@ class CodeEnv(Environment):
 
     def __init__(self, *, sandbox: Sandbox | None = None, limits: SandboxLimits | None = None,
                  max_concurrency: int | None = None, isolation: str = "auto",
-                 reward_mode: str = "all", format_reward: float = 0.0, max_turns: int = 1,
-                 feedback: str = "full", difficulty: int = 1, num_tests: int = 3,
-                 style: str = "stdio", seed: int = 0):
+                 min_isolation: str | None = None, reward_mode: str = "all",
+                 format_reward: float = 0.0, max_turns: int = 1, feedback: str = "full",
+                 difficulty: int = 1, num_tests: int = 3, style: str = "stdio", seed: int = 0):
         if reward_mode not in ("all", "fraction"):
             raise EnvError(f"reward_mode must be 'all' or 'fraction', got {reward_mode!r}")
         if not 0.0 <= format_reward < 1.0:
@@ -252,7 +257,7 @@ class CodeEnv(Environment):
             raise EnvError(f"feedback must be 'full' or 'reason', got {feedback!r}")
         self._owns_sandbox = sandbox is None
         self.sandbox = sandbox or Sandbox(limits, max_concurrency=max_concurrency,
-                                          isolation=isolation)
+                                          isolation=isolation, min_isolation=min_isolation)
         self.reward_mode = reward_mode
         self.format_reward = float(format_reward)
         self.max_turns = int(max_turns)
@@ -323,6 +328,9 @@ class CodeEnv(Environment):
         reward = 1.0 if correct else (passed / total if self.reward_mode == "fraction" else 0.0)
         info.update(passed=passed, correct=correct)
         failure = next((o for o in outcomes if not o.passed), None)
+        damage = next((o for o in outcomes if o.reason == "host_files"), None)
+        if damage is not None:  # nothing is paid for a program that damaged the host
+            failure, reward = damage, 0.0
         if failure is None:
             info["reason"] = "correct"
         else:
@@ -332,7 +340,7 @@ class CodeEnv(Environment):
                                "expected": failure.expected,
                                "stdout": failure.result.stdout[:1000],
                                "stderr": failure.result.stderr[-1000:]}
-            if fenced:
+            if fenced and damage is None:
                 reward = max(reward, self.format_reward)
         return reward, info
 

@@ -33,8 +33,15 @@ libseccomp; what ``auto`` picks, and the only mode it picks)
   ``/tmp`` are writable outside the limit.
 
 A mode weaker than ``bwrap`` is never chosen silently: ``auto`` raises :class:`SandboxError` when
-``bwrap`` cannot work, and asking for ``namespaces`` or ``rlimits`` logs a warning that lists what
-is not protected.
+``bwrap`` cannot work, and a weaker mode must be asked for by name *and* allowed by the minimum
+isolation, which is ``bwrap`` unless lowered: by ``min_isolation=`` (a recipe's ``env.kwargs``) or
+by the deployment's environment variable ``RL_JAX_SANDBOX_MIN_ISOLATION``. When that variable is
+set, it is a floor that ``min_isolation`` may raise but not lower (:func:`minimum_isolation`).
+An allowed weaker mode logs a warning that lists what is not protected. In those modes a program
+that leaves files in the host's shared temporary directories (or System V IPC objects) fails
+with reason ``host_files`` whatever it printed, and as root what it left is removed
+(:mod:`rl_jax.envs.sandbox.leftovers`); with ``rlimits`` it runs in a scratch directory of its
+own (cwd, HOME and TMPDIR), removed after each run.
 
 In every mode the program gets a seccomp filter where libseccomp is present (required in
 ``bwrap``): no new namespaces (``unshare``, ``setns``, namespace flags of ``clone``; so no user
@@ -75,21 +82,28 @@ import logging
 import os
 import queue
 import shutil
+import tempfile
 from collections.abc import Sequence
 
 from rl_jax.envs.sandbox.launch import _bwrap_binds, _Job, _run_job, default_interpreter
+from rl_jax.envs.sandbox.leftovers import LeftoverWatch
 from rl_jax.envs.sandbox.limits import SandboxError, SandboxLimits, SandboxResult
 
 _SECCOMP_LIBRARY = "libseccomp.so.2"
 
 ISOLATION_MODES = ("auto", "bwrap", "namespaces", "rlimits")
+# Strongest first: the modes a minimum isolation accepts are it and those before it.
+ISOLATION_STRENGTH = ("bwrap", "namespaces", "rlimits")
+MIN_ISOLATION_ENV = "RL_JAX_SANDBOX_MIN_ISOLATION"
+DEFAULT_MIN_ISOLATION = "bwrap"
 # What the weaker modes leave open (logged when one is asked for).
 _UNPROTECTED = {
     "namespaces": ("the host's whole filesystem is readable (project, data and home directories, "
                    "/etc) and unix sockets on it (e.g. under /run) can be connected to"),
     "rlimits": ("no network isolation (host TCP and unix sockets are reachable); the host's "
                 "filesystem is readable; /tmp, /var/tmp and /dev/shm are writable outside the "
-                "disk limit and what is written there outlives the run; host processes are "
+                "disk limit (a program that leaves anything there fails, and as root what it "
+                "left is removed, but while it runs it can fill them); host processes are "
                 "visible; without root the program shares its uid with the runner and the test "
                 "harness, so it can signal or trace them"),
 }
@@ -150,17 +164,57 @@ def _bwrap_problem() -> str | None:
     return None
 
 
-def resolve_isolation(isolation: str = "auto") -> str:
-    """The isolation mode ``"auto"`` picks here, or ``isolation`` itself after checking it works.
+def minimum_isolation(min_isolation: str | None = None) -> tuple[str, str]:
+    """``(mode, where it was set)``: the weakest isolation mode a sandbox may use.
 
-    ``"auto"`` means ``"bwrap"`` and nothing weaker; a weaker mode must be asked for by name, and
-    then a warning lists what it leaves unprotected.
+    The environment variable :data:`MIN_ISOLATION_ENV`, when set, is the deployment's floor:
+    ``min_isolation`` (from a caller or a recipe) may ask for stronger isolation but never
+    weaker. Unset, ``min_isolation`` decides, and by default (None) it is ``"bwrap"``.
 
     Raises:
-      SandboxError: for an unknown mode, or a mode (``"auto"`` included) that cannot work here.
+      SandboxError: for a value that is not one of :data:`ISOLATION_STRENGTH`.
+    """
+    if min_isolation is not None and min_isolation not in ISOLATION_STRENGTH:
+        raise SandboxError(f"min_isolation must be one of {ISOLATION_STRENGTH}, got "
+                           f"{min_isolation!r}"[:300])
+    floor = os.environ.get(MIN_ISOLATION_ENV)
+    if floor is None or floor == "":
+        if min_isolation is None:
+            return DEFAULT_MIN_ISOLATION, "the default"
+        return min_isolation, f"min_isolation={min_isolation!r}"
+    if floor not in ISOLATION_STRENGTH:
+        raise SandboxError(f"{MIN_ISOLATION_ENV} must be one of {ISOLATION_STRENGTH}, got "
+                           f"{floor!r}"[:300])
+    where = f"{MIN_ISOLATION_ENV}={floor}"
+    if min_isolation is not None and (ISOLATION_STRENGTH.index(min_isolation)
+                                      < ISOLATION_STRENGTH.index(floor)):
+        return min_isolation, f"min_isolation={min_isolation!r} (above {where})"
+    return floor, where
+
+
+def resolve_isolation(isolation: str = "auto", min_isolation: str | None = None) -> str:
+    """The isolation mode ``"auto"`` picks here, or ``isolation`` itself after checking it works
+    and is allowed.
+
+    ``"auto"`` means ``"bwrap"`` and nothing weaker; a weaker mode must be asked for by name and
+    be allowed by :func:`minimum_isolation` (``"bwrap"`` unless lowered), and then a warning lists
+    what it leaves unprotected.
+
+    Raises:
+      SandboxError: for an unknown mode, a mode below the minimum, or a mode (``"auto"``
+        included) that cannot work here.
     """
     if isolation not in ISOLATION_MODES:
-        raise SandboxError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        raise SandboxError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}"[:300])
+    floor, where = minimum_isolation(min_isolation)
+    if isolation != "auto" and (ISOLATION_STRENGTH.index(isolation)
+                                > ISOLATION_STRENGTH.index(floor)):
+        raise SandboxError(
+            f"sandbox isolation {isolation!r} is weaker than the minimum {floor!r} ({where}); "
+            f"run with bubblewrap (isolation='bwrap'), or, to accept what {isolation!r} leaves "
+            f"open, allow it with min_isolation={isolation!r} (a recipe's env.kwargs) or "
+            f"{MIN_ISOLATION_ENV}={isolation} unless the deployment's {MIN_ISOLATION_ENV} forbids "
+            "it")
     if isolation in ("auto", "bwrap"):
         problem = _bwrap_problem()
         if problem is None:
@@ -191,6 +245,9 @@ class Sandbox:
       max_concurrency: programs running at once (default: the number of CPUs).
       isolation: ``"auto"`` (= ``"bwrap"``), ``"bwrap"``, ``"namespaces"`` or ``"rlimits"``
         (see the module docstring; the last two are weaker and log what they leave open).
+      min_isolation: the weakest mode allowed (default ``"bwrap"``); the environment variable
+        ``RL_JAX_SANDBOX_MIN_ISOLATION``, when set, is a floor this cannot lower
+        (:func:`minimum_isolation`).
       interpreter: absolute path of the Python that runs programs (default:
         :func:`default_interpreter`); as root it must be executable by an unprivileged uid. In
         ``bwrap`` mode its prefixes (not ``/``) are shown to programs read-only.
@@ -202,13 +259,13 @@ class Sandbox:
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, max_concurrency: int | None = None,
-                 isolation: str = "auto", interpreter: str | None = None,
-                 uid_base: int = 61000):
+                 isolation: str = "auto", min_isolation: str | None = None,
+                 interpreter: str | None = None, uid_base: int = 61000):
         self.limits = limits or SandboxLimits()
         self.max_concurrency = int(max_concurrency or os.cpu_count() or 1)
         if self.max_concurrency < 1:
             raise SandboxError(f"max_concurrency must be at least 1, got {max_concurrency}")
-        self.isolation = resolve_isolation(isolation)
+        self.isolation = resolve_isolation(isolation, min_isolation)
         self._as_root = os.geteuid() == 0
         self.interpreter = interpreter or default_interpreter(unprivileged=self._as_root)
         if not os.path.isabs(self.interpreter) or not os.access(self.interpreter, os.X_OK):
@@ -223,12 +280,20 @@ class Sandbox:
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(self.max_concurrency):
             self._slots.put(slot)
+        # rlimits: each run's scratch directory (the program's cwd, HOME and TMPDIR) lives in a
+        # directory of this sandbox, not directly in the watched /tmp, and is removed after it.
+        self._scratch = None
+        if self.isolation == "rlimits":
+            self._scratch = tempfile.mkdtemp(prefix="rl_jax_sandbox_")
+            os.chmod(self._scratch, 0o711)  # the program's uid must reach its own directory
         self._pool = concurrent.futures.ThreadPoolExecutor(
             self.max_concurrency, thread_name_prefix="sandbox")
 
     def close(self) -> None:
-        """Waits for running programs and stops the worker threads."""
+        """Waits for running programs, stops the worker threads, removes the scratch space."""
         self._pool.shutdown(wait=True)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -271,11 +336,25 @@ class Sandbox:
     def _run(self, program: str, stdin: str, limits: SandboxLimits, slot: int,
              tests: list[str] | None) -> SandboxResult:
         argv = [self.interpreter, "-I", "-B", "-X", "utf8", "program.py"]
-        job = _Job(self.isolation, argv, seccomp=self._seccomp, binds=self._binds, tests=tests,
-                   uid=self.uid_base + slot if self._as_root else None,
-                   harness_uid=(self.uid_base + self.max_concurrency + slot
-                                if self._as_root else None))
-        return _run_job(job, program, stdin, limits)
+        uid = self.uid_base + slot if self._as_root else None
+        harness_uid = self.uid_base + self.max_concurrency + slot if self._as_root else None
+        if self.isolation == "bwrap":
+            job = _Job(self.isolation, argv, seccomp=self._seccomp, binds=self._binds,
+                       tests=tests, uid=uid, harness_uid=harness_uid)
+            return _run_job(job, program, stdin, limits)
+        watch = LeftoverWatch(frozenset(u for u in (uid, harness_uid) if u is not None)).start()
+        work_parent = None
+        if self._scratch is not None:
+            work_parent = tempfile.mkdtemp(dir=self._scratch)
+            os.chmod(work_parent, 0o711)
+        job = _Job(self.isolation, argv, seccomp=self._seccomp, tests=tests, uid=uid,
+                   harness_uid=harness_uid, work_parent=work_parent)
+        try:
+            result = _run_job(job, program, stdin, limits)
+        finally:
+            if work_parent is not None:  # also when the runner was killed before its clean-up
+                shutil.rmtree(work_parent, ignore_errors=True)
+        return watch.check(result)
 
 
 def _check_tests(tests: Sequence[str] | None) -> list[str] | None:

@@ -159,6 +159,7 @@ class _Job:
     tests: list[str] | None = None
     uid: int | None = None
     harness_uid: int | None = None
+    work_parent: str | None = None  # rlimits: where the runner makes the program's directory
 
 
 def _run_job(spec: _Job, program: str, stdin: str, limits: SandboxLimits) -> SandboxResult:
@@ -166,7 +167,7 @@ def _run_job(spec: _Job, program: str, stdin: str, limits: SandboxLimits) -> San
     job = {"mode": spec.mode, "uid": spec.uid, "harness_uid": spec.harness_uid,
            "argv": spec.argv, "files": {"program.py": program}, "stdin": stdin,
            "env": _PROGRAM_ENV, "limits": dataclasses.asdict(limits), "seccomp": spec.seccomp,
-           "tests": spec.tests}
+           "tests": spec.tests, "work_parent": spec.work_parent}
     # The runner (and the test harness it forks) runs under the program's interpreter: the only
     # one inside bwrap, and one that the harness's unprivileged uid can use in every mode.
     runner = [spec.argv[0], "-I", "-S", "-c", _RUNNER_BOOTSTRAP]

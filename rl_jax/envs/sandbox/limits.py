@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from rl_jax.errors import UserError
+
 REASONS = ("ok", "runtime_error", "test_failed", "timeout", "memory", "output_limit",
-           "file_limit", "process_limit", "sandbox_error")
+           "file_limit", "process_limit", "host_files", "sandbox_error")
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself cannot run (bad limits, no isolation available, missing interpreter)."""
+class SandboxError(UserError, RuntimeError):
+    """The sandbox itself cannot run (bad limits, an isolation mode that is unavailable or below
+    the minimum, missing interpreter): a launcher prints it as one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,9 @@ class SandboxResult:
     """What happened to one program.
 
     Attributes:
-      reason: one of :data:`REASONS`; ``"ok"`` means the program exited with status 0.
+      reason: one of :data:`REASONS`; ``"ok"`` means the program exited with status 0;
+        ``"host_files"`` that it left files or IPC objects on the host (weaker modes only; see
+        :mod:`rl_jax.envs.sandbox.leftovers`), whatever else it did.
       detail: a human-readable explanation of ``reason``.
       exit_code: the main process's exit status, or None if it was killed by a signal.
       signal: the signal that killed the main process, or None.
