@@ -510,3 +510,77 @@ def test_a_named_shape_without_checkpoint_starts_from_random_weights(tmp_path):
                     timeout=180)
     assert result.returncode != 0
     assert "model.shape: unknown model shape 'gpt-5'" in result.stderr.strip().splitlines()[-1]
+
+
+# A run on random weights of the tiny shape (no base policy): a few seconds per step.
+TINY = ["--config.model.shape=tiny", "--config.base.lm_config=", "--config.mode=sync",
+        "--config.generator.max_seq_len=96", "--config.rollout.seq_len=96"]
+
+
+def launch_with_small_tmpfs(workdir: Path, mountpoint: str, *flags: str
+                            ) -> subprocess.CompletedProcess:
+    """``launch`` in a mount namespace of its own where ``mountpoint`` is a 64 KiB tmpfs, far
+    too small for a version of the tiny shape (~0.5 MB): the host's mounts are untouched."""
+    cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+           f"--workdir={workdir}", *SMALL, *TINY, *flags]
+    script = f'mount -t tmpfs -o size=64k tmpfs "{mountpoint}" && exec "$@"'
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *cmd], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def _can_mount_a_tmpfs() -> str | None:
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"cannot mount a tmpfs: {probe.stderr.strip()}"
+
+
+def test_a_full_dev_shm_stops_the_run_with_one_line_and_keeps_its_checkpoint(tmp_path):
+    """The weights of a version find no room in /dev/shm (a 64 KiB tmpfs over it) and no
+    transport to fall back to: the run stops with one line naming the directory, the bytes and
+    the checkpoint kept (no traceback); resumed with room, it continues from that checkpoint."""
+    if (problem := _can_mount_a_tmpfs()) is not None:
+        pytest.skip(problem)
+    workdir = tmp_path / "run"
+    result = launch(workdir, *TINY, "--config.trainer.steps=2", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checkpoints = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert checkpoints[-1] == "2", checkpoints
+    # Resumed with a full /dev/shm: version 2 cannot be staged for the fresh server.
+    result = launch_with_small_tmpfs(workdir, "/dev/shm", "--config.trainer.steps=4")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: StagingSpaceStop: version 2 could not be staged"), last
+    assert "/dev/shm/" in last and "bytes free" in last and "transfer.staging_dir" in last, last
+    assert f"its last checkpoint (step 2, in {workdir / 'checkpoints'}) is kept" in last, last
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == checkpoints
+    # With room again it resumes from step 2 and finishes.
+    result = launch(workdir, *TINY, "--config.trainer.steps=4", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(train_records(workdir)) == [1, 2, 3, 4]
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_full_staging_dir_falls_back_to_disk(tmp_path):
+    """transfer.staging_dir names a directory without room, and `disk` is among the
+    transports: every version goes over disk instead, and the run completes."""
+    if (problem := _can_mount_a_tmpfs()) is not None:
+        pytest.skip(problem)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    workdir = tmp_path / "run"
+    result = launch_with_small_tmpfs(workdir, str(staging), "--config.trainer.steps=2",
+                                     f"--config.transfer.staging_dir={staging}",
+                                     "--config.transfer.transports=('shm', 'disk')")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "offering version 1 over ['disk'] instead" in result.stderr, result.stderr[-3000:]
+    assert json.loads((workdir / "summary.json").read_text())["final_version"] == 2
+    result = launch(tmp_path / "bad", *TINY, "--config.transfer.staging_dir=/nonexistent/dir",
+                    timeout=180)
+    assert result.returncode == 2
+    assert ("transfer.staging_dir='/nonexistent/dir' is not a writable directory"
+            in result.stderr.strip().splitlines()[-1]), result.stderr[-2000:]

@@ -312,6 +312,7 @@ def test_user_errors_derive_from_one_leaf_base():
     from rl_jax.losses.configs import LossConfigError
     from rl_jax.models.config import ConfigError
     from rl_jax.models.hf import CheckpointError
+    from rl_jax.orchestrator.weights import StagingSpaceStop
     from rl_jax.sharding import ShardingError
     from rl_jax.sysmodel.errors import SysModelError
     from rl_jax.trainer.checkpoint import CheckpointRestoreError
@@ -321,7 +322,7 @@ def test_user_errors_derive_from_one_leaf_base():
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     for error in (ConfigError, CheckpointError, ShardingError, CheckpointRestoreError,
                   RecipeConfigError, LossConfigError, GroupSizeError, RLConfigError,
-                  CacheDirError, SysModelError, SandboxError):
+                  CacheDirError, SysModelError, SandboxError, StagingSpaceStop):
         assert issubclass(error, USER_ERRORS) and issubclass(error, UserError), error
     assert issubclass(RLConfigError, ValueError)  # callers catching ValueError still do
     assert issubclass(CheckpointRestoreError, RuntimeError)

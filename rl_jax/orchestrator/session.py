@@ -37,6 +37,7 @@ from rl_jax.orchestrator.evaluation import EvalResult, evaluate
 from rl_jax.orchestrator.policy import INT_FIELDS, POLICY_FIELDS, PolicyBatch
 from rl_jax.orchestrator.setup import GeneratorParts, ModelParts, TrainerParts, start_rollout
 from rl_jax.orchestrator.snapshots import SnapshotWriter
+from rl_jax.orchestrator.weights import StagingSpaceStop
 from rl_jax.recipe.schema import RLRecipe
 from rl_jax.trainer.state import ema_decay_at, ema_update, learning_rate_at, set_learning_rate
 from rl_jax.trainer.step import StreamingTrainStep, global_batch
@@ -115,10 +116,13 @@ class Session:
                                              self.compilation_cache_dir, self._closers)
         self.trainer = TrainerParts(c, self.model, self.workdir, self.base_dir, self._closers)
         if self.primary:
-            self.generators.connect(
-                self.trainer.state, update_when_idle=self.settings.update_when_idle,
-                generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
-                on_applied=self._on_applied)
+            try:
+                self.generators.connect(
+                    self.trainer.state, update_when_idle=self.settings.update_when_idle,
+                    generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
+                    on_applied=self._on_applied)
+            except StagingSpaceStop as e:
+                raise e.with_checkpoints(self.trainer.checkpointer) from None
             self.rollout, self.to_batch = start_rollout(
                 c, self.settings, self.model, self.trainer.meta, int(self.trainer.state.step),
                 self.generators, self._closers, self.score_until())
@@ -457,8 +461,12 @@ class Session:
             if not self.primary:
                 return None
             params = jax.device_put(params, jax.local_devices()[0])
-        self.generators.weights.publish(params, version)
+        try:
+            self.generators.weights.publish(params, version)
+        except StagingSpaceStop as e:
+            raise e.with_checkpoints(self.trainer.checkpointer) from None
         return params
+
 
 class _Prefetcher:
     """Runs ``fetch()`` in a background thread, one call per :meth:`request`; :meth:`get` returns

@@ -7,6 +7,7 @@ optimizer and loss), :class:`TrainerParts` (train step, state, checkpoints),
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -255,9 +256,16 @@ class GeneratorParts:
             c.transfer.transports) == ("disk",)) else "transfer"
         transports = (("disk",) if self.weight_method == "disk"
                       else tuple(c.transfer.transports))
+        staging_dir = c.transfer.staging_dir or None
+        if staging_dir is not None and not (os.path.isdir(staging_dir)
+                                            and os.access(staging_dir, os.W_OK | os.X_OK)):
+            raise RLConfigError(f"transfer.staging_dir={staging_dir!r} is not a writable "
+                                "directory")
+        # `disk` beside other transports: the fallback when host staging has no room.
         self.publisher = Publisher(PublisherConfig(
             host=c.transfer.host, port=c.transfer.port, transports=transports,
-            disk_dir=str(workdir / "weights") if self.weight_method == "disk" else None),
+            staging_dir=staging_dir,
+            disk_dir=str(workdir / "weights") if "disk" in transports else None),
             spec=model.spec)
         self.closers.append(self.publisher.close)
         self.pool = GeneratorPool(c.generator, model_dir=base_dir,

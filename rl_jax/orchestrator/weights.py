@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rl_jax.errors import UserError
 from rl_jax.generator.client.control import GeneratorUnavailable
 from rl_jax.transfer.publisher.core import Publisher
 
@@ -33,6 +34,21 @@ log = logging.getLogger(__name__)
 
 class WeightSyncError(RuntimeError):
     """The generators could not be brought to a new version."""
+
+
+class StagingSpaceStop(WeightSyncError, UserError):
+    """A version found no room in the publisher's staging directory (a full ``/dev/shm``) and
+    no transport to fall back to: the run stops with this one line (no traceback), its
+    checkpoints as they were."""
+
+    def with_checkpoints(self, checkpointer: Any) -> StagingSpaceStop:
+        """This error with where the run's checkpoints stand, once the saves in flight have
+        finished (the last one is kept as it is)."""
+        checkpointer.wait()
+        latest = checkpointer.latest_step()
+        kept = (f"its last checkpoint (step {latest}, in {checkpointer.directory}) is kept and "
+                "the run resumes from it" if latest is not None else "no checkpoint was written")
+        return StagingSpaceStop(f"{self}; the run stopped: {kept}")
 
 
 class WeightSync:
@@ -84,6 +100,12 @@ class WeightSync:
         and hands the version to the worker."""
         self._raise_error()
         stats = self.publisher.publish(params, int(version))
+        if stats.out_of_space:
+            reason = " ".join(stats.errors[stats.out_of_space[0]].split())
+            raise StagingSpaceStop(
+                f"version {version} could not be staged for the generators: {reason}. Give "
+                "the run a staging directory with room (transfer.staging_dir) or a transport "
+                "that needs none as a fallback (add 'disk' to transfer.transports)")
         if stats.errors:
             raise WeightSyncError(f"version {version} could not be prepared for some "
                                   f"generators: {stats.errors}")

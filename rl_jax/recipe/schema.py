@@ -277,6 +277,10 @@ class Transfer:
     host: str = _f("127.0.0.1")
     port: int = _f(0, at_least(0))
     timeout_s: float = _f(120.0, positive)
+    # Where the publisher stages versions for `shm` and `socket` ("" = /dev/shm when writable,
+    # else the temp directory); a version it has no room for goes over `disk` when that is among
+    # the transports, else stops the run with one line.
+    staging_dir: str = _f("")
 
 
 @dataclasses.dataclass(frozen=True)

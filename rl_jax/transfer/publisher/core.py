@@ -68,6 +68,9 @@ class PublishStats:
     errors: Mapping[str, str]
     # tensors found to hold a non-finite value while staged: pullers refuse the version
     nonfinite: tuple[str, ...] = ()
+    # layouts whose version found no room in the staging directory (and no transport to fall
+    # back to): their errors are StagingSpaceError messages
+    out_of_space: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -186,6 +189,7 @@ class Publisher(ControlRoutes, Preparing):
                     corrupt_hf_tensor(Path(disk_path), fault["tensor"], self.spec.config)
             self._drop_unregistered_staging()
             streams: dict[str, StagedVersion] = {}
+            out_of_space = []
             for key, reg in active.items():
                 try:
                     try:
@@ -198,6 +202,10 @@ class Publisher(ControlRoutes, Preparing):
                     except StagingSpaceError as e:
                         prepared[key] = self._prepare_unstaged(key, reg, flat, version, nbytes,
                                                                host_full, e)
+                except StagingSpaceError as e:
+                    log.warning("layout %s cannot be published: %s", key, e)
+                    prepared[key] = Prepared(error=str(e))
+                    out_of_space.append(key)
                 except (LayoutError, TransferError) as e:
                     log.warning("layout %s cannot be published: %s", key, e)
                     prepared[key] = Prepared(error=str(e))
@@ -226,7 +234,8 @@ class Publisher(ControlRoutes, Preparing):
             log.error("version %d holds non-finite values (NaN or infinity) in %d tensor(s) "
                       "%s: generators will refuse it", version, len(nonfinite), nonfinite[:5])
         stats = PublishStats(version, time.perf_counter() - start, len(prepared), dict(nbytes),
-                             {k: p.error for k, p in prepared.items() if p.error}, nonfinite)
+                             {k: p.error for k, p in prepared.items() if p.error}, nonfinite,
+                             tuple(out_of_space))
         self.history.append(stats)
         return stats
 
