@@ -30,7 +30,7 @@ libseccomp; what ``auto`` picks, and the only mode it picks)
   a fresh temporary directory whose file count and size the runner polls (and kills past the
   limit), a child subreaper so that detached descendants can still be killed, and the rlimits
   below. No network isolation, the host's filesystem is readable, and directories such as
-  ``/tmp`` are writable outside the limit.
+  ``/tmp`` are writable outside the limit (what a program leaves there fails its run: below).
 
 A mode weaker than ``bwrap`` is never chosen silently: ``auto`` raises :class:`SandboxError` when
 ``bwrap`` cannot work, and a weaker mode must be asked for by name *and* allowed by the minimum
