@@ -34,9 +34,10 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # torch is pinned to the CPU build; transformers is only a parity reference in tests;
     # pytest-timeout fails a hanging test (see pytest.ini); ray for the Ray launcher's
-    # multi-node test (about 26 s to install, a 79 MB wheel).
+    # multi-node test (about 26 s to install, a 79 MB wheel); peft loads the LoRA adapters
+    # this project exports (tests/test_lora.py; it keeps the pinned torch).
     "test": ["pytest>=8", "pytest-timeout>=2.3,<3", "torch==2.13.0", "transformers==5.23.0",
-             "sglang-router==0.3.2", "ray==2.60.0"],
+             "sglang-router==0.3.2", "ray==2.60.0", "peft==0.21.2"],
     # Launching a run on a Ray cluster (launch/ray_launch.py, rl_jax.cluster); Ray's core
     # package only: no dashboard, no CUDA libraries.
     "ray": ["ray==2.60.0"],

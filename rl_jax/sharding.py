@@ -39,6 +39,14 @@ KNOWN_AXIS_GROUPS: tuple[tuple[str, ...], ...] = (
     ("layers", "head_dim"),
     ("layers", "embed", "mlp"),
     ("layers", "mlp", "embed"),
+    # low-rank adapters (rl_jax.models.lora): A [L, in..., r], B [L, r, out...]
+    ("layers", "embed", "lora_rank"),
+    ("layers", "q_heads", "head_dim", "lora_rank"),
+    ("layers", "mlp", "lora_rank"),
+    ("layers", "lora_rank", "q_heads", "head_dim"),
+    ("layers", "lora_rank", "kv_heads", "head_dim"),
+    ("layers", "lora_rank", "embed"),
+    ("layers", "lora_rank", "mlp"),
     ("norm",),
     ("act_batch", "act_seq"),
     ("act_batch", "act_seq", "act_embed"),
@@ -162,6 +170,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "layers": None,
     "norm": None,
+    "lora_rank": None,  # an adapter's rank: small, never split
     # activations
     "act_batch": ("data", "fsdp"),
     "act_seq": None,

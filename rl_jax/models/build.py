@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.lora import LoraConfig
 from rl_jax.models.transformer import Transformer
 from rl_jax.sharding import ShardingRules
 
@@ -28,11 +29,12 @@ def iter_params(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
 def abstract_model(config: ModelConfig, *, dtype: Any = jnp.float32,
                    param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
                    rules: ShardingRules | None = None, remat: str = "none",
-                   scan_layers: bool = True, attention: str = "auto") -> Transformer:
+                   scan_layers: bool = True, attention: str = "auto",
+                   lora: LoraConfig | None = None) -> Transformer:
     """The model with ``ShapeDtypeStruct`` parameters: costs no memory."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
-        remat=remat, scan_layers=scan_layers, attention=attention))
+        remat=remat, scan_layers=scan_layers, attention=attention, lora=lora))
 
 
 def param_shardings(state: nnx.State, mesh: Mesh | None,

@@ -296,6 +296,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, tokenizer=No
     In a multi-process run every process must call this (parameters are gathered collectively);
     only process 0 writes.
     """
+    if getattr(model, "lora", None) is not None:
+        raise CheckpointError("save_pretrained writes a plain model; a model with adapters is "
+                              "written by rl_jax.models.lora_export (save_merged, or "
+                              "save_peft_adapter for the adapters alone)")
     path = Path(path)
     cfg = model.config
     maps = hf_mappings(cfg)

@@ -25,6 +25,8 @@ from jax.sharding import Mesh
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.fused_attention import attention_mask, check_implementation, fused_attention
 from rl_jax.models.logprobs import blockwise_token_logprobs, blockwise_token_stats
+from rl_jax.models.lora import (LoraConfig, adapter_specs, init_adapter, lora_delta,
+                                scaled_layer_weights)
 from rl_jax.sharding import ShardingRules
 
 # Stacked per-layer parameters: name → (shape builder, logical axes). Shapes exclude the leading
@@ -72,6 +74,14 @@ class Layers(nnx.Module):
             value = _init_for(name, shape)(rngs.params(), full, param_dtype)
             setattr(self, name, nnx.Param(value, logical_axes=axes))
 
+    def add_adapters(self, cfg: ModelConfig, lora: LoraConfig, key: jax.Array, param_dtype):
+        """Low-rank adapters (``nnx.LoRAParam``) on the projections ``lora`` targets (see
+        :mod:`rl_jax.models.lora`), drawn from ``key``."""
+        specs = adapter_specs(cfg, layer_param_specs(cfg), lora)
+        for i, (name, (shape, axes, fan_in)) in enumerate(sorted(specs.items())):
+            value = init_adapter(jax.random.fold_in(key, i), name, shape, fan_in, param_dtype)
+            setattr(self, name, nnx.LoRAParam(value, logical_axes=axes))
+
     def weights(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in sorted(vars(self))
                 if isinstance(getattr(self, name), nnx.Param)}
@@ -97,12 +107,16 @@ class Transformer(nnx.Module):
         single TPU, when the inputs fit; XLA otherwise and on a CPU), ``"xla"``, ``"cudnn"`` or
         ``"splash"`` (these two raise when they cannot take the inputs); see
         :mod:`rl_jax.models.fused_attention`.
+      lora: low-rank adapters on the projections it targets (:mod:`rl_jax.models.lora`),
+        drawn after every base parameter, so the base equals the unadapted model's of the same
+        ``rngs``.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
                  rules: ShardingRules | None = None, remat: str = "none",
-                 scan_layers: bool = True, attention: str = "auto"):
+                 scan_layers: bool = True, attention: str = "auto",
+                 lora: LoraConfig | None = None):
         if remat not in ("none", "full", "dots"):
             raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
         self.config = config
@@ -121,6 +135,9 @@ class Transformer(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(normal(rngs.params(), (d, v), param_dtype),
                                      logical_axes=("embed", "vocab"))
+        self.lora = lora
+        if lora is not None:
+            self.layers.add_adapters(config, lora, rngs.params(), param_dtype)
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -172,7 +189,8 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(
                 layer, prevent_cse=False,
                 policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-        x, _ = jax.lax.scan(layer, x, self.layers.weights(),
+        weights = scaled_layer_weights(self.layers.weights(), self.lora)
+        x, _ = jax.lax.scan(layer, x, weights,
                             unroll=1 if self.scan_layers else cfg.num_layers)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
 
@@ -283,9 +301,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
 def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array,
                 sin: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Normalised input ``x [B,T,D]`` → rotated ``q [B,T,H,Dh]``, ``k, v [B,T,K,Dh]``."""
-    q = jnp.einsum("btd,dhk->bthk", x, w["wq"].astype(dtype))
-    k = jnp.einsum("btd,dhk->bthk", x, w["wk"].astype(dtype))
-    v = jnp.einsum("btd,dhk->bthk", x, w["wv"].astype(dtype))
+    q = _with_adapter(jnp.einsum("btd,dhk->bthk", x, w["wq"].astype(dtype)), x, w, "wq", dtype)
+    k = _with_adapter(jnp.einsum("btd,dhk->bthk", x, w["wk"].astype(dtype)), x, w, "wk", dtype)
+    v = _with_adapter(jnp.einsum("btd,dhk->bthk", x, w["wv"].astype(dtype)), x, w, "wv", dtype)
     if cfg.attention_bias:
         q = q + w["bq"].astype(dtype)
         k = k + w["bk"].astype(dtype)
@@ -306,19 +324,31 @@ def qk_norm(q: jax.Array, k: jax.Array, w: dict[str, jax.Array], cfg: ModelConfi
 
 
 def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, dtype):
-    out = jnp.einsum("bthk,hkd->btd", attn, w["wo"].astype(dtype))
+    out = _with_adapter(jnp.einsum("bthk,hkd->btd", attn, w["wo"].astype(dtype)), attn, w,
+                        "wo", dtype, n_in=2)
     if cfg.output_bias:
         out = out + w["bo"].astype(dtype)
     return out
 
 
 def mlp(x: jax.Array, w: dict[str, jax.Array], dtype, constrain=None) -> jax.Array:
-    gate = jnp.einsum("btd,df->btf", x, w["w_gate"].astype(dtype))
-    up = jnp.einsum("btd,df->btf", x, w["w_up"].astype(dtype))
+    gate = _with_adapter(jnp.einsum("btd,df->btf", x, w["w_gate"].astype(dtype)), x, w,
+                         "w_gate", dtype)
+    up = _with_adapter(jnp.einsum("btd,df->btf", x, w["w_up"].astype(dtype)), x, w, "w_up",
+                       dtype)
     act = mlp_activation(gate, up)
     if constrain is not None:
         act = constrain(act, ("act_batch", "act_seq", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", act, w["w_down"].astype(dtype))
+    return _with_adapter(jnp.einsum("btf,fd->btd", act, w["w_down"].astype(dtype)), act, w,
+                         "w_down", dtype)
+
+
+def _with_adapter(y: jax.Array, x: jax.Array, w: dict[str, jax.Array], weight: str, dtype,
+                  n_in: int = 1) -> jax.Array:
+    """``y`` (the base projection of ``x``) plus the adapter's low-rank term where ``w`` holds
+    one for ``weight``."""
+    delta = lora_delta(x, w, weight, dtype, n_in=n_in)
+    return y if delta is None else y + delta
 
 
 def mlp_activation(gate: jax.Array, up: jax.Array) -> jax.Array:

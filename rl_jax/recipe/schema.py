@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rl_jax.errors import UserError
+from rl_jax.models.lora import DEFAULT_TARGETS, TARGETS
 
 MODES = ("async", "one_step_off", "sync")
 STALENESS_POLICIES = ("prevent", "drop")
@@ -67,6 +68,13 @@ def http_url_or_empty(v) -> str | None:
         return f'must be an http(s) URL or "", got {v!r}'
 
 
+def lora_targets(v) -> str | None:
+    unknown = [t for t in v if t not in TARGETS]
+    if unknown or not v or len(set(v)) != len(v):
+        return (f"must name each of {tuple(TARGETS)} at most once, at least one, got "
+                f"{tuple(v)!r}")
+
+
 def _f(default: Any, check: Check | None = None, *, kind: str = "") -> Any:
     """A field with its default and its own check; ``kind`` names what a value of the wrong
     type should have been (default: the field's type, "an integer")."""
@@ -103,6 +111,19 @@ class Model:
     remat: str = _f("full", one_of(*REMAT_POLICIES))
     scan_layers: bool = _f(True)
     shape: str | dict[str, Any] = _f("")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """Low-rank adapters on the attention and MLP projections (:mod:`rl_jax.models.lora`;
+    :class:`rl_jax.models.lora.LoraConfig` holds the same defaults): the base frozen in
+    ``model.dtype``, only the adapters trained. ``targets``: of q, k, v, o, gate, up, down."""
+
+    enabled: bool = _f(False)
+    rank: int = _f(16, at_least(1))
+    alpha: float = _f(32.0, positive)  # the low-rank term is scaled by alpha / rank
+    dropout: float = _f(0.0, fraction_below_one)
+    targets: tuple[str, ...] = _f(DEFAULT_TARGETS, lora_targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +355,7 @@ class RLRecipe:
     compilation_cache_dir: str = _f("auto")
     base: Base = _section(Base)
     model: Model = _section(Model)
+    lora: Lora = _section(Lora)
     mesh: MeshAxes = _section(MeshAxes)
     env: Env = _section(Env)
     data: Data = _section(Data)

@@ -1,5 +1,9 @@
 """Train-state checkpoints with orbax ``CheckpointManager``: asynchronous, keep N, every K steps,
-restorable onto another mesh (the restore target carries the new shardings)."""
+restorable onto another mesh (the restore target carries the new shardings).
+
+A LoRA state's frozen base (``TrainState.frozen``) is not written: a checkpoint holds the
+adapters, their optimizer state and the counters, and a restore takes the base from its target.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from rl_jax.errors import UserError
@@ -64,13 +69,19 @@ class Checkpointer:
     def restore(self, target: TrainState, step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any], int]:
         """Restores onto ``target`` (a TrainState of ``ShapeDtypeStruct``s with shardings; see
-        ``rl_jax.trainer.state.abstract_state``), which may describe a different mesh.
+        ``rl_jax.trainer.state.abstract_state``), which may describe a different mesh. A LoRA
+        target's ``frozen`` must hold the base's arrays (they are not in checkpoints), e.g.
+        ``abstract_state(tx, spec).replace(frozen=base)``.
 
         With ``step=None`` the newest checkpoint is used; if it is unreadable (a crash in the
         middle of a write, a corrupt file), older ones are tried, each failure logged.
         Returns ``(state, metadata, step)``.
         """
         self.wait()
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target.frozen)):
+            raise CheckpointRestoreError(
+                "checkpoints hold no frozen base weights: restore onto a target whose frozen "
+                "weights are the base's arrays (abstract_state(...).replace(frozen=base))")
         steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
         if not steps:
             raise CheckpointRestoreError(f"no checkpoints in {self.directory}")
@@ -86,7 +97,7 @@ class Checkpointer:
                 continue
             d = restored["state"]
             state = TrainState(step=d["step"], params=d["params"], opt_state=d["opt_state"],
-                               skipped=d["skipped"])
+                               skipped=d["skipped"], frozen=target.frozen)
             if errors:
                 log.warning("restored older checkpoint step %d because newer ones failed", s)
             return state, dict(restored["metadata"] or {}), s

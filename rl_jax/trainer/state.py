@@ -3,6 +3,11 @@
 Parameters are kept as a plain nested dict of arrays (``{"embed": ..., "layers": {"wq": ...}}``)
 so that checkpoints, weight transfer and checksums see ordinary pytrees; :class:`ModelSpec` turns
 such a dict back into an NNX module inside a jitted function.
+
+With low-rank adapters (``ModelSpec(lora=...)``, :mod:`rl_jax.models.lora`) the state's
+``params`` are the adapters only: gradients, optimizer state and checkpoints cover them alone.
+The frozen base weights ride in ``TrainState.frozen`` in the compute dtype, sharded by the same
+rules; they take no gradient and are not written in checkpoints (a restore is given them).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.models.build import abstract_model, iter_params, param_shardings
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.lora import LoraConfig, LoraConfigError, is_adapter
 from rl_jax.models.transformer import Transformer
 from rl_jax.sharding import ShardingRules
 
@@ -30,12 +36,14 @@ Params = dict[str, Any]
 @flax.struct.dataclass
 class TrainState:
     """``step`` counts applied optimizer updates (the policy version); ``skipped`` counts steps
-    whose loss or gradient was not finite and that were therefore not applied."""
+    whose loss or gradient was not finite and that were therefore not applied; ``frozen``: the
+    weights the model reads but does not train (a LoRA run's base; empty otherwise)."""
 
     step: jax.Array
     params: Params
     opt_state: optax.OptState
     skipped: jax.Array
+    frozen: Params = flax.struct.field(default_factory=dict)
 
 
 SCHEDULE_CLOCKS = ("steps", "progress")
@@ -140,30 +148,51 @@ class ModelSpec:
     """Everything static about a model: its graph, abstract parameters and their shardings.
 
     ``attention`` picks the attention kernel of the training graph (``"auto"``: by backend; see
-    :mod:`rl_jax.models.fused_attention`).
+    :mod:`rl_jax.models.fused_attention`). With ``lora``, ``abstract_params`` /
+    ``param_shardings`` describe the trainable adapters only and ``frozen_abstract`` /
+    ``frozen_shardings`` the base, held in the compute ``dtype``; without, the frozen ones are
+    empty.
     """
 
     def __init__(self, config: ModelConfig, *, mesh: Mesh | None, rules: ShardingRules | None =
                  None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat: str = "none", scan_layers: bool = True, attention: str = "auto"):
+                 remat: str = "none", scan_layers: bool = True, attention: str = "auto",
+                 lora: LoraConfig | None = None):
         self.config = config
         self.mesh = mesh
         self.rules = rules or ShardingRules.default()
         self.dtype = dtype
         self.param_dtype = param_dtype
+        if lora is not None and lora.dropout:
+            # The forward has no dropout randomness to draw from yet (the loss functions take
+            # a model and a batch); refused rather than silently trained without.
+            raise LoraConfigError(f"lora.dropout={lora.dropout}: adapter dropout is not "
+                                  "implemented in the train step yet; use 0 (the default)")
+        self.lora = lora
         abstract = abstract_model(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
                                   rules=self.rules, remat=remat, scan_layers=scan_layers,
-                                  attention=attention)
+                                  attention=attention, lora=lora)
         self.graphdef, self._template = nnx.split(abstract)
-        self.abstract_params: Params = nnx.to_pure_dict(self._template)
-        self.param_shardings: Params = nnx.to_pure_dict(
-            param_shardings(self._template, mesh, self.rules))
+        everything = nnx.to_pure_dict(self._template)
+        shardings = nnx.to_pure_dict(param_shardings(self._template, mesh, self.rules))
         self.param_logical_axes: dict[str, tuple[str, ...]] = {
             name: var.get_metadata().get("logical_axes") for name, var in iter_params(self._template)}
+        if lora is None:
+            self.abstract_params: Params = everything
+            self.param_shardings: Params = shardings
+            self.frozen_abstract: Params = {}
+            self.frozen_shardings: Params = {}
+        else:
+            self.abstract_params, frozen = split_adapters(everything)
+            self.param_shardings, self.frozen_shardings = split_adapters(shardings)
+            self.frozen_abstract = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, dtype), frozen)
 
-    def merge(self, params: Params) -> Transformer:
-        """An NNX model over ``params`` (works on traced arrays inside jit)."""
+    def merge(self, params: Params, frozen: Params | None = None) -> Transformer:
+        """An NNX model over ``params`` and the ``frozen`` ones (works on traced arrays inside
+        jit)."""
         flat = dict(_flatten(params))
+        flat.update(_flatten(frozen or {}))
         state = nnx.map_state(lambda path, v: v.replace(flat[".".join(map(str, path))]),
                               self._template)
         return nnx.merge(self.graphdef, state)
@@ -172,18 +201,74 @@ class ModelSpec:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def init_params(self, seed: int) -> Params:
-        """Random parameters, materialised directly in their sharded layout."""
+        """Random parameters, materialised directly in their sharded layout: all of them (a
+        LoRA spec's base and adapters in one dict: :meth:`split_frozen` parts them)."""
         def init():
             model = Transformer(self.config, rngs=nnx.Rngs(seed), dtype=self.dtype,
-                                param_dtype=self.param_dtype, mesh=self.mesh, rules=self.rules)
+                                param_dtype=self.param_dtype, mesh=self.mesh, rules=self.rules,
+                                lora=self.lora)
             return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
+        out = _merge_trees(self.param_shardings, self.frozen_shardings)
+        return jax.jit(init, out_shardings=out)()
+
+    def init_adapters(self, seed: int) -> Params:
+        """Fresh adapters (PEFT's initialisation: the adapted model equals its base), sharded;
+        the same as :meth:`init_params`'s for ``seed``."""
+        if self.lora is None:
+            raise ValueError("init_adapters needs a ModelSpec with lora")
+
+        def init():
+            model = Transformer(self.config, rngs=nnx.Rngs(seed), dtype=self.dtype,
+                                param_dtype=self.param_dtype, mesh=self.mesh, rules=self.rules,
+                                lora=self.lora)
+            return split_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
+
         return jax.jit(init, out_shardings=self.param_shardings)()
+
+    def split_frozen(self, params: Params) -> tuple[Params, Params]:
+        """All parameters (or a base without adapters, which then get :meth:`init_adapters`'s
+        of seed 0) → ``(trainable, frozen)``, each in its sharded layout, the frozen base cast
+        to the compute dtype. Without lora: ``(params, {})``."""
+        if self.lora is None:
+            return params, {}
+        trainable, frozen = split_adapters(params)
+        if not trainable:
+            trainable = self.init_adapters(0)
+        frozen = jax.jit(lambda f: jax.tree.map(lambda x: x.astype(self.dtype), f),
+                         out_shardings=self.frozen_shardings)(frozen)
+        return trainable, frozen
 
     def replicated(self) -> Any:
         if self.mesh is None:
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return NamedSharding(self.mesh, PartitionSpec())
+
+
+def split_adapters(tree: Params) -> tuple[Params, Params]:
+    """A nested parameter dict → ``(adapters, the rest)``, both nested like it (a part with no
+    leaves is left out)."""
+    adapters, rest = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            a, r = split_adapters(value)
+            if a:
+                adapters[key] = a
+            if r:
+                rest[key] = r
+        elif is_adapter(str(key)):
+            adapters[key] = value
+        else:
+            rest[key] = value
+    return adapters, rest
+
+
+def _merge_trees(a: Params, b: Params) -> Params:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _merge_trees(out[key], value) if isinstance(value, dict) and key in out \
+            else value
+    return out
 
 
 def _flatten(tree: Params, prefix: str = ""):
@@ -206,27 +291,40 @@ def opt_state_shardings(tx: optax.GradientTransformation, spec: ModelSpec) -> An
 def state_shardings(tx: optax.GradientTransformation, spec: ModelSpec) -> TrainState:
     rep = spec.replicated()
     return TrainState(step=rep, params=spec.param_shardings,
-                      opt_state=opt_state_shardings(tx, spec), skipped=rep)
+                      opt_state=opt_state_shardings(tx, spec), skipped=rep,
+                      frozen=spec.frozen_shardings)
 
 
 def abstract_state(tx: optax.GradientTransformation, spec: ModelSpec) -> TrainState:
-    """``ShapeDtypeStruct``s with shardings for the whole train state (restore targets)."""
+    """``ShapeDtypeStruct``s with shardings for the whole train state (restore targets; a LoRA
+    restore target needs its ``frozen`` replaced by the base's arrays)."""
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=spec.abstract_params,
                         opt_state=jax.eval_shape(tx.init, spec.abstract_params),
-                        skipped=jax.ShapeDtypeStruct((), jnp.int32))
+                        skipped=jax.ShapeDtypeStruct((), jnp.int32),
+                        frozen=spec.frozen_abstract)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, state_shardings(tx, spec))
 
 
-def init_state(tx: optax.GradientTransformation, spec: ModelSpec, params: Params) -> TrainState:
-    """A fresh train state around ``params`` (already sharded), created in its sharded layout."""
+def init_state(tx: optax.GradientTransformation, spec: ModelSpec, params: Params,
+               frozen: Params | None = None) -> TrainState:
+    """A fresh train state around ``params`` (already sharded; with lora the adapters, and
+    ``frozen`` the base from :meth:`ModelSpec.split_frozen`), created in its sharded layout;
+    the optimizer state covers ``params`` only."""
     shardings = state_shardings(tx, spec)
+    frozen = {} if frozen is None else frozen
+    if jax.tree.structure(frozen) != jax.tree.structure(spec.frozen_abstract):
+        raise ValueError("init_state: frozen weights do not match the spec's "
+                         f"({len(jax.tree.leaves(frozen))} arrays for "
+                         f"{len(jax.tree.leaves(spec.frozen_abstract))})")
 
     def build(p):
         return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
                           skipped=jnp.zeros((), jnp.int32))
 
-    return jax.jit(build, out_shardings=shardings)(params)
+    # The base is not an input of the program: it would come out as a copy.
+    return jax.jit(build, out_shardings=shardings.replace(frozen={}))(params).replace(
+        frozen=frozen)
 
 
 # ---- an exponential moving average of the parameters -------------------------------------------

@@ -89,10 +89,11 @@ def split_microbatches(batch: Any, num_micro: int) -> Any:
 
 
 def _grads_fn(spec: ModelSpec, loss_fn: LossFn):
-    """``grads_of(params, batch) -> (loss_sum, denominator, metrics, grads)``."""
-    def grads_of(params, batch):
+    """``grads_of(params, frozen, batch) -> (loss_sum, denominator, metrics, grads)``: the
+    gradient with respect to ``params`` only (``frozen``: a LoRA run's base, or ``{}``)."""
+    def grads_of(params, frozen, batch):
         def micro_loss(p):
-            loss_sum, denom, metrics = loss_fn(spec.merge(p), batch)
+            loss_sum, denom, metrics = loss_fn(spec.merge(p, frozen), batch)
             return loss_sum, (denom, metrics)
         (loss_sum, (denom, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
         return loss_sum, denom, metrics, grads
@@ -118,11 +119,11 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
     def step(state: TrainState, batch):
         params = state.params
         if num_microbatches == 1:
-            loss_sum, denom, metrics, grads = grads_of(params, batch)
+            loss_sum, denom, metrics, grads = grads_of(params, state.frozen, batch)
         else:
             micro = split_microbatches(batch, num_microbatches)
             first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(grads_of, params, first)
+            shapes = jax.eval_shape(grads_of, params, state.frozen, first)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
             zeros = (zeros[0], zeros[1],
                      {k: _metric_identity(k, v) for k, v in zeros[2].items()},
@@ -130,7 +131,7 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
                      if spec.mesh is not None else zeros[3])
 
             def body(acc, mb):
-                out = grads_of(params, mb)
+                out = grads_of(params, state.frozen, mb)
                 loss_acc = acc[0] + out[0]
                 denom_acc = acc[1] + out[1]
                 metrics_acc = {k: _reduce_metric(k, acc[2][k], out[2][k]) for k in acc[2]}
@@ -188,7 +189,7 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, loss_su
         extra["update_scale"] = factor
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    new_state = TrainState(
+    new_state = state.replace(
         step=state.step + ok.astype(jnp.int32),
         params=jax.tree.map(keep, new_params, params),
         opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
@@ -222,8 +223,8 @@ class StreamingTrainStep:
 
         grads_of = _grads_fn(spec, loss_fn)
 
-        def accumulate(params, acc, batch):
-            loss_sum, denom, metrics, grads = grads_of(params, batch)
+        def accumulate(params, frozen, acc, batch):
+            loss_sum, denom, metrics, grads = grads_of(params, frozen, batch)
             return (acc[0] + loss_sum, acc[1] + denom,
                     {k: _reduce_metric(k, acc[2][k], metrics[k]) for k in acc[2]},
                     jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[3], grads))
@@ -237,7 +238,8 @@ class StreamingTrainStep:
         self._programs: dict[tuple, Any] = {}
 
     def _acc_shapes(self, abstract_batch):
-        shapes = jax.eval_shape(self._grads_of, self.spec.abstract_params, abstract_batch)
+        shapes = jax.eval_shape(self._grads_of, self.spec.abstract_params,
+                                self.spec.frozen_abstract, abstract_batch)
         rep = self._rep
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
         metrics = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=rep)
@@ -270,17 +272,17 @@ class StreamingTrainStep:
 
         programs = (
             jax.jit(zeros, out_shardings=acc_shardings).lower().compile(),
-            jax.jit(self._accumulate_fn, in_shardings=(self.spec.param_shardings, acc_shardings,
-                                                       self.batch_sharding),
-                    out_shardings=acc_shardings, donate_argnums=(1,)).lower(
-                        state.params, acc, batch).compile(),
+            jax.jit(self._accumulate_fn, in_shardings=(
+                self.spec.param_shardings, self.spec.frozen_shardings, acc_shardings,
+                self.batch_sharding), out_shardings=acc_shardings, donate_argnums=(2,)).lower(
+                    state.params, state.frozen, acc, batch).compile(),
             jax.jit(self._apply_fn, in_shardings=(self._shardings, acc_shardings),
                     out_shardings=(self._shardings, self._rep),
                     donate_argnums=(0,)).lower(state, acc).compile())
         self._programs[key] = programs
         return time.perf_counter() - start
 
-    def warm(self, params: Any, abstract_micro_batch: Any) -> float:
+    def warm(self, params: Any, abstract_micro_batch: Any, frozen: Any = None) -> float:
         """Runs the zero-init and accumulation programs once on an all-zero micro-batch shaped
         like ``abstract_micro_batch`` and discards the result (the state is untouched), so that
         the first real step does not pay their first execution (buffer allocation, first-touch
@@ -289,8 +291,8 @@ class StreamingTrainStep:
         self.compile(abstract_micro_batch)
         zeros, accumulate, _ = self._programs[_shape_key(abstract_micro_batch)]
         micro = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_micro_batch)
-        jax.block_until_ready(accumulate(params, zeros(), global_batch(micro,
-                                                                      self.batch_sharding)))
+        jax.block_until_ready(accumulate(params, {} if frozen is None else frozen, zeros(),
+                                         global_batch(micro, self.batch_sharding)))
         return time.perf_counter() - start
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -307,7 +309,7 @@ class StreamingTrainStep:
         acc = zeros()
         # One transfer for every micro-batch: device_put has a fixed cost per call.
         for micro in global_batch(slices, self.batch_sharding):
-            acc = accumulate(state.params, acc, micro)
+            acc = accumulate(state.params, state.frozen, acc, micro)
         return apply(state, acc)
 
 
@@ -324,14 +326,21 @@ def _metric_identity(name: str, zero: jax.Array) -> jax.Array:
 
 
 def make_eval_step(spec: ModelSpec, loss_fn: LossFn, *, batch_sharding: Any = None):
-    """A jitted ``eval(params, batch) -> (loss_sum, denominator, metrics)`` (no gradients)."""
+    """A jitted ``eval(params, batch, frozen=None) -> (loss_sum, denominator, metrics)`` (no
+    gradients; ``frozen``: a LoRA run's base)."""
     batch_sharding = batch_sharding or default_batch_sharding(spec)
 
-    def evaluate(params, batch):
-        return loss_fn(spec.merge(params), batch)
+    def evaluate(params, batch, frozen):
+        return loss_fn(spec.merge(params, frozen), batch)
 
-    return jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding),
-                   out_shardings=spec.replicated())
+    jitted = jax.jit(evaluate, in_shardings=(spec.param_shardings, batch_sharding,
+                                             spec.frozen_shardings),
+                     out_shardings=spec.replicated())
+
+    def run(params, batch, frozen=None):
+        return jitted(params, batch, {} if frozen is None else frozen)
+
+    return run
 
 
 def global_batch(batch: Any, sharding: Any) -> Any:
