@@ -89,7 +89,7 @@ _STEPS = flags.DEFINE_integer("steps", 400, "Most optimizer updates, and the ste
                               "time/time_limit_s)).")
 _EVERY = flags.DEFINE_float("eval_every_s", 60.0, "Held-out evaluation every this many seconds "
                             "of training time.")
-_EXAMPLES = flags.DEFINE_integer("eval_examples", 128, "Held-out prompts (the recipe: 128).")
+_EXAMPLES = flags.DEFINE_integer("eval_examples", 256, "Held-out prompts (the recipe: 256).")
 _EVAL_BATCH = flags.DEFINE_integer("eval_batch", 64, "Prompts per batched generate in evals.")
 _LOSS = flags.DEFINE_enum("loss_type", "grpo", ["grpo", "dapo", "dr_grpo", "bnpo"],
                           "TRL loss_type (grpo: per-sequence token mean, the recipe's).")
@@ -105,7 +105,7 @@ _APPEND = flags.DEFINE_bool("append", False, "Keep the runs already in --out.")
 RECIPE = dict(env="scratchpad", env_kwargs=dict(min_digits=2, max_digits=25, power=1.3),
               group_size=8, groups_per_batch=8, max_new_tokens=320, temperature=1.0,
               learning_rate=3e-4, b1=0.9, b2=0.98, adam_eps=1e-8, weight_decay=0.0,
-              warmup_steps=5, final_lr_ratio=0.3, max_grad_norm=1.0, beta=0.0,
+              warmup_steps=30, final_lr_ratio=0.3, max_grad_norm=1.0, beta=0.0,
               num_iterations=1, scale_rewards="group", epsilon=0.2,
               mask_truncated_completions=True, dtype="float32")
 

@@ -49,10 +49,14 @@ def get_config() -> ConfigDict:
         micro_batch_rows=2,
         ema_decay=0.99,
     )
-    c.optimizer.update(learning_rate=3e-4, warmup_steps=5, final_lr_ratio=0.3, b2=0.98,
+    # A fresh Adam state on a half-trained base: with a 5-step warm-up the first updates are
+    # large enough to set held-out accuracy back (0.35 -> 0.09-0.23 by step 20 in every mode
+    # before it recovered); 30 steps keep it rising from the start.
+    c.optimizer.update(learning_rate=3e-4, warmup_steps=30, final_lr_ratio=0.3, b2=0.98,
                        schedule_on="progress")
     c.generator.update(max_seq_len=512, dtype="float32", warmup_shapes=True)
     c.cpus.update(trainer="0", generators="1", rollout="0", generators_nice=10)
-    c.eval.update(examples=128, every=20, max_new_tokens=320)
+    # 256 held-out problems: a standard error of about 0.03 at accuracy 0.4
+    c.eval.update(examples=256, every=20, max_new_tokens=320)
     c.export.dtype = "float32"
     return c
