@@ -143,8 +143,9 @@ def test_the_trl_peer_runs_the_recipes_settings():
     assert peer is not None and examples is not None
     c = load_recipe_file(root / "configs" / "scratchpad_rl.py")
     assert peer["env"] == c.env.name and peer["env_kwargs"] == dict(c.env.kwargs)
-    assert (peer["group_size"], peer["groups_per_batch"], peer["max_new_tokens"]) == (
-        c.rollout.group_size, c.rollout.groups_per_batch, c.rollout.max_new_tokens)
+    assert (peer["group_size"], peer["groups_per_batch"], peer["max_new_tokens"],
+            peer["temperature"]) == (c.rollout.group_size, c.rollout.groups_per_batch,
+                                     c.rollout.max_new_tokens, c.rollout.temperature)
     o = c.optimizer
     assert (peer["learning_rate"], peer["warmup_steps"], peer["final_lr_ratio"], peer["b1"],
             peer["b2"], peer["adam_eps"], peer["weight_decay"], peer["max_grad_norm"]) == (
