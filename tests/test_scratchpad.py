@@ -119,3 +119,36 @@ def test_supervised_batches_are_filled_by_tokens_and_pure_in_their_index():
     bos = special_token_ids(tokenizer)["bos"]
     assert (first["tokens"] == bos).sum() == examples
     assert not np.array_equal(batches[5]["tokens"], batches[6]["tokens"])
+
+
+def test_the_trl_peer_runs_the_recipes_settings():
+    """``benchmarks/trl_baseline.py`` (run in its own venv, without JAX) copies the settings of
+    ``configs/scratchpad_rl.py`` it can match: they must not drift apart."""
+    import ast
+    from pathlib import Path
+
+    from rl_jax.recipe.checks import load_recipe_file
+
+    root = Path(__file__).resolve().parents[1]
+    source = ast.parse((root / "benchmarks" / "trl_baseline.py").read_text())
+    peer, examples = None, None
+    for node in ast.walk(source):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "RECIPE":
+            # literals and dict(...) calls only: evaluated with nothing else in scope
+            peer = eval(compile(ast.Expression(node.value), "RECIPE", "eval"),
+                        {"__builtins__": {}, "dict": dict})
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "DEFINE_integer"
+                and node.args and getattr(node.args[0], "value", "") == "eval_examples"):
+            examples = node.args[1].value
+    assert peer is not None and examples is not None
+    c = load_recipe_file(root / "configs" / "scratchpad_rl.py")
+    assert peer["env"] == c.env.name and peer["env_kwargs"] == dict(c.env.kwargs)
+    assert (peer["group_size"], peer["groups_per_batch"], peer["max_new_tokens"],
+            peer["temperature"]) == (c.rollout.group_size, c.rollout.groups_per_batch,
+                                     c.rollout.max_new_tokens, c.rollout.temperature)
+    o = c.optimizer
+    assert (peer["learning_rate"], peer["warmup_steps"], peer["final_lr_ratio"], peer["b1"],
+            peer["b2"], peer["adam_eps"], peer["weight_decay"], peer["max_grad_norm"]) == (
+        o.learning_rate, o.warmup_steps, o.final_lr_ratio, o.b1, o.b2, o.eps, o.weight_decay,
+        o.max_grad_norm)
+    assert examples == c.eval.examples
