@@ -69,9 +69,6 @@ def test_bad_adapter_configs_are_refused(kwargs, words):
         LoraConfig(**kwargs)
 
 
-def test_adapter_dropout_is_refused_by_the_trainer_until_it_is_drawn():
-    with pytest.raises(LoraConfigError, match="dropout"):
-        ModelSpec(TINY, mesh=None, lora=LoraConfig(dropout=0.1))
 
 
 def test_the_recipe_section_has_the_same_defaults_and_checks():
@@ -157,6 +154,61 @@ def test_streaming_step_equals_the_whole_batch_step():
     # Summation order differs (as tests/test_trainer.py's micro-batching cases).
     for x, y in zip(_leaves(a.params), _leaves(b.params)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+# ---- adapter dropout ----------------------------------------------------------------------------
+
+DROP = LoraConfig(rank=4, alpha=8.0, dropout=0.25)
+
+
+def _dropout_run(lora, mesh=None, steps=2, num_micro=2):
+    spec = ModelSpec(TINY, mesh=mesh, lora=lora)
+    adapters, frozen = spec.split_frozen(spec.init_params(0))
+    state = init_state(TX, spec, adapters, frozen)
+    step = make_train_step(spec, TX, causal_lm_loss, donate=False, num_microbatches=num_micro)
+    sharding = None if mesh is None else NamedSharding(mesh, batch_partition_spec(spec))
+    for s in range(steps):
+        batch = random_batch(s)
+        state, _ = step(state, batch if mesh is None else global_batch(batch, sharding))
+    return spec, state
+
+
+def test_adapter_dropout_acts_in_training_only_and_is_reproducible():
+    # Evaluation (no key) ignores dropout: the model equals the one without.
+    spec = ModelSpec(TINY, mesh=None, lora=DROP)
+    plain = ModelSpec(TINY, mesh=None, lora=LORA)
+    adapters, frozen = spec.split_frozen(spec.init_params(0))
+    adapters = _random_adapters(spec, 4)
+    tokens = np.random.RandomState(0).randint(0, 64, (2, 12))
+    np.testing.assert_array_equal(_logits(spec, adapters, frozen, tokens),
+                                  _logits(plain, adapters, frozen, tokens))
+    # With a key, only the adapter path is dropped: different, and fixed by the key.
+    def with_key(key):
+        model = spec.merge(adapters, frozen, key)
+        return np.asarray(model.logits(model(jnp.asarray(tokens))))
+    k0, k1 = spec.dropout_key(jnp.int32(0), jnp.int32(0)), spec.dropout_key(jnp.int32(1),
+                                                                             jnp.int32(0))
+    assert np.abs(with_key(k0) - _logits(plain, adapters, frozen, tokens)).max() > 1e-3
+    np.testing.assert_array_equal(with_key(k0), with_key(k0))
+    assert not np.array_equal(with_key(k0), with_key(k1))
+
+    # The same masks on a sharded model (threefry draws do not depend on the layout): a
+    # different mask would move these logits by ~1e-2, not by rounding.
+    mesh = make_mesh(2, 2, 2)
+    sharded = ModelSpec(TINY, mesh=mesh, lora=DROP)
+    s_adapters = jax.device_put(adapters, sharded.param_shardings)
+    s_frozen = jax.device_put(frozen, sharded.frozen_shardings)
+    got = jax.jit(lambda a, f, k: (lambda m: m.logits(m(jnp.asarray(tokens))))(
+        sharded.merge(a, f, k)))(s_adapters, s_frozen, k0)
+    np.testing.assert_allclose(np.asarray(got), with_key(k0), rtol=1e-5, atol=1e-5)
+
+    # Training with dropout moves the adapters differently, and the same way twice.
+    _, a = _dropout_run(DROP)
+    _, b = _dropout_run(DROP)
+    _, c = _dropout_run(LORA)
+    for x, y in zip(_leaves(a.params), _leaves(b.params)):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.allclose(x, y) for x, y in zip(_leaves(a.params), _leaves(c.params)))
 
 
 # ---- sharding ------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ TARGETS: dict[str, tuple[str, int, str]] = {
     "down": ("w_down", 1, "mlp.down_proj"),
 }
 DEFAULT_TARGETS = tuple(TARGETS)
+_WEIGHTS = [weight for weight, _, _ in TARGETS.values()]
 RANK_AXIS = "lora_rank"
 A_SUFFIX, B_SUFFIX = "_lora_a", "_lora_b"
 
@@ -112,14 +113,24 @@ def init_adapter(key: jax.Array, name: str, shape: tuple[int, ...], fan_in: int,
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+Dropout = tuple[jax.Array, float]  # (this layer's key, rate)
+
+
 def lora_delta(x: jax.Array, w: dict[str, jax.Array], weight: str, dtype, *,
-               n_in: int = 1) -> jax.Array | None:
+               n_in: int = 1, dropout: Dropout | None = None) -> jax.Array | None:
     """The low-rank term ``(x·A)·B`` of projection ``weight`` for inputs ``x [B, T, in...]``
     (``[B, T, out...]``), or None when ``w`` holds no adapter for it. ``B`` in ``w`` is
-    expected already scaled by ``alpha / r`` (:func:`scaled_layer_weights`)."""
+    expected already scaled by ``alpha / r`` (:func:`scaled_layer_weights`). ``dropout``:
+    inverted dropout on ``x`` in the adapter's path only (as PEFT's ``lora_dropout``), its
+    mask drawn from the key folded with the projection."""
     a = w.get(weight + A_SUFFIX)
     if a is None:
         return None
+    if dropout is not None:
+        key, rate = dropout
+        keep = jax.random.bernoulli(jax.random.fold_in(key, _WEIGHTS.index(weight)),
+                                    1.0 - rate, x.shape)
+        x = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
     xa = jnp.tensordot(x, a.astype(dtype), axes=n_in)
     return jnp.tensordot(xa, w[weight + B_SUFFIX].astype(dtype), axes=1)
 

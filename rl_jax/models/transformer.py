@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.fused_attention import attention_mask, check_implementation, fused_attention
 from rl_jax.models.logprobs import blockwise_token_logprobs, blockwise_token_stats
-from rl_jax.models.lora import (LoraConfig, adapter_specs, init_adapter, lora_delta,
+from rl_jax.models.lora import (Dropout, LoraConfig, adapter_specs, init_adapter, lora_delta,
                                 scaled_layer_weights)
 from rl_jax.sharding import ShardingRules
 
@@ -136,6 +136,9 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Param(normal(rngs.params(), (d, v), param_dtype),
                                      logical_axes=("embed", "vocab"))
         self.lora = lora
+        # A training forward's adapter-dropout key (set by the trainer on the model it builds
+        # for one micro-batch: ModelSpec.merge); None: no dropout.
+        self.lora_dropout_key = None
         if lora is not None:
             self.layers.add_adapters(config, lora, rngs.params(), param_dtype)
 
@@ -177,10 +180,18 @@ class Transformer(nnx.Module):
         num_devices = 1 if self.mesh is None else self.mesh.size
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
-        def layer(h, w):
+        dropout_key = None
+        if self.lora is not None and self.lora.dropout and self.lora_dropout_key is not None:
+            dropout_key = self.lora_dropout_key
+
+        def layer(h, xs):
+            w, index = xs if dropout_key is not None else (xs, None)
+            drop = (None if dropout_key is None else
+                    (jax.random.fold_in(dropout_key, index), self.lora.dropout))
             h, _ = decoder_layer(h, w, cfg, cos=cos, sin=sin, mask=mask, dtype=self.dtype,
                                  constrain=self._constrain, attention_impl=self.attention,
-                                 segment_ids=plain_segments, num_devices=num_devices)
+                                 segment_ids=plain_segments, num_devices=num_devices,
+                                 lora_dropout=drop)
             return h, None
 
         if self.remat == "full":
@@ -190,6 +201,8 @@ class Transformer(nnx.Module):
                 layer, prevent_cse=False,
                 policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
         weights = scaled_layer_weights(self.layers.weights(), self.lora)
+        if dropout_key is not None:
+            weights = (weights, jnp.arange(cfg.num_layers, dtype=jnp.int32))
         x, _ = jax.lax.scan(layer, x, weights,
                             unroll=1 if self.scan_layers else cfg.num_layers)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
@@ -299,11 +312,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
 
 
 def project_qkv(x: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array,
-                sin: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Normalised input ``x [B,T,D]`` → rotated ``q [B,T,H,Dh]``, ``k, v [B,T,K,Dh]``."""
-    q = _with_adapter(jnp.einsum("btd,dhk->bthk", x, w["wq"].astype(dtype)), x, w, "wq", dtype)
-    k = _with_adapter(jnp.einsum("btd,dhk->bthk", x, w["wk"].astype(dtype)), x, w, "wk", dtype)
-    v = _with_adapter(jnp.einsum("btd,dhk->bthk", x, w["wv"].astype(dtype)), x, w, "wv", dtype)
+                sin: jax.Array, dtype, lora_dropout: Dropout | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normalised input ``x [B,T,D]`` → rotated ``q [B,T,H,Dh]``, ``k, v [B,T,K,Dh]``; with
+    adapters in ``w``, their low-rank terms added (``lora_dropout`` on their inputs)."""
+    def proj(name):
+        base = jnp.einsum("btd,dhk->bthk", x, w[name].astype(dtype))
+        return _with_adapter(base, x, w, name, dtype, dropout=lora_dropout)
+
+    q, k, v = proj("wq"), proj("wk"), proj("wv")
     if cfg.attention_bias:
         q = q + w["bq"].astype(dtype)
         k = k + w["bk"].astype(dtype)
@@ -323,31 +340,33 @@ def qk_norm(q: jax.Array, k: jax.Array, w: dict[str, jax.Array], cfg: ModelConfi
     return q, k
 
 
-def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, dtype):
+def attention_output(attn: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, dtype,
+                     lora_dropout: Dropout | None = None):
     out = _with_adapter(jnp.einsum("bthk,hkd->btd", attn, w["wo"].astype(dtype)), attn, w,
-                        "wo", dtype, n_in=2)
+                        "wo", dtype, n_in=2, dropout=lora_dropout)
     if cfg.output_bias:
         out = out + w["bo"].astype(dtype)
     return out
 
 
-def mlp(x: jax.Array, w: dict[str, jax.Array], dtype, constrain=None) -> jax.Array:
+def mlp(x: jax.Array, w: dict[str, jax.Array], dtype, constrain=None,
+        lora_dropout: Dropout | None = None) -> jax.Array:
     gate = _with_adapter(jnp.einsum("btd,df->btf", x, w["w_gate"].astype(dtype)), x, w,
-                         "w_gate", dtype)
+                         "w_gate", dtype, dropout=lora_dropout)
     up = _with_adapter(jnp.einsum("btd,df->btf", x, w["w_up"].astype(dtype)), x, w, "w_up",
-                       dtype)
+                       dtype, dropout=lora_dropout)
     act = mlp_activation(gate, up)
     if constrain is not None:
         act = constrain(act, ("act_batch", "act_seq", "act_mlp"))
     return _with_adapter(jnp.einsum("btf,fd->btd", act, w["w_down"].astype(dtype)), act, w,
-                         "w_down", dtype)
+                         "w_down", dtype, dropout=lora_dropout)
 
 
 def _with_adapter(y: jax.Array, x: jax.Array, w: dict[str, jax.Array], weight: str, dtype,
-                  n_in: int = 1) -> jax.Array:
+                  n_in: int = 1, dropout: Dropout | None = None) -> jax.Array:
     """``y`` (the base projection of ``x``) plus the adapter's low-rank term where ``w`` holds
     one for ``weight``."""
-    delta = lora_delta(x, w, weight, dtype, n_in=n_in)
+    delta = lora_delta(x, w, weight, dtype, n_in=n_in, dropout=dropout)
     return y if delta is None else y + delta
 
 
@@ -391,7 +410,8 @@ def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, cos, sin, mask,
                   dtype, constrain=None, cache=None, attention_impl: str = "xla",
-                  segment_ids: jax.Array | None = None, num_devices: int = 1):
+                  segment_ids: jax.Array | None = None, num_devices: int = 1,
+                  lora_dropout: Dropout | None = None):
     """One pre-norm decoder layer on ``h [B,T,D]`` with per-layer weights ``w``.
 
     Without ``cache`` queries attend to this call's own keys (``mask [B,T,T]``) and the result is
@@ -403,12 +423,12 @@ def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, co
     ``attention_impl`` picks the attention kernel (see :func:`attention`); without a cache the
     mask must be causal self-attention (``mask [B,T,T]`` from equal query and key indices), with
     ``segment_ids [B,T]`` when it is exactly causal-within-segments. Attention over a cache
-    always runs on XLA.
+    always runs on XLA. ``lora_dropout``: ``(key, rate)`` of adapter dropout (training).
     """
     constrain = constrain or (lambda x, axes: x)
 
     def attention_block(x):
-        q, k, v = project_qkv(x, w, cfg, cos, sin, dtype)
+        q, k, v = project_qkv(x, w, cfg, cos, sin, dtype, lora_dropout)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", "head_dim"))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "head_dim"))
@@ -420,8 +440,9 @@ def decoder_layer(h: jax.Array, w: dict[str, jax.Array], cfg: ModelConfig, *, co
                          implementation=attention_impl,
                          segment_ids=segment_ids if cache is None else None,
                          causal_self=cache is None, num_devices=num_devices)
-        return attention_output(attn, w, cfg, dtype), (k, v)
+        return attention_output(attn, w, cfg, dtype, lora_dropout), (k, v)
 
     return pre_norm_block(h, w, cfg, attention_block=attention_block,
-                          mlp_block=lambda x: mlp(x, w, dtype, constrain), constrain=constrain,
+                          mlp_block=lambda x: mlp(x, w, dtype, constrain, lora_dropout),
+                          constrain=constrain,
                           axes=("act_batch", "act_seq", "act_embed"))

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.models.build import abstract_model, iter_params, param_shardings
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.lora import LoraConfig, LoraConfigError, is_adapter
+from rl_jax.models.lora import LoraConfig, is_adapter
 from rl_jax.models.transformer import Transformer
 from rl_jax.sharding import ShardingRules
 
@@ -163,11 +163,6 @@ class ModelSpec:
         self.rules = rules or ShardingRules.default()
         self.dtype = dtype
         self.param_dtype = param_dtype
-        if lora is not None and lora.dropout:
-            # The forward has no dropout randomness to draw from yet (the loss functions take
-            # a model and a batch); refused rather than silently trained without.
-            raise LoraConfigError(f"lora.dropout={lora.dropout}: adapter dropout is not "
-                                  "implemented in the train step yet; use 0 (the default)")
         self.lora = lora
         abstract = abstract_model(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
                                   rules=self.rules, remat=remat, scan_layers=scan_layers,
@@ -188,14 +183,31 @@ class ModelSpec:
             self.frozen_abstract = jax.tree.map(
                 lambda s: jax.ShapeDtypeStruct(s.shape, dtype), frozen)
 
-    def merge(self, params: Params, frozen: Params | None = None) -> Transformer:
+    def merge(self, params: Params, frozen: Params | None = None,
+              dropout_key: jax.Array | None = None) -> Transformer:
         """An NNX model over ``params`` and the ``frozen`` ones (works on traced arrays inside
-        jit)."""
+        jit); ``dropout_key``: a training forward's adapter-dropout key (used when
+        ``lora.dropout > 0``)."""
         flat = dict(_flatten(params))
         flat.update(_flatten(frozen or {}))
         state = nnx.map_state(lambda path, v: v.replace(flat[".".join(map(str, path))]),
                               self._template)
-        return nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, state)
+        if dropout_key is not None:
+            model.lora_dropout_key = nnx.data(dropout_key)
+        return model
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.lora is not None and self.lora.dropout > 0
+
+    def dropout_key(self, step: jax.Array, micro: jax.Array) -> jax.Array | None:
+        """The adapter-dropout key of optimizer step ``step``'s micro-batch ``micro`` (a
+        function of the two only, so a resumed run draws the masks it would have), or None
+        without dropout."""
+        if not self.has_dropout:
+            return None
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), step), micro)
 
     def split(self, model: Transformer) -> Params:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -89,11 +89,14 @@ def split_microbatches(batch: Any, num_micro: int) -> Any:
 
 
 def _grads_fn(spec: ModelSpec, loss_fn: LossFn):
-    """``grads_of(params, frozen, batch) -> (loss_sum, denominator, metrics, grads)``: the
-    gradient with respect to ``params`` only (``frozen``: a LoRA run's base, or ``{}``)."""
-    def grads_of(params, frozen, batch):
+    """``grads_of(params, frozen, batch, step, micro) -> (loss_sum, denominator, metrics,
+    grads)``: the gradient with respect to ``params`` only (``frozen``: a LoRA run's base, or
+    ``{}``); ``step`` and ``micro`` (int32 scalars) pick adapter-dropout masks."""
+    def grads_of(params, frozen, batch, step, micro):
+        key = spec.dropout_key(step, micro)
+
         def micro_loss(p):
-            loss_sum, denom, metrics = loss_fn(spec.merge(p, frozen), batch)
+            loss_sum, denom, metrics = loss_fn(spec.merge(p, frozen, key), batch)
             return loss_sum, (denom, metrics)
         (loss_sum, (denom, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
         return loss_sum, denom, metrics, grads
@@ -119,26 +122,30 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation, loss_fn: 
     def step(state: TrainState, batch):
         params = state.params
         if num_microbatches == 1:
-            loss_sum, denom, metrics, grads = grads_of(params, state.frozen, batch)
+            loss_sum, denom, metrics, grads = grads_of(params, state.frozen, batch, state.step,
+                                                       jnp.int32(0))
         else:
             micro = split_microbatches(batch, num_microbatches)
             first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(grads_of, params, state.frozen, first)
+            shapes = jax.eval_shape(grads_of, params, state.frozen, first, state.step,
+                                    jnp.int32(0))
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
             zeros = (zeros[0], zeros[1],
                      {k: _metric_identity(k, v) for k, v in zeros[2].items()},
                      jax.lax.with_sharding_constraint(zeros[3], spec.param_shardings)
                      if spec.mesh is not None else zeros[3])
 
-            def body(acc, mb):
-                out = grads_of(params, state.frozen, mb)
+            def body(acc, xs):
+                mb, index = xs
+                out = grads_of(params, state.frozen, mb, state.step, index)
                 loss_acc = acc[0] + out[0]
                 denom_acc = acc[1] + out[1]
                 metrics_acc = {k: _reduce_metric(k, acc[2][k], out[2][k]) for k in acc[2]}
                 grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[3], out[3])
                 return (loss_acc, denom_acc, metrics_acc, grads_acc), None
 
-            (loss_sum, denom, metrics, grads), _ = jax.lax.scan(body, zeros, micro)
+            (loss_sum, denom, metrics, grads), _ = jax.lax.scan(
+                body, zeros, (micro, jnp.arange(num_microbatches, dtype=jnp.int32)))
         return apply_gradients(state, tx, loss_sum, denom, metrics, grads, update_scale)
 
     return jax.jit(step, in_shardings=(shardings, batch_sharding),
@@ -223,8 +230,8 @@ class StreamingTrainStep:
 
         grads_of = _grads_fn(spec, loss_fn)
 
-        def accumulate(params, frozen, acc, batch):
-            loss_sum, denom, metrics, grads = grads_of(params, frozen, batch)
+        def accumulate(params, frozen, acc, batch, step, micro):
+            loss_sum, denom, metrics, grads = grads_of(params, frozen, batch, step, micro)
             return (acc[0] + loss_sum, acc[1] + denom,
                     {k: _reduce_metric(k, acc[2][k], metrics[k]) for k in acc[2]},
                     jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc[3], grads))
@@ -238,8 +245,9 @@ class StreamingTrainStep:
         self._programs: dict[tuple, Any] = {}
 
     def _acc_shapes(self, abstract_batch):
+        counter = jax.ShapeDtypeStruct((), jnp.int32)
         shapes = jax.eval_shape(self._grads_of, self.spec.abstract_params,
-                                self.spec.frozen_abstract, abstract_batch)
+                                self.spec.frozen_abstract, abstract_batch, counter, counter)
         rep = self._rep
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
         metrics = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=rep)
@@ -274,8 +282,9 @@ class StreamingTrainStep:
             jax.jit(zeros, out_shardings=acc_shardings).lower().compile(),
             jax.jit(self._accumulate_fn, in_shardings=(
                 self.spec.param_shardings, self.spec.frozen_shardings, acc_shardings,
-                self.batch_sharding), out_shardings=acc_shardings, donate_argnums=(2,)).lower(
-                    state.params, state.frozen, acc, batch).compile(),
+                self.batch_sharding, self._rep, self._rep), out_shardings=acc_shardings,
+                donate_argnums=(2,)).lower(state.params, state.frozen, acc, batch, state.step,
+                                           state.step).compile(),
             jax.jit(self._apply_fn, in_shardings=(self._shardings, acc_shardings),
                     out_shardings=(self._shardings, self._rep),
                     donate_argnums=(0,)).lower(state, acc).compile())
@@ -292,7 +301,8 @@ class StreamingTrainStep:
         zeros, accumulate, _ = self._programs[_shape_key(abstract_micro_batch)]
         micro = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_micro_batch)
         jax.block_until_ready(accumulate(params, {} if frozen is None else frozen, zeros(),
-                                         global_batch(micro, self.batch_sharding)))
+                                         global_batch(micro, self.batch_sharding),
+                                         np.int32(0), np.int32(0)))
         return time.perf_counter() - start
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -308,8 +318,9 @@ class StreamingTrainStep:
         zeros, accumulate, apply = self._programs[_shape_key(abstract)]
         acc = zeros()
         # One transfer for every micro-batch: device_put has a fixed cost per call.
-        for micro in global_batch(slices, self.batch_sharding):
-            acc = accumulate(state.params, state.frozen, acc, micro)
+        for index, micro in enumerate(global_batch(slices, self.batch_sharding)):
+            acc = accumulate(state.params, state.frozen, acc, micro, state.step,
+                             np.int32(index))
         return apply(state, acc)
 
 
