@@ -389,3 +389,39 @@ def test_bad_peft_adapters_are_refused(hf_base, tmp_path):
     save_file(tensors, str(out / ADAPTER_WEIGHTS))
     with pytest.raises(hf.CheckpointError, match="non-finite"):
         load_peft_adapter(out, cfg)
+
+
+# ---- the supervised recipe with adapters ---------------------------------------------------------
+
+def _lm_config(steps, stop_after=0, **lora):
+    from rl_jax.recipe.checks import load_recipe_file
+    from pathlib import Path
+    c = load_recipe_file(Path(__file__).parent.parent / "configs" / "tiny_lm.py")
+    c.trainer.steps, c.trainer.stop_after = steps, stop_after
+    c.data.rows_per_batch, c.data.seq_len, c.data.eval_examples = 8, 64, 16
+    c.checkpoint.every, c.checkpoint.use_async = 2, False
+    c.logging.every = c.logging.eval_every = 2
+    from ml_collections import ConfigDict
+    c.lora = ConfigDict(dict(enabled=True, rank=4, alpha=8.0, **lora))
+    return c
+
+
+def test_lm_recipe_trains_adapters_resumes_exactly_and_exports(tmp_path):
+    from rl_jax.trainer import lm
+    straight = lm.run(_lm_config(4), str(tmp_path / "straight"))
+    lm.run(_lm_config(4, stop_after=2), str(tmp_path / "resumed"))
+    resumed = lm.run(_lm_config(4), str(tmp_path / "resumed"))
+    assert straight["steps"] == resumed["steps"] == 4
+    assert resumed["eval_loss"] == straight["eval_loss"]
+    # Only the adapters count as trained parameters.
+    assert straight["parameters"] < 0.2 * 600_000
+    cfg = hf.read_config(tmp_path / "straight" / "hf")
+    adapters, lora = load_peft_adapter(tmp_path / "straight" / "adapter", cfg)
+    assert lora == LoraConfig(rank=4, alpha=8.0)
+    assert np.asarray(adapters["layers"]["wq_lora_b"]).any()  # B left zero: trained
+    bad = _lm_config(4)
+    bad.lora.rank = 0
+    with pytest.raises(lm.RecipeConfigError, match="lora.rank"):
+        lm.lora_config(bad)
+    with pytest.raises(lm.RecipeConfigError, match="unknown"):
+        lm.lora_config(_lm_config(4, targets=("q", "qkv")))

@@ -28,6 +28,8 @@ from rl_jax.errors import UserError
 from rl_jax.metrics import MetricsWriter, plot_curves, write_json
 from rl_jax.models.config import DTYPES, ModelConfig
 from rl_jax.models.hf import load_pretrained, read_config, save_pretrained
+from rl_jax.models.lora import LoraConfig, LoraConfigError
+from rl_jax.models.lora_export import save_merged, save_peft_adapter
 from rl_jax.sharding import make_mesh
 from rl_jax.trainer.checkpoint import Checkpointer
 from rl_jax.trainer.state import (ModelSpec, OptimizerConfig, abstract_state, init_state,
@@ -85,6 +87,24 @@ def validate(c: ml_collections.ConfigDict, mesh_batch_size: int):
 TASKS = ("addition", "scratchpad")
 
 
+def lora_config(c: ml_collections.ConfigDict) -> LoraConfig | None:
+    """The recipe's optional ``lora`` block (``enabled``, ``rank``, ``alpha``, ``dropout``,
+    ``targets``; defaults: :class:`rl_jax.models.lora.LoraConfig`) → adapters to train on a
+    frozen base, or None."""
+    block = c.get("lora")
+    if block is None or not block.get("enabled", False):
+        return None
+    fields = {k: v for k, v in block.to_dict().items() if k != "enabled"}
+    if "targets" in fields:
+        fields["targets"] = tuple(fields["targets"])
+    try:
+        return LoraConfig(**fields)
+    except TypeError as e:
+        raise RecipeConfigError(f"lora: {e}") from e
+    except LoraConfigError as e:
+        raise RecipeConfigError(str(e)) from e
+
+
 def make_task(c: ml_collections.ConfigDict) -> ArithmeticTask | ScratchpadAdditionTask:
     """The recipe's train-split task: ``task.kind`` "addition" (``num_digits``,
     ``reverse_answer``) or "scratchpad" (``min_digits``, ``max_digits``, ``power``)."""
@@ -119,31 +139,37 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 f"than the task tokenizer's {tokenizer.get_vocab_size()} tokens")
     else:
         cfg = model_config(c, tokenizer.get_vocab_size(), special)
+    lora = lora_config(c)
     spec = ModelSpec(cfg, mesh=mesh, dtype=_dtype(c.model.dtype),
                      param_dtype=_dtype(c.model.param_dtype), remat=c.model.remat,
-                     scan_layers=bool(c.model.get("scan_layers", True)))
+                     scan_layers=bool(c.model.get("scan_layers", True)), lora=lora)
     opt_cfg = OptimizerConfig(total_steps=c.trainer.steps, **c.optimizer.to_dict())
     tx = make_optimizer(opt_cfg)
     schedule = learning_rate_schedule(opt_cfg)
 
     checkpointer = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
                                 every=c.checkpoint.every, use_async=c.checkpoint.use_async)
+    def initial_params():
+        if c.model.init_from:
+            # A LoRA run's adapters are not in the checkpoint: split_frozen adds fresh ones.
+            return spec.split(load_pretrained(c.model.init_from, mesh, spec.dtype,
+                                              param_dtype=spec.param_dtype, rules=spec.rules))
+        return spec.init_params(c.seed)
+
     if checkpointer.latest_step() is not None:
-        state, meta, _ = checkpointer.restore(abstract_state(tx, spec))
+        target = abstract_state(tx, spec)
+        if lora is not None:  # checkpoints hold the adapters only; the base is rebuilt
+            target = target.replace(frozen=spec.split_frozen(initial_params(), c.seed)[1])
+        state, meta, _ = checkpointer.restore(target)
         next_batch = int(meta["next_batch"])
         log.info("resumed from %s at step %d (batch %d)", checkpointer.directory,
                  int(state.step), next_batch)
     else:
-        if c.model.init_from:
-            params = spec.split(load_pretrained(c.model.init_from, mesh, spec.dtype,
-                                                param_dtype=spec.param_dtype, rules=spec.rules))
-        else:
-            params = spec.init_params(c.seed)
-        state = init_state(tx, spec, params)
+        state = init_state(tx, spec, *spec.split_frozen(initial_params(), c.seed))
         next_batch = 0
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    log.info("model: %s, %.2fM parameters, mesh %s", cfg.architecture, n_params / 1e6,
-             dict(mesh.shape))
+    log.info("model: %s, %.2fM %sparameters, mesh %s", cfg.architecture, n_params / 1e6,
+             "trained (adapter) " if lora else "", dict(mesh.shape))
 
     batches = lm_batches(task, tokenizer, rows_per_batch=c.data.rows_per_batch,
                          seq_len=c.data.seq_len, seed=c.seed,
@@ -160,7 +186,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     eval_device = global_batch(LMBatch.from_numpy(eval_batch), batch_sharding)
 
     def evaluate(params) -> dict[str, float]:
-        loss_sum, denom, m = eval_fn(params, eval_device)
+        loss_sum, denom, m = eval_fn(params, eval_device, state.frozen)
         correct = exact_match(eval_batch, n_eval, is_argmax=np.asarray(m["is_argmax"]) > 0)
         return {"eval_loss": float(loss_sum / denom), "eval_exact_match": float(correct.mean())}
 
@@ -209,8 +235,15 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     checkpointer.close()
 
     final = evaluate(state.params)
-    export_dir = save_pretrained(spec.merge(state.params), workdir / "hf", tokenizer=tokenizer,
+    if lora is None:
+        export_dir = save_pretrained(spec.merge(state.params), workdir / "hf",
+                                     tokenizer=tokenizer, dtype=_dtype(c.export.dtype))
+    else:  # the merged model, and the adapters alone in PEFT's format
+        full = {**state.frozen, "layers": {**state.frozen["layers"], **state.params["layers"]}}
+        export_dir = save_merged(workdir / "hf", cfg, full, lora, tokenizer=tokenizer,
                                  dtype=_dtype(c.export.dtype))
+        save_peft_adapter(workdir / "adapter", state.params, cfg, lora,
+                          base_model=str(c.model.init_from))
     summary = {"steps": int(state.step), "skipped_steps": int(state.skipped),
                "parameters": int(n_params), "export": str(export_dir), **final,
                **({} if isinstance(task, ScratchpadAdditionTask) else {

@@ -238,15 +238,15 @@ class ModelSpec:
 
         return jax.jit(init, out_shardings=self.param_shardings)()
 
-    def split_frozen(self, params: Params) -> tuple[Params, Params]:
+    def split_frozen(self, params: Params, seed: int = 0) -> tuple[Params, Params]:
         """All parameters (or a base without adapters, which then get :meth:`init_adapters`'s
-        of seed 0) → ``(trainable, frozen)``, each in its sharded layout, the frozen base cast
-        to the compute dtype. Without lora: ``(params, {})``."""
+        of ``seed``) → ``(trainable, frozen)``, each in its sharded layout, the frozen base
+        cast to the compute dtype. Without lora: ``(params, {})``."""
         if self.lora is None:
             return params, {}
         trainable, frozen = split_adapters(params)
         if not trainable:
-            trainable = self.init_adapters(0)
+            trainable = self.init_adapters(seed)
         frozen = jax.jit(lambda f: jax.tree.map(lambda x: x.astype(self.dtype), f),
                          out_shardings=self.frozen_shardings)(frozen)
         return trainable, frozen
