@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from rl_jax import compile_cache, cpus, heap
@@ -37,11 +38,10 @@ from rl_jax.orchestrator.evaluation import EvalResult, evaluate
 from rl_jax.orchestrator.policy import INT_FIELDS, POLICY_FIELDS, PolicyBatch
 from rl_jax.orchestrator.setup import GeneratorParts, ModelParts, TrainerParts, start_rollout
 from rl_jax.orchestrator.snapshots import SnapshotWriter
-from rl_jax.orchestrator.weights import StagingSpaceStop
+from rl_jax.orchestrator.weights import stop_naming_checkpoints
 from rl_jax.recipe.schema import RLRecipe
 from rl_jax.trainer.state import ema_decay_at, ema_update, learning_rate_at, set_learning_rate
 from rl_jax.trainer.step import StreamingTrainStep, global_batch
-
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,11 @@ class Session:
                                              self.compilation_cache_dir, self._closers)
         self.trainer = TrainerParts(c, self.model, self.workdir, self.base_dir, self._closers)
         if self.primary:
-            try:
+            with stop_naming_checkpoints(self.trainer.checkpointer):
                 self.generators.connect(
                     self.trainer.state, update_when_idle=self.settings.update_when_idle,
                     generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
                     on_applied=self._on_applied)
-            except StagingSpaceStop as e:
-                raise e.with_checkpoints(self.trainer.checkpointer) from None
             self.rollout, self.to_batch = start_rollout(
                 c, self.settings, self.model, self.trainer.meta, int(self.trainer.state.step),
                 self.generators, self._closers, self.score_until())
@@ -381,8 +379,7 @@ class Session:
         return summary
 
     def _cpu_reading(self) -> tuple[dict, dict] | None:
-        """CPU seconds per thread of this process and of the generator servers so far (process
-        0; None elsewhere)."""
+        """CPU seconds per thread of this process and of the generator servers (process 0)."""
         if not self.primary:
             return None
         return cpus.thread_cpu_seconds(), generator_readings(self.generators.control_loop,
@@ -399,7 +396,6 @@ class Session:
         if c.trainer.time_limit_s:
             progress = max(progress, wall_s / c.trainer.time_limit_s)
         if jax.process_count() > 1:  # every process steps with process 0's clock
-            from jax.experimental import multihost_utils
             progress = float(multihost_utils.broadcast_one_to_all(np.float32(progress)))
         learning_rate = learning_rate_at(opt, step, progress)
         self.trainer.state = self.trainer.state.replace(
@@ -407,8 +403,7 @@ class Session:
         return learning_rate
 
     def _next_batch(self) -> tuple[list, dict[str, Any], list[int], float]:
-        """The rollout's next batch, packed: ``(groups, host batch, per-sample staleness,
-        packing seconds)``."""
+        """The next batch: ``(groups, packed host batch, staleness per sample, packing s)``."""
         groups = next(self.rollout)
         start = time.perf_counter()
         host = self.to_batch(groups)
@@ -430,7 +425,6 @@ class Session:
         """Multi-process runs: process 0's batch (and its decision to stop) to every process."""
         if jax.process_count() == 1:
             return host, stop
-        from jax.experimental import multihost_utils
         rows = 0 if host is None else host["tokens"].shape[0]
         header = multihost_utils.broadcast_one_to_all(np.asarray([int(stop), rows], np.int32))
         if int(header[0]):
@@ -456,15 +450,12 @@ class Session:
                 return None
         params = self.trainer.state.params if params is None else params
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             params = multihost_utils.process_allgather(params, tiled=True)
             if not self.primary:
                 return None
             params = jax.device_put(params, jax.local_devices()[0])
-        try:
+        with stop_naming_checkpoints(self.trainer.checkpointer):
             self.generators.weights.publish(params, version)
-        except StagingSpaceStop as e:
-            raise e.with_checkpoints(self.trainer.checkpointer) from None
         return params
 
 

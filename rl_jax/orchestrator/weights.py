@@ -19,6 +19,7 @@ gate is told (``set_generator_version``), which lets it admit prompts against th
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -49,6 +50,15 @@ class StagingSpaceStop(WeightSyncError, UserError):
         kept = (f"its last checkpoint (step {latest}, in {checkpointer.directory}) is kept and "
                 "the run resumes from it" if latest is not None else "no checkpoint was written")
         return StagingSpaceStop(f"{self}; the run stopped: {kept}")
+
+
+@contextlib.contextmanager
+def stop_naming_checkpoints(checkpointer: Any):
+    """Re-raises a :class:`StagingSpaceStop` with where ``checkpointer``'s checkpoints stand."""
+    try:
+        yield
+    except StagingSpaceStop as e:
+        raise e.with_checkpoints(checkpointer) from None
 
 
 class WeightSync:
