@@ -445,9 +445,13 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
     (tmp_path / "admin").write_text(keys["RL_JAX_ADMIN_API_KEY"])
     key_files = [f"--config.generator.auth.api_key_file={tmp_path / 'api'}",
                  f"--config.generator.auth.admin_api_key_file={tmp_path / 'admin'}"]
+    # The server pulls only from the publisher it is started with (its transfer token is bound
+    # to it): process 0's, on a port chosen here.
+    publisher_port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "launch.generator_server", f"--model={base_policy}", "--port=0",
-         "--max_seq_len=64", "--max_slots=32", f"--parent_pid={os.getpid()}"],
+         "--max_seq_len=64", "--max_slots=32", f"--parent_pid={os.getpid()}",
+         f"--publisher_url=http://127.0.0.1:{publisher_port}", "--nopull_on_start"],
         cwd=ROOT, env={**env, **keys}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     try:
@@ -466,7 +470,8 @@ def test_two_trainer_processes_share_one_mesh(base_policy, tmp_path):
              f"--process_id={i}", f"--generator_urls={url}", *SMALL,
              f"--config.base.checkpoint={base_policy}", "--config.trainer.steps=3",
              "--config.mesh.fsdp=8", "--config.mesh.tensor=1",
-             "--config.trainer.micro_batch_rows=8", *key_files],
+             "--config.trainer.micro_batch_rows=8",
+             f"--config.transfer.port={publisher_port}", *key_files],
             cwd=ROOT, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
