@@ -729,6 +729,9 @@ def test_weights_are_laid_out_off_the_scheduler_thread(weights):
     eng = Engine(CFG, weights[0], engine_config=EngineConfig(max_slots=4, max_seq_len=96))
     threads = []
     prepare = eng.runner.prepare
+    # Compiled before the request: with a cold cache the update's first layout could outlast the
+    # request's remaining tokens, and the update would land after it ended.
+    prepare(weights[1])
 
     def recording(params):
         threads.append(threading.current_thread().name)
@@ -736,7 +739,7 @@ def test_weights_are_laid_out_off_the_scheduler_thread(weights):
 
     eng.runner.prepare = recording
     try:
-        fut = eng.submit(req([1, 2, 3], max_new_tokens=60, seed=0))
+        fut = eng.submit(req([1, 2, 3], max_new_tokens=90, seed=0))
         while eng.stats["generated_tokens"] < 5:
             time.sleep(0.002)
         eng.update_weights(weights[1], version=1)

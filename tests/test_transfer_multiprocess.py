@@ -13,6 +13,11 @@ import pytest
 from rl_jax.transfer.config import STAGING_PREFIX, default_staging_dir, remove_dead_owners_dirs
 from transfer_procs import Worker
 
+# Processes of a trainer and two generators, shared by the module's tests in order (each
+# continues from the versions the one before published): all `slow`, so that `-m "not slow"`
+# never keeps a later test without the earlier ones.
+pytestmark = pytest.mark.slow
+
 TRANSPORTS = ["shm", "socket", "jax_transfer", "disk"]
 CHUNK = 256 << 10  # ~6 safetensors chunks per version: a pull can be cut between two
 
