@@ -23,6 +23,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from generator_fixtures import http, write_checkpoints
+from transfer_fixtures import LoopbackPeer
 from rl_jax.generator.server import app as server_module
 from rl_jax.generator.engine.config import EngineConfig
 from rl_jax.generator.engine.core import Engine
@@ -638,29 +639,18 @@ def test_the_server_refuses_corrupt_weights_and_says_why(ckpts, tmp_path, served
 
 # ---- the weight publisher a server pulls from -------------------------------------------------
 
-class FakePublisher:
+class FakePublisher(LoopbackPeer):
     """A loopback HTTP peer posing as a weight publisher: it records every request it gets
     (head and body) and answers each with ``answer`` (raw bytes), sent ``trickle`` bytes at a
     time every ``pause_s`` seconds when ``trickle`` is set."""
 
     def __init__(self, answer: bytes, trickle: int = 0, pause_s: float = 0.0):
         self.answer, self.trickle, self.pause_s = answer, trickle, pause_s
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.requests: list[bytes] = []
         self.closed_at: list[float] = []  # when each connection was closed by the puller
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn):
+    def serve(self, conn):
         with conn:
             data = b""
             while b"\r\n\r\n" not in data:
@@ -685,10 +675,6 @@ class FakePublisher:
     @property
     def received(self) -> bytes:
         return b"".join(self.requests)
-
-    def close(self):
-        self._stop.set()
-        self.sock.close()
 
 
 def json_answer(data, status: str = "200 OK") -> bytes:

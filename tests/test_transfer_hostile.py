@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from test_transfer import random_params as params_of, target_of
+from transfer_fixtures import LoopbackPeer
 from rl_jax.models.config import ModelConfig
 from rl_jax.trainer.state import ModelSpec
 from rl_jax.transfer.config import PublisherConfig, PullerConfig
@@ -541,26 +542,16 @@ def test_a_publisher_trickling_its_answer_cannot_stretch_the_deadline(spec, time
 
 # ---- whatever answers at the publisher's address -----------------------------------------------
 
-class AnsweringPeer:
+class AnsweringPeer(LoopbackPeer):
     """A loopback peer that answers every request with ``head`` and then ``body_bytes`` bytes
     of ``b"x"`` (counted in :attr:`sent` as they go out), or with ``head`` alone when
     ``body_bytes`` is 0; it stops sending once the other side hangs up."""
 
     def __init__(self, head: bytes, body_bytes: int = 0):
         self.head, self.body_bytes, self.sent = head, body_bytes, 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn):
+    def serve(self, conn):
         piece = b"x" * (64 << 10)
         with conn:
             try:
@@ -573,9 +564,6 @@ class AnsweringPeer:
                     left -= n
             except OSError:
                 return
-
-    def close(self):
-        self.sock.close()
 
 
 def test_an_oversized_answer_is_refused_unread(spec):
@@ -650,27 +638,16 @@ def test_a_peer_that_is_no_publisher_is_described_not_echoed(spec, answer, words
         peer.close()
 
 
-class TricklingProxy:
+class TricklingProxy(LoopbackPeer):
     """A raw HTTP proxy in front of a real publisher: every answer is forwarded, those to
     ``/v1/chunk`` one byte every 0.2 s (for as long as the puller keeps reading)."""
 
     def __init__(self, upstream: str):
         parts = urllib.parse.urlsplit(upstream)
         self.upstream = (parts.hostname, parts.port)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn):
+    def serve(self, conn):
         reader = conn.makefile("rb")
         with conn, reader:
             while not self._stop.is_set():
@@ -701,10 +678,6 @@ class TricklingProxy:
                         conn.sendall(answer[i:i + 1])
                 except OSError:  # the puller hung up
                     return
-
-    def close(self):
-        self._stop.set()
-        self.sock.close()
 
 
 def test_a_trickled_chunk_is_cut_at_the_deadline_of_the_whole_pull(publisher, spec):
