@@ -688,6 +688,29 @@ def test_stale_staging_of_dead_publishers_is_removed(tmp_path):
     assert not dead.exists() and alive.exists() and other.exists()
 
 
+def test_an_owner_that_exited_unreaped_is_dead(tmp_path):
+    """A killed owner that nobody reaped yet (a zombie: ``kill(pid, 0)`` still succeeds, as for
+    a sidecar whose wrapper was killed with it) leaves its directory to be removed."""
+    import subprocess
+    import sys
+
+    from rl_jax.procs import process_alive
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while process_alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(child.pid, 0)  # still there to signal: exited, not reaped
+        assert not process_alive(child.pid) and process_alive(os.getpid())
+        owned = tmp_path / f"{STAGING_PREFIX}{child.pid}-abcd"
+        owned.mkdir()
+        remove_dead_owners_dirs(tmp_path, STAGING_PREFIX)
+        assert not owned.exists()
+    finally:
+        child.wait()
+    assert not process_alive(child.pid)
+
+
 def test_host_buffers_in_use_by_live_arrays_are_never_reused():
     from rl_jax.transfer.transports.sockets import HostBufferPool
     pool = HostBufferPool(max_buffers=2)

@@ -42,7 +42,7 @@ PACKAGE = "rl_jax"
 # user-facing error types of every layer for the entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # the base error types every package's user errors derive from
-    ("compile_cache", "cpus", "heap", "metrics", "native"),
+    ("compile_cache", "cpus", "heap", "metrics", "native", "procs"),
     ("distributed", "sharding"),
     ("data",),
     ("envs", "losses", "models"),

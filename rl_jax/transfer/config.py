@@ -10,6 +10,8 @@ import secrets
 import shutil
 import tempfile
 
+from rl_jax.procs import process_alive
+
 STAGING_PREFIX = "rl_jax-transfer-"  # the name of a publisher's staging directory
 
 # The shared secret of a publisher and its pullers when their configs name none.
@@ -61,12 +63,8 @@ def remove_dead_owners_dirs(root: str | os.PathLike, prefix: str) -> None:
         m = re.fullmatch(rf"{re.escape(prefix)}(\d+)-[0-9a-f]+", path.name)
         if not m:
             continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        if not process_alive(int(m.group(1))):
             shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            pass
 
 
 def default_staging_dir() -> str:

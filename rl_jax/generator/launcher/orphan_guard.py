@@ -24,18 +24,10 @@ import signal
 import subprocess
 import sys
 
+from rl_jax.procs import process_alive
+
 POLL_S = 0.5
 GRACE_S = 20.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _end_group(child: subprocess.Popen) -> int:
@@ -68,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             return _status(child.wait(POLL_S))
         except subprocess.TimeoutExpired:
             pass
-        if not _alive(args.parent_pid) or os.getppid() == 1:
+        if not process_alive(args.parent_pid) or os.getppid() == 1:
             print(f"orphan_guard: process {args.parent_pid} ended; stopping {command[0]}",
                   file=sys.stderr, flush=True)
             return _status(_end_group(child))

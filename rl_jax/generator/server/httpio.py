@@ -19,6 +19,7 @@ from rl_jax.generator.json_body import ProtocolError
 from rl_jax.generator.responses import error_json
 from rl_jax.generator.types import GeneratorError, Overloaded
 from rl_jax.models.hf import CheckpointError
+from rl_jax.procs import process_alive
 
 log = logging.getLogger("rl_jax.generator.server")  # one logger for the server's modules
 
@@ -54,13 +55,7 @@ async def exit_with_parent(parent_pid: int, stop: asyncio.Event, interval: float
     def alive():
         if direct:
             return os.getppid() == parent_pid
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return process_alive(parent_pid)
 
     direct = os.getppid() == parent_pid
     while alive():

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rl_jax.procs import process_alive
 from rl_jax.transfer import checksum
 from rl_jax.transfer.chunks import NONFINITE, STAMP_SUPERSEDED, STAMP_WRITING
 from rl_jax.transfer.control import host_id
@@ -297,14 +298,9 @@ class ShmTransport(Transport):
         if stamp == STAMP_SUPERSEDED or (stamp != manifest.version
                                          and writing != manifest.version):
             raise VersionGone(f"version {manifest.version} was superseded while streamed")
-        if pid is not None:
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                raise PublisherUnavailable(f"the publisher (pid {pid}) exited while writing "
-                                           f"version {manifest.version}") from None
-            except PermissionError:
-                pass
+        if pid is not None and not process_alive(int(pid)):
+            raise PublisherUnavailable(f"the publisher (pid {pid}) exited while writing "
+                                       f"version {manifest.version}")
         if time.monotonic() > deadline:
             raise TransferTimeout(f"version {manifest.version} was not fully written before "
                                   "the pull's deadline")
