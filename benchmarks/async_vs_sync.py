@@ -188,47 +188,13 @@ def snapshot_every(steps: int) -> int:
 def held_out_accuracies(model_dirs: list[Path], examples: int) -> list[float]:
     """Greedy held-out accuracy of each HF checkpoint in ``model_dirs`` (same architecture), on
     the recipe's first ``examples`` eval-split problems, with one engine in this process."""
-    import asyncio
-
-    import jax.numpy as jnp
-
     sys.path.insert(0, str(ROOT))
     from configs.tiny_rl import get_config
-    from rl_jax import envs
-    from rl_jax.generator.engine.config import EngineConfig
-    from rl_jax.generator.engine.core import Engine
-    from rl_jax.generator.engine.local import LocalGenerator
-    from rl_jax.generator.engine.weights import generator_rules, load_params
-    from rl_jax.models.config import eos_ids
-    from rl_jax.models.hf import load_tokenizer
-    from rl_jax.orchestrator.evaluation import evaluate, held_out_prompts
-    from rl_jax.orchestrator.setup import Codec
+    from rl_jax.orchestrator.offline_eval import checkpoint_accuracies
     c = get_config()
-    env = envs.get(c.env.name, **c.env.kwargs.to_dict())
-    prompts = held_out_prompts(env, examples)
-    cfg, params = load_params(model_dirs[0], mesh=None, rules=generator_rules(),
-                              dtype=jnp.float32)
-    codec = Codec(load_tokenizer(model_dirs[0]), cfg.bos_token_id, c.data.template)
-    slots = 128
-    engine = Engine(cfg, params, rules=generator_rules(), dtype=jnp.float32,
-                    eos_token_ids=eos_ids(cfg), engine_config=EngineConfig(
-                        max_slots=slots, max_seq_len=2 * PROMPT_TOKENS + c.eval.max_new_tokens))
-
-    async def run() -> list[float]:
-        generator = LocalGenerator(engine, owns_engine=True)
-        accuracies = []
-        try:
-            for i, path in enumerate(model_dirs):
-                if i:
-                    await generator.update_weights_from_disk(path)
-                result = await evaluate(generator, env, prompts, encode=codec.encode,
-                                        decode=codec.decode, max_new_tokens=c.eval.max_new_tokens,
-                                        concurrency=slots)
-                accuracies.append(result.accuracy)
-        finally:
-            await generator.close()
-        return accuracies
-    return asyncio.run(run())
+    results = checkpoint_accuracies(c, model_dirs, examples=examples, slots=128,
+                                    max_seq_len=2 * PROMPT_TOKENS + c.eval.max_new_tokens)
+    return [r.accuracy for r in results]
 
 
 def learning_curves(runs: dict, base: Path) -> dict[str, list[tuple[float, int, float]]]:

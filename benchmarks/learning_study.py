@@ -4,7 +4,10 @@ the curve.
 
 Every run is a real run of ``configs/tiny_rl.py`` (trainer and generator server in their own
 processes, each on its own core) from one shared base policy, limited by RL wall time, with the
-recipe's periodic held-out evaluation (greedy, ``eval.examples`` problems). A run is a variant
+recipe's held-out evaluation (greedy, ``eval.examples`` problems): periodic in the run, or (the
+``modes`` study's default, ``--snapshot_every``) of the policy snapshots the run writes, after
+it, so that evaluating does not take generator time from one mode's rollout and not another's.
+A run is a variant
 (a name and its ``--config.KEY=VALUE`` overrides) and a seed; variants come from a study:
 
   ``plateau``    the recipe's defaults against the knobs that move its ceiling
@@ -73,6 +76,13 @@ _TARGETS = flags.DEFINE_list("targets", ["0.5", "0.8", "0.9", "0.93"],
 _EXTRA = flags.DEFINE_multi_string("override", [], "More KEY=VALUE config overrides for every "
                                    "run.")
 _OUT = flags.DEFINE_string("out", "", "Result name (default: the study's name).")
+_SNAPSHOTS = flags.DEFINE_integer(
+    "snapshot_every", -1, "Measure held-out accuracy outside the runs: each run writes its policy "
+    "every this many steps (export.every) with its wall time and runs no periodic evals; after it, "
+    "the base, every snapshot and the final export are evaluated in this process "
+    "(rl_jax.orchestrator.offline_eval). 0: the recipe's periodic evals on the servers; -1: 20 "
+    "for --study=modes (a periodic eval takes generator time from the rollout in the overlapped "
+    "modes only), 0 otherwise.")
 _REPORT = flags.DEFINE_bool("report", False, "Run nothing: print the markdown table of the "
                             "result already written (results/learning_study/<out>.json).")
 _RECIPE = flags.DEFINE_string("recipe", "configs/tiny_rl.py", "The recipe every run starts from "
@@ -187,9 +197,52 @@ def ensure_base(workdir: Path) -> Path:
     return ensure_base_checkpoint(config, workdir / "bases" / key.replace("=", ""))
 
 
+def snapshot_every() -> int:
+    if _SNAPSHOTS.value >= 0:
+        return _SNAPSHOTS.value
+    return 20 if _STUDY.value == "modes" else 0
+
+
+OFFLINE_EVAL = "offline_eval.json"  # in a run's workdir: its curve measured outside the run
+_BASE_ACCURACY: dict[str, float] = {}  # per base directory: evaluated once per study
+
+
+def evaluate_offline(out: Path, overrides: tuple[str, ...], base: Path) -> None:
+    """The run's curve from its snapshots: ``[(0, 0, base), (wall_s, step, accuracy) per
+    snapshot, (wall_s, steps, final export)]``, written to ``<run>/offline_eval.json``."""
+    from rl_jax.orchestrator.offline_eval import checkpoint_accuracies
+    from rl_jax.orchestrator.snapshots import list_snapshots
+    from rl_jax.recipe.checks import apply_overrides, load_recipe_file
+    config = load_recipe_file(ROOT / _RECIPE.value)
+    apply_overrides(config, [*_EXTRA.value, *overrides], what="the study's overrides")
+    summary = json.loads((out / "summary.json").read_text())
+    snapshots = list_snapshots(out)
+    dirs = [path for _, path in snapshots] + [out / "hf"]
+    known = str(base) in _BASE_ACCURACY
+    start = time.perf_counter()
+    results = checkpoint_accuracies(config, ([] if known else [base]) + dirs)
+    evaluated = len(results)
+    if not known:
+        _BASE_ACCURACY[str(base)] = results.pop(0).accuracy
+    curve = [(0.0, 0, _BASE_ACCURACY[str(base)])]
+    curve += [(meta["wall_s"], meta["step"], r.accuracy) for (meta, _), r in
+              zip(snapshots, results)]
+    curve.append((float(summary["wall_s"]), int(summary["steps"]), results[-1].accuracy))
+    (out / OFFLINE_EVAL).write_text(json.dumps({
+        "curve": curve, "examples": results[-1].examples,
+        "seconds": time.perf_counter() - start}))
+    print(f"  {evaluated} checkpoints evaluated outside the run in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+
+
 def read_run(name: str, overrides: tuple[str, ...], seed: int, out: Path) -> dict:
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     summary = json.loads((out / "summary.json").read_text())
+    if (out / OFFLINE_EVAL).is_file():  # the held-out curve measured outside the run
+        curve = json.loads((out / OFFLINE_EVAL).read_text())["curve"]
+        records = [r for r in records if "eval/accuracy" not in r]
+        records += [{"wall_s": w, "step": k, "eval/accuracy": a} for w, k, a in curve]
+        summary = {**summary, "eval_after": curve[-1][2], "offline_eval": True}
     run = summarize(records, summary)
     run.update(name=name, seed=seed, overrides=list(overrides))
     return run
@@ -204,16 +257,20 @@ def run_one(name: str, overrides: tuple[str, ...], seed: int, base: Path, workdi
         subprocess.run(["rm", "-rf", str(out)], check=True)
     # The recipe as the README runs it, but for the base policy (shared), the seed and the
     # time limit (the recipe's own unless the study sets another).
+    every = snapshot_every()
+    offline = ("eval.every=0", f"export.every={every}") if every else ()
     cmd = [sys.executable, "-m", "launch.train", f"--config={_RECIPE.value}",
            f"--workdir={out}", f"--config.base.checkpoint={base}", f"--config.seed={seed}",
            f"--config.trainer.time_limit_s={time_limit}",
-           *[f"--config.{o}" for o in _EXTRA.value], *[f"--config.{o}" for o in overrides]]
+           *[f"--config.{o}" for o in (*_EXTRA.value, *overrides, *offline)]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     print(f"[{name} seed {seed}] {' '.join(cmd[4:])}", flush=True)
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    if every:
+        evaluate_offline(out, overrides, base)
     run = read_run(name, overrides, seed, out)
     print(f"[{name} seed {seed}] {time.perf_counter() - start:.0f} s, {run['steps']} steps: "
           f"held-out {run['curve'][0][2]:.3f} -> {run['final_accuracy']:.3f}; time to "
