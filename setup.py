@@ -21,6 +21,8 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     # Math answer checking (rl_jax.envs.math).
     "sympy==1.14.0",
+    # Tool-call arguments checked against each tool's JSON schema (rl_jax.envs.tools).
+    "jsonschema>=4.20,<5",
     # Generator HTTP server and client (rl_jax.generator.server.app / client).
     "aiohttp>=3.9,<4",
     # Per-tensor checksums of transferred weights (rl_jax.transfer).

@@ -9,6 +9,7 @@ Built in, by name (``rl_jax.envs.get(name, **kwargs)``):
 ``sorting``     sort a list of integers (:class:`rl_jax.envs.sorting.SortingEnv`)
 ``math``        final-answer checking (:class:`rl_jax.envs.math.MathEnv`)
 ``code``        programs run against tests in a sandbox (:class:`rl_jax.envs.code.CodeEnv`)
+``tool_use``    a task solved over turns with tool calls (:class:`rl_jax.envs.tool_use.ToolUseEnv`)
 ==============  ==================================================================
 
 Modules are imported when their environment is first requested, so asking for ``arithmetic``
@@ -29,6 +30,7 @@ _BUILTIN = {
     "sorting": "rl_jax.envs.sorting:SortingEnv",
     "math": "rl_jax.envs.math:MathEnv",
     "code": "rl_jax.envs.code:CodeEnv",
+    "tool_use": "rl_jax.envs.tool_use:ToolUseEnv",
 }
 _REGISTRY: dict[str, str | Callable[..., Environment]] = dict(_BUILTIN)
 
