@@ -336,3 +336,73 @@ def test_the_task_decides_single_turn_scores_and_a_call_there_scores_zero(env):
     assert env.ALPHABET == env.task.ALPHABET  # the task's attributes show through
     with pytest.raises(EnvError, match="single-turn"):
         ToolUseEnv(env)
+
+
+# ---- supervised traces and their tokens ---------------------------------------------------------
+
+def test_traces_are_exactly_what_the_environment_exchanges_with_a_policy():
+    """Every trace's environment segments are the observations ToolUseEnv answers its policy
+    segments with, and its final answer scores 1: the base learns the format RL runs."""
+    from rl_jax.envs.tool_traces import ToolTraces
+    traces = ToolTraces(min_digits=2, max_digits=12, tool_fraction=0.6, malformed_fraction=0.5)
+    env = ToolUseEnv("long_addition", task_kwargs={"min_digits": 2, "max_digits": 12},
+                     max_turns=3, style=traces.style)
+    kinds = set()
+    for i in range(60):
+        prompt_text, segments = traces.example_segments(i)
+        assert prompt_text == env.prompt(i).text
+        state = run(env.reset(env.prompt(i)))
+        policy = [t for t, trained in segments if trained]
+        observed = [t for t, trained in segments if not trained]
+        results = [run(env.step(state, turn)) for turn in policy]
+        assert [r.observation for r in results[:-1]] == observed
+        assert results[-1].done and results[-1].reward == 1.0
+        kinds.add((len(policy), results[-1].info.get("format_errors", 0)))
+        assert len(prompt_text) + sum(len(t) for t, _ in segments) <= \
+            traces.prompt_length + traces.max_answer_length
+    assert kinds == {(1, 0), (2, 0), (3, 1)}  # direct answers, calls, recovered malformed calls
+    with pytest.raises(ValueError, match="tool_fraction"):
+        ToolTraces(tool_fraction=1.5)
+
+
+def test_environment_text_is_not_trained_and_tool_tags_are_one_token():
+    from rl_jax.data.lm import ExampleEncoder
+    from rl_jax.data.tokenizer import build_char_tokenizer, decode
+    from rl_jax.envs.tool_traces import ToolTraces
+    traces = ToolTraces(tool_fraction=1.0, malformed_fraction=0.0)
+    tok = build_char_tokenizer(traces.ALPHABET, words=traces.WORDS)
+    example = ExampleEncoder(traces, tok)(4)
+    prompt, segments = traces.example_segments(4)
+    tokens, mask = example["tokens"], example["loss_mask"]
+    trained = decode(tok, [t for t, m in zip(tokens, mask) if m > 0], skip_special_tokens=False)
+    assert trained == "".join(t for t, tr in segments if tr) + "<eos>"
+    assert decode(tok, tokens) == prompt + "".join(t for t, _ in segments)
+    for word in traces.WORDS:
+        assert len(tok.encode(word, add_special_tokens=False).ids) == 1
+    assert len(tokens) < 1 + len(prompt) + sum(len(t) for t, _ in segments) + 1
+    with pytest.raises(ValueError, match="words"):
+        build_char_tokenizer("ab", words=("a",))
+
+
+def test_episode_metrics_count_calls_and_malformed_ones():
+    from rl_jax.rollout.batching import episode_metrics
+    out = episode_metrics([{"turns": 2, "tool_calls": 1, "format_errors": 0},
+                           {"turns": 3, "tool_calls": 1, "format_errors": 1, "tool_errors": 1},
+                           {"turns": 1, "tool_calls": 0, "format_errors": 0}])
+    assert out["episodes/turns_mean"] == 2.0 and out["tools/well_formed"] == pytest.approx(2 / 3)
+    assert out["tools/episodes_calling"] == pytest.approx(2 / 3)
+    assert out["tools/failed_calls_per_episode"] == pytest.approx(1 / 3)
+    assert episode_metrics([{"correct": True}]) == {}
+
+
+def test_observations_with_characters_the_tokenizer_cannot_spell_are_still_encoded():
+    from rl_jax.data.tokenizer import build_char_tokenizer
+    from rl_jax.envs.tool_traces import ToolTraces
+    from rl_jax.orchestrator.setup import Codec
+    tok = build_char_tokenizer(ToolTraces.ALPHABET, words=ToolTraces.WORDS)
+    codec = Codec(tok, 1)
+    ids = codec.encode_observation("\n<tool_response>\nπ ≈ 3.14\n</tool_response>\n")
+    assert tok.decode(ids) == "\n<tool_response>\n? ? 3.14\n</tool_response>\n"
+    assert codec.token_of("</tool_call>") == tok.token_to_id("</tool_call>")
+    with pytest.raises(ValueError, match="not one"):
+        codec.token_of("ab")

@@ -34,7 +34,9 @@ class ExampleEncoder:
 
     ``loss_mask`` is aligned with ``tokens`` (the weight of predicting each token, as
     ``pack_sequences`` expects): 1 on the answer and ``<eos>`` tokens, or on every token but
-    ``<bos>`` when ``loss_on_all_tokens``.
+    ``<bos>`` when ``loss_on_all_tokens``. A task with ``example_segments(index)`` (``(prompt,
+    [(text, trained), ...])``: a trace with text an environment wrote) is trained on its
+    ``trained`` segments only.
     """
 
     def __init__(self, task: Task, tokenizer: Tokenizer, *,
@@ -47,13 +49,21 @@ class ExampleEncoder:
         encode(tokenizer, task.ALPHABET)  # fails early if the tokenizer cannot spell the task
 
     def __call__(self, index: int) -> dict[str, np.ndarray]:
-        prompt, answer = self.task.example(int(index))
+        if hasattr(self.task, "example_segments"):  # text the environment wrote: not trained
+            prompt, segments = self.task.example_segments(int(index))
+        else:
+            prompt, answer = self.task.example(int(index))
+            segments = [(answer, True)]
         prompt_ids = encode(self.tokenizer, prompt)
-        answer_ids = encode(self.tokenizer, answer)
-        tokens = np.array([self.bos_id, *prompt_ids, *answer_ids, self.eos_id], np.int32)
-        loss_mask = np.zeros(len(tokens), np.float32)
-        loss_mask[1 if self.loss_on_all_tokens else 1 + len(prompt_ids):] = 1.0
-        return {"tokens": tokens, "loss_mask": loss_mask}
+        tokens, loss_mask = [self.bos_id, *prompt_ids], [0.0] * (1 + len(prompt_ids))
+        if self.loss_on_all_tokens:
+            loss_mask[1:] = [1.0] * len(prompt_ids)
+        for text, trained in segments:
+            ids = encode(self.tokenizer, text)
+            tokens += ids
+            loss_mask += [1.0 if trained or self.loss_on_all_tokens else 0.0] * len(ids)
+        return {"tokens": np.array([*tokens, self.eos_id], np.int32),
+                "loss_mask": np.array([*loss_mask, 1.0], np.float32)}
 
 
 def example_dataset(task: Task, tokenizer: Tokenizer, *,
@@ -148,7 +158,7 @@ def lm_batches(task: Task, tokenizer: Tokenizer, *, rows_per_batch: int, seq_len
     if rows_per_batch < 1:
         raise ValueError(f"rows_per_batch must be positive, got {rows_per_batch}")
     encoder = ExampleEncoder(task, tokenizer, loss_on_all_tokens=loss_on_all_tokens)
-    if isinstance(task, ScratchpadAdditionTask):  # lengths vary by 10x: fill rows by tokens
+    if getattr(task, "VARIABLE_LENGTH", False):  # lengths vary by 10x: fill rows by tokens
         examples_per_row(task, seq_len)  # validates seq_len
         return grain.MapDataset.range(sys.maxsize).map(
             _TokenBudgetBatch(encoder, seq_len, rows_per_batch, seed))

@@ -64,6 +64,7 @@ class ScratchpadAdditionTask:
     eval_fraction: float = 0.1
 
     ALPHABET: ClassVar[str] = "0123456789+=:,;" + LETTERS
+    VARIABLE_LENGTH: ClassVar[bool] = True  # training batches are filled by tokens
     EOS_TEXT: ClassVar[str] = "<eos>"
 
     def __post_init__(self):

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL_ROLES = ("pad", "bos", "eos")
 
 
 def build_char_tokenizer(alphabet: str,
-                         specials: Sequence[str] = ("<pad>", "<bos>", "<eos>")) -> Tokenizer:
+                         specials: Sequence[str] = ("<pad>", "<bos>", "<eos>"),
+                         words: Sequence[str] = ()) -> Tokenizer:
     """A tokenizer with one token per character of ``alphabet``.
 
     Args:
       alphabet: the characters, each once; token ids follow this order.
       specials: special-token strings; the first three play the pad, bos and eos roles.
+      words: multi-character strings that are one token each (ids after the alphabet), decoded
+        as text like any character (not special: ``skip_special_tokens`` keeps them), as the
+        ``<tool_call>`` tokens of Qwen's tokenizers are.
 
     Returns:
       A ``tokenizers.Tokenizer`` (WordLevel model, a pre-tokenizer isolating every character, a
@@ -51,6 +55,12 @@ def build_char_tokenizer(alphabet: str,
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(specials))
+    words = tuple(words)
+    bad = [w for w in words if len(w) < 2 or w in specials or words.count(w) > 1]
+    if bad:
+        raise ValueError(f"words must be distinct multi-character strings, not specials: {bad!r}")
+    if words:
+        tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     return tok
 
 
@@ -84,14 +94,19 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
         token (which the tokenizer would otherwise turn into that token).
     """
     vocab = tok.get_vocab(with_added_tokens=False)
-    unknown = sorted(set(text) - vocab.keys())
+    rest = text
+    for token in tok.get_added_tokens_decoder().values():
+        if not token.special:  # a word: one token, whatever its characters
+            rest = rest.replace(token.content, "")
+    unknown = sorted(set(rest) - vocab.keys())
     if unknown:
         raise ValueError(f"characters {unknown!r} in {text!r} are not in the tokenizer's alphabet "
                          f"{alphabet_of(tok)!r}")
-    ids = tok.encode(text, add_special_tokens=False).ids
-    if len(ids) != len(text):
+    encoding = tok.encode(text, add_special_tokens=False)
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    if any(text[a:b] in specials for a, b in encoding.offsets):
         raise ValueError(f"{text!r} contains a special-token string; pass special tokens as ids")
-    return ids
+    return encoding.ids
 
 
 def decode(tok: Tokenizer, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

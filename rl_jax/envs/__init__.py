@@ -2,15 +2,16 @@
 
 Built in, by name (``rl_jax.envs.get(name, **kwargs)``):
 
-==============  ==================================================================
-``arithmetic``  multi-digit addition (:class:`rl_jax.envs.arithmetic.ArithmeticEnv`)
-``scratchpad``  long addition with written work (:class:`rl_jax.envs.scratchpad.ScratchpadEnv`)
-``countdown``   reach a target with + − × ÷ (:class:`rl_jax.envs.countdown.CountdownEnv`)
-``sorting``     sort a list of integers (:class:`rl_jax.envs.sorting.SortingEnv`)
-``math``        final-answer checking (:class:`rl_jax.envs.math.MathEnv`)
-``code``        programs run against tests in a sandbox (:class:`rl_jax.envs.code.CodeEnv`)
-``tool_use``    a task solved over turns with tool calls (:class:`rl_jax.envs.tool_use.ToolUseEnv`)
-==============  ==================================================================
+=================  ==================================================================
+``arithmetic``     multi-digit addition (:class:`rl_jax.envs.arithmetic.ArithmeticEnv`)
+``scratchpad``     long addition with written work (:class:`rl_jax.envs.scratchpad.ScratchpadEnv`)
+``countdown``      reach a target with + − × ÷ (:class:`rl_jax.envs.countdown.CountdownEnv`)
+``sorting``        sort a list of integers (:class:`rl_jax.envs.sorting.SortingEnv`)
+``math``           final-answer checking (:class:`rl_jax.envs.math.MathEnv`)
+``code``           programs run against tests in a sandbox (:class:`rl_jax.envs.code.CodeEnv`)
+``long_addition``  long numbers, plainly (:class:`rl_jax.envs.long_addition.LongAdditionEnv`)
+``tool_use``       a task over tool-calling turns (:class:`rl_jax.envs.tool_use.ToolUseEnv`)
+=================  ==================================================================
 
 Modules are imported when their environment is first requested, so asking for ``arithmetic``
 does not import sympy. :func:`register` adds user environments.
@@ -30,6 +31,7 @@ _BUILTIN = {
     "sorting": "rl_jax.envs.sorting:SortingEnv",
     "math": "rl_jax.envs.math:MathEnv",
     "code": "rl_jax.envs.code:CodeEnv",
+    "long_addition": "rl_jax.envs.long_addition:LongAdditionEnv",
     "tool_use": "rl_jax.envs.tool_use:ToolUseEnv",
 }
 _REGISTRY: dict[str, str | Callable[..., Environment]] = dict(_BUILTIN)

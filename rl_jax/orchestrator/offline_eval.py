@@ -35,7 +35,7 @@ def checkpoint_accuracies(config: Any, model_dirs: Sequence[str | Path], *,
     from rl_jax.generator.engine.weights import generator_rules, load_params
     from rl_jax.models.config import eos_ids
     from rl_jax.models.hf import load_tokenizer
-    from rl_jax.orchestrator.setup import Codec
+    from rl_jax.orchestrator.setup import Codec, turn_stop_ids
 
     if not model_dirs:
         return []
@@ -58,7 +58,8 @@ def checkpoint_accuracies(config: Any, model_dirs: Sequence[str | Path], *,
                 results.append(await evaluate(
                     generator, env, prompts, encode=codec.encode, decode=codec.decode,
                     max_new_tokens=config.eval.max_new_tokens, concurrency=slots,
-                    tag=f"offline-{i}"))
+                    tag=f"offline-{i}", encode_observation=codec.encode_observation,
+                    turn_stop_token_ids=turn_stop_ids(codec, env)))
         finally:
             await generator.close()
         return results

@@ -100,10 +100,11 @@ class Session:
         nothing else generates) use every slot."""
         slots = self.c.generator.max_slots * max(len(self.generators.fleet.members), 1)
         concurrency = self.c.eval.concurrency if background else slots
-        return evaluate(self.generators.control, self.model.env, self.model.eval_prompts,
-                        encode=self.model.codec.encode,
-                        decode=self.model.codec.decode, max_new_tokens=self.c.eval.max_new_tokens,
-                        tag=tag, concurrency=concurrency)
+        m = self.model
+        return evaluate(self.generators.control, m.env, m.eval_prompts, encode=m.codec.encode,
+                        decode=m.codec.decode, tag=tag, max_new_tokens=self.c.eval.max_new_tokens,
+                        concurrency=concurrency, encode_observation=m.codec.encode_observation,
+                        turn_stop_token_ids=m.turn_stops)
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -267,7 +268,7 @@ class Session:
                     "rollout/accuracy": float(correct),
                     "groups/zero_signal": host["metrics"]["groups/zero_signal"],
                     **{k: v for k, v in host["metrics"].items()
-                       if k.startswith("completions/")},
+                       if k.startswith(("completions/", "tools/", "episodes/"))},
                     # Which prompts (stream positions) the step trained on.
                     "rollout/prompts": [int(x) for x in host["metrics"]["positions"]],
                     "staleness/batch_max": float(max(staleness)),

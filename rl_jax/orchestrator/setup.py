@@ -67,6 +67,24 @@ class Codec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def encode_observation(self, text: str) -> list[int]:
+        """Text an environment inserts in an episode (a tool's result): no template, no
+        ``<bos>``, and never an error for what a tool printed: a character the vocabulary
+        cannot spell (a character-level tokenizer's) becomes ``?``, or is dropped."""
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        except Exception:  # tokenizers raises its own exception types for unknown characters
+            vocab = self.tokenizer.get_vocab()
+            known = "".join(ch if ch in vocab else "?" if "?" in vocab else "" for ch in text)
+            return list(self.tokenizer.encode(known, add_special_tokens=False).ids)
+
+    def token_of(self, text: str) -> int:
+        """The id of ``text`` if it is exactly one token; ``ValueError`` otherwise."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} is {len(ids)} tokens, not one, in this tokenizer")
+        return int(ids[0])
+
 
 def prompt_source(c: RLRecipe, env, path: str | None = None) -> Any:
     """Prompts of ``path`` (default ``data.path``; JSONL, Parquet or ArrayRecord), or the
@@ -91,8 +109,20 @@ def prompt_source(c: RLRecipe, env, path: str | None = None) -> Any:
     raise RLConfigError(f"{name}: use a .jsonl, .parquet or .array_record file")
 
 
-def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = None
-                   ) -> RolloutConfig:
+def turn_stop_ids(codec: Codec, env: Any) -> tuple[int, ...]:
+    """The tokens that end a policy turn of ``env``'s episodes (its ``stop_texts``: a tool
+    call's ``</tool_call>``), each one token of the policy's tokenizer."""
+    if getattr(env, "max_turns", 1) <= 1:
+        return ()
+    try:
+        return tuple(codec.token_of(text) for text in getattr(env, "stop_texts", ()))
+    except ValueError as e:
+        raise RLConfigError(f"env {getattr(env, 'name', '')!r} ends turns at a text that must "
+                            f"be one token of the base policy's tokenizer: {e}") from None
+
+
+def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = None,
+                   turn_stops: tuple[int, ...] = ()) -> RolloutConfig:
     """The rollout pipeline's settings from the recipe and its mode (the mode's staleness
     bound, not ``rollout.max_lag``, outside async mode)."""
     r = c.rollout
@@ -124,7 +154,9 @@ def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = No
                          max_retries=r.max_retries, filter_zero_signal=r.filter_zero_signal,
                          length_of=None if not r.lengths.sigma else LognormalLengths(
                              r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed),
-                         per_sample_lengths=r.lengths.per_sample, score_until=score_until)
+                         per_sample_lengths=r.lengths.per_sample, score_until=score_until,
+                         max_tokens_per_turn=r.max_tokens_per_turn or None,
+                         turn_stop_token_ids=tuple(turn_stops))
 
 
 class ModelParts:
@@ -143,6 +175,7 @@ class ModelParts:
                               param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat,
                               scan_layers=c.model.scan_layers)
         self.env = envs.get(c.env.name, **c.env.kwargs)
+        self.turn_stops = turn_stop_ids(self.codec, self.env)
         self.prompt_source = prompt_source(c, self.env)
         if c.eval.path:
             held_out = prompt_source(c, self.env, path=c.eval.path)
@@ -373,7 +406,7 @@ def start_rollout(c: RLRecipe, settings: ModeSettings, model: ModelParts, meta: 
     """The rollout (an iterator of batches of groups, resumed from ``meta``) and the map that
     packs its groups into train batches."""
     r = c.rollout
-    config = rollout_config(c, settings, score_until=score_until)
+    config = rollout_config(c, settings, score_until=score_until, turn_stops=model.turn_stops)
     state = dict(meta.get("rollout") or {})
     state.update(trainer_version=version, generator_version=generators.weights.applied)
     prompts = prompt_dataset(model.prompt_source, seed=c.seed,
@@ -382,6 +415,7 @@ def start_rollout(c: RLRecipe, settings: ModeSettings, model: ModelParts, meta: 
                              else int(c.data.epochs))
     dataset = RolloutDataset(prompts, model.env, generators.rollout_client,
                              encode=model.codec.encode, decode=model.codec.decode,
+                             encode_observation=model.codec.encode_observation,
                              config=config, state=state, close_generator=True)
     rollout = iter(dataset)
     closers.append(rollout.close)

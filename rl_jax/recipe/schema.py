@@ -194,6 +194,9 @@ class Rollout:
     overlong: str = _f("keep", one_of(*OVERLONG))
     overlong_reward: float = _f(-1.0)
     overlong_buffer: int = _f(0, at_least(0))
+    # Multi-turn episodes (tool use): completion tokens one policy turn may use (0: no limit
+    # but max_new_tokens, which bounds the whole episode, observations included).
+    max_tokens_per_turn: int = _f(0, at_least(0))
     lengths: Lengths = _section(Lengths)
 
 

@@ -59,5 +59,28 @@ class GroupsToBatch:
             "completions/multi_version": float(np.mean([len(set(s.versions)) > 1
                                                         for s in samples])),
             "positions": [g.position for g in groups],
+            **episode_metrics([s.info for s in samples]),
         }
         return batch
+
+
+def episode_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """Multi-turn episodes' turns and tool use (:class:`rl_jax.envs.tool_use.ToolUseEnv`'s
+    ``info``): per episode, tool calls, malformed calls and failed calls; the fraction of
+    episodes that called a tool; the fraction of call attempts that were well-formed."""
+    out: dict[str, float] = {}
+    n = max(len(infos), 1)
+    if any("turns" in i for i in infos):
+        out["episodes/turns_mean"] = sum(float(i.get("turns", 1)) for i in infos) / n
+    if any("tool_calls" in i for i in infos):
+        calls = sum(float(i.get("tool_calls", 0)) for i in infos)
+        malformed = sum(float(i.get("format_errors", 0)) for i in infos)
+        out.update({
+            "tools/calls_per_episode": calls / n,
+            "tools/format_errors_per_episode": malformed / n,
+            "tools/failed_calls_per_episode": sum(float(i.get("tool_errors", 0))
+                                                  for i in infos) / n,
+            "tools/episodes_calling": sum(float(i.get("tool_calls", 0) > 0) for i in infos) / n,
+            "tools/well_formed": calls / (calls + malformed) if calls + malformed else 1.0,
+        })
+    return out

@@ -42,6 +42,10 @@ class RolloutConfig:
     # Multi-turn episodes: completion tokens one policy turn may use (the episode as a whole,
     # observations included, stays within sampling.max_new_tokens). None: no per-turn limit.
     max_tokens_per_turn: int | None = None
+    # Multi-turn episodes: tokens that end a policy turn besides end-of-sequence (a tool call's
+    # closing token, ``</tool_call>``: the environment answers the call before the policy goes
+    # on). The token is kept in the turn.
+    turn_stop_token_ids: tuple[int, ...] = ()
     # Wait this long before re-sending a prompt no generator server could take (all down or
     # restarting); such waits do not count against max_retries.
     unavailable_backoff_s: float = 1.0

@@ -423,8 +423,9 @@ class RolloutIterator(grain.DatasetIterator):
                 remaining = min(remaining, cfg.max_tokens_per_turn)
             seed = prompt_seed(cfg.sampling.seed, position)
             seed = None if seed is None else (seed + 7919 * index + 104729 * state.turn) % 2**31
-            sampling = dataclasses.replace(cfg.sampling, n=1, max_new_tokens=remaining,
-                                           seed=seed)
+            sampling = dataclasses.replace(
+                cfg.sampling, n=1, max_new_tokens=remaining, seed=seed,
+                stop_token_ids=tuple(cfg.sampling.stop_token_ids) + cfg.turn_stop_token_ids)
             out = (await self._generator.generate(GenerateRequest(
                 context, sampling, rid=f"{self._rid(position)}-{index}-"
                                        f"{state.turn}")))[0]
@@ -436,6 +437,9 @@ class RolloutIterator(grain.DatasetIterator):
             info = result.info
             if result.observation is not None:
                 observation = self._encode_observation(result.observation)
+                room = budget - (len(context) - len(ids))
+                if len(observation) >= room:  # no room left for the policy to go on
+                    observation, finish = observation[:max(room, 0)], "length"
                 segments.append(Segment(observation, "environment"))
                 context += observation
         tokens = build_loss_mask(segments)

@@ -84,7 +84,7 @@ def validate(c: ml_collections.ConfigDict, mesh_batch_size: int):
                                 f"{c.task.kind!r}")
 
 
-TASKS = ("addition", "scratchpad")
+TASKS = ("addition", "scratchpad", "tool_traces")
 
 
 def lora_config(c: ml_collections.ConfigDict) -> LoraConfig | None:
@@ -107,12 +107,20 @@ def lora_config(c: ml_collections.ConfigDict) -> LoraConfig | None:
 
 def make_task(c: ml_collections.ConfigDict) -> ArithmeticTask | ScratchpadAdditionTask:
     """The recipe's train-split task: ``task.kind`` "addition" (``num_digits``,
-    ``reverse_answer``) or "scratchpad" (``min_digits``, ``max_digits``, ``power``)."""
+    ``reverse_answer``), "scratchpad" (``min_digits``, ``max_digits``, ``power``) or
+    "tool_traces" (those and ``tool_fraction``, ``malformed_fraction``, ``style``:
+    :class:`rl_jax.envs.tool_traces.ToolTraces`)."""
     t = c.task
     try:
         if t.get("kind", "addition") == "scratchpad":
             return ScratchpadAdditionTask(min_digits=t.min_digits, max_digits=t.max_digits,
                                           power=t.power, seed=c.seed)
+        if t.get("kind") == "tool_traces":
+            from rl_jax.envs.tool_traces import ToolTraces
+            return ToolTraces(min_digits=t.min_digits, max_digits=t.max_digits, power=t.power,
+                              tool_fraction=t.tool_fraction,
+                              malformed_fraction=t.malformed_fraction, style=t.style,
+                              seed=c.seed)
         return ArithmeticTask(num_digits=t.num_digits, reverse_answer=t.reverse_answer,
                               seed=c.seed)
     except (ValueError, AttributeError) as e:
@@ -128,7 +136,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     validate(c, mesh.shape["data"] * mesh.shape["fsdp"])
     task = make_task(c)
-    tokenizer = build_char_tokenizer(task.ALPHABET)
+    tokenizer = build_char_tokenizer(task.ALPHABET, words=getattr(task, "WORDS", ()))
     special = special_token_ids(tokenizer)
 
     if c.model.init_from:
@@ -246,7 +254,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                           base_model=str(c.model.init_from))
     summary = {"steps": int(state.step), "skipped_steps": int(state.skipped),
                "parameters": int(n_params), "export": str(export_dir), **final,
-               **({} if isinstance(task, ScratchpadAdditionTask) else {
+               **({} if getattr(task, "VARIABLE_LENGTH", False) else {
                    "examples_per_batch": c.data.rows_per_batch * examples_per_row(
                        task, c.data.seq_len)})}
     write_json(workdir / "summary.json", summary)
@@ -258,6 +266,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 title=f"{cfg.architecture} {n_params / 1e6:.2f}M on " + (
                     f"{task.min_digits}-{task.max_digits}-digit scratchpad addition"
                     if isinstance(task, ScratchpadAdditionTask)
+                    else f"{task.min_digits}-{task.max_digits}-digit addition with a calculator"
+                    if hasattr(task, "example_segments")
                     else f"{task.num_digits}-digit addition"))
     log.info("done: %s", summary)
     if jax.process_index() == 0:
