@@ -17,6 +17,7 @@ A run is a variant
                  runs ahead and the bound is reached
   ``defaults``   the recipe exactly as the README runs it (the seeds' spread)
   ``ceiling``    full-length runs of the changes that may lift the end of the curve
+  ``tools``      the tool-use recipe (``--recipe=configs/tool_rl.py``) with and without its tool
   ``modes``      the recipe in ``async``, ``one_step_off`` and ``sync`` mode (with
                  ``--reference=sync``: each mode's time to sync's final accuracy; with
                  ``--peers=FILE``: TRL's runs of the same task beside them)
@@ -61,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "learning_study"
 
 _STUDY = flags.DEFINE_enum("study", "plateau", ["plateau", "ceiling", "staleness", "defaults",
-                                                "modes"],
+                                                "modes", "tools"],
                            "Which set of variants to run.")
 _VARIANTS = flags.DEFINE_list("variants", [], "Only these variants of the study (default all).")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds (config.seed) of every variant.")
@@ -130,6 +131,10 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
     """``{variant name: config overrides}`` of a study."""
     if study == "defaults":
         return {"defaults": ()}
+    if study == "tools":
+        # The tool-use recipe (configs/tool_rl.py) with its calculator, and with no tool at
+        # all (every call then an unknown tool): what the tool is worth.
+        return {"tools": (), "no_tools": ("env.kwargs.tools=()",)}
     if study == "modes":
         # The same recipe asynchronous (in-flight updates, max_lag), one step off, synchronous.
         return {mode: (f"mode={mode}",) for mode in ("async", "one_step_off", "sync")}
@@ -176,7 +181,7 @@ def study_variants(study: str) -> dict[str, tuple[str, ...]]:
 
 def default_time_limit(study: str) -> float:
     """The recipe's own time budget for ``defaults``; the study's fixed one otherwise."""
-    if study in ("defaults", "modes"):
+    if study in ("defaults", "modes", "tools"):
         from rl_jax.recipe.checks import load_recipe_file
         return float(load_recipe_file(ROOT / _RECIPE.value).trainer.time_limit_s)
     return {"ceiling": 570.0, "plateau": 300.0, "staleness": 90.0}[study]
@@ -291,6 +296,17 @@ SERIES = {  # panel name: metrics.jsonl key (zero-signal groups: among the group
     "grad norm": "loss/grad_norm",
     "KL(behaviour || trainer)": "loss/policy_kl_mean",
 }
+# Panels shown when a run logged them: completion lengths and completions written by two or
+# more weight versions (long completions), turns and tool use (multi-turn recipes).
+OPTIONAL_SERIES = {
+    "completion length p50 (tokens)": "completions/length_p50",
+    "completion length p95 (tokens)": "completions/length_p95",
+    "completions over >= 2 versions": "completions/multi_version",
+    "tool calls per episode": "tools/calls_per_episode",
+    "well-formed call fraction": "tools/well_formed",
+    "malformed calls per episode": "tools/format_errors_per_episode",
+    "turns per episode": "episodes/turns_mean",
+}
 
 
 MAX_POINTS = 240  # per stored series: block means of consecutive steps beyond that
@@ -316,8 +332,9 @@ def summarize(records: list[dict], summary: dict) -> dict:
         hit = next((w for w, _, a in curve if a >= float(target)), None)
         time_to[target] = hit
     series = {key: [(float(r["wall_s"]), float(r[key])) for r in steps if key in r]
-              for key in (*SERIES.values(), "groups/zero_signal_generated",
-                          "loss/behaviour_ratio_ess", "loss/behaviour_kl_mean")}
+              for key in (*SERIES.values(), *OPTIONAL_SERIES.values(),
+                          "groups/zero_signal_generated", "loss/behaviour_ratio_ess",
+                          "loss/behaviour_kl_mean")}
     # Losses that weigh by π_prox/μ (decoupled PPO, a TIS correction) take their ratio against
     # π_prox (1 with one update per batch): the staleness shows in the behaviour ratio.
     if series["loss/behaviour_ratio_ess"]:
@@ -328,7 +345,8 @@ def summarize(records: list[dict], summary: dict) -> dict:
         series["loss/policy_kl_mean"] = series["loss/behaviour_kl_mean"]
     if series["groups/zero_signal_generated"]:
         series["groups/zero_signal"] = series["groups/zero_signal_generated"]
-    series = {key: compact(points) for key, points in series.items()}
+    series = {key: compact(points) for key, points in series.items()
+              if points or key not in OPTIONAL_SERIES.values()}
     final = summary.get("eval_after", curve[-1][2] if curve else float("nan"))
     return dict(curve=curve, time_to=time_to, final_accuracy=float(final),
                 steps=len(steps), wall_s=float(summary.get("wall_s", 0.0)), series=series,
@@ -341,7 +359,10 @@ def plot(runs: list[dict], path: Path, title: str):
     import matplotlib.pyplot as plt
     names = list(dict.fromkeys(r["name"] for r in runs))
     colors = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
-    panels = ["held-out accuracy", *SERIES]
+    panels = ["held-out accuracy", *SERIES,
+              *(p for p, key in OPTIONAL_SERIES.items() if any(r["series"].get(key)
+                                                               for r in runs))]
+    keys = {**SERIES, **OPTIONAL_SERIES}
     cols = 5
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
@@ -350,7 +371,7 @@ def plot(runs: list[dict], path: Path, title: str):
             if panel == "held-out accuracy":
                 xs, ys = [w for w, _, _ in r["curve"]], [a for _, _, a in r["curve"]]
             else:
-                pts = r["series"].get(SERIES[panel], [])
+                pts = r["series"].get(keys[panel], [])
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 if len(ys) > 20:  # block means are still noisy: a running mean of 5
                     ys = np.convolve(ys, np.ones(5) / 5, mode="valid").tolist()
