@@ -121,8 +121,12 @@ def turn_stop_ids(codec: Codec, env: Any) -> tuple[int, ...]:
                             f"be one token of the base policy's tokenizer: {e}") from None
 
 
+DROP_LOG = "rollout_drops.jsonl"  # in the run's workdir: every prompt dropped untrained
+
+
 def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = None,
-                   turn_stops: tuple[int, ...] = ()) -> RolloutConfig:
+                   turn_stops: tuple[int, ...] = (), drop_log: str | None = None
+                   ) -> RolloutConfig:
     """The rollout pipeline's settings from the recipe and its mode (the mode's staleness
     bound, not ``rollout.max_lag``, outside async mode)."""
     r = c.rollout
@@ -156,7 +160,7 @@ def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = No
                              r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed),
                          per_sample_lengths=r.lengths.per_sample, score_until=score_until,
                          max_tokens_per_turn=r.max_tokens_per_turn or None,
-                         turn_stop_token_ids=tuple(turn_stops))
+                         turn_stop_token_ids=tuple(turn_stops), drop_log=drop_log)
 
 
 class ModelParts:
@@ -281,7 +285,7 @@ class GeneratorParts:
 
     def __init__(self, c: RLRecipe, model: ModelParts, workdir: Path, base_dir: Path,
                  compilation_cache_dir: str, closers: list):
-        self.c, self.closers = c, closers
+        self.c, self.closers, self.workdir = c, closers, workdir
         # SGLang servers load checkpoints, unless sidecars pull for them
         # (generator.sglang_weights); this project's servers pull themselves.
         sglang_disk = c.generator.kind == "sglang" and c.generator.sglang_weights == "disk"
@@ -406,7 +410,8 @@ def start_rollout(c: RLRecipe, settings: ModeSettings, model: ModelParts, meta: 
     """The rollout (an iterator of batches of groups, resumed from ``meta``) and the map that
     packs its groups into train batches."""
     r = c.rollout
-    config = rollout_config(c, settings, score_until=score_until, turn_stops=model.turn_stops)
+    config = rollout_config(c, settings, score_until=score_until, turn_stops=model.turn_stops,
+                            drop_log=str(generators.workdir / DROP_LOG))
     state = dict(meta.get("rollout") or {})
     state.update(trainer_version=version, generator_version=generators.weights.applied)
     prompts = prompt_dataset(model.prompt_source, seed=c.seed,

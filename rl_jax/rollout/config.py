@@ -46,6 +46,10 @@ class RolloutConfig:
     # closing token, ``</tool_call>``: the environment answers the call before the policy goes
     # on). The token is kept in the turn.
     turn_stop_token_ids: tuple[int, ...] = ()
+    # A JSONL file the rollout appends a line to for every prompt it drops without training
+    # it ({"position", "reason", "time"}; reasons "zero_signal", "solved_or_unsolved",
+    # "failed"), so that a run's records account for every prompt it admitted. None: not kept.
+    drop_log: str | None = None
     # Wait this long before re-sending a prompt no generator server could take (all down or
     # restarting); such waits do not count against max_retries.
     unavailable_backoff_s: float = 1.0

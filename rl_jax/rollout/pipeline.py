@@ -19,7 +19,8 @@ reported with ``set_trainer_version``); ``set_state()`` re-issues those first, s
 prompt is lost and none is trained twice except those in flight at the crash (generated again).
 
 Beside it: :mod:`rl_jax.rollout.config` (:class:`RolloutConfig`, the settings),
-:mod:`rl_jax.rollout.request_plan` (seeds and forced lengths of each request) and
+:mod:`rl_jax.rollout.request_plan` (seeds and forced lengths of each request),
+:mod:`rl_jax.rollout.episodes` (multi-turn episodes at the token level) and
 :mod:`rl_jax.rollout.batching` (:class:`GroupsToBatch`, the map that packs groups into batches).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -38,13 +40,14 @@ import grain
 import numpy as np
 
 from rl_jax.data.prompts import Prompt
-from rl_jax.envs.base import Environment, Segment, build_loss_mask, score_many
+from rl_jax.envs.base import Environment, score_many
 from rl_jax.envs.shaping import SolveRateTracker
 from rl_jax.generator.base import Generator
 from rl_jax.generator.client.control import GeneratorUnavailable, ServerLeft
 from rl_jax.generator.types import GenerateRequest
 from rl_jax.rollout.attempts import Attempts
 from rl_jax.rollout.config import RolloutConfig
+from rl_jax.rollout.episodes import run_episode_tokens
 from rl_jax.rollout.records import Group, Sample
 from rl_jax.rollout.request_plan import mask_after_stop, prompt_seed, sample_seed, until_stop
 from rl_jax.rollout.staleness import GateConfig, StalenessGate
@@ -82,7 +85,15 @@ class RolloutIterator(grain.DatasetIterator):
         self._loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self._drop_log = None if config.drop_log is None else open(
+            config.drop_log, "a", buffering=1, encoding="utf-8")
         self._restore(state or {})
+
+    def _record_drop(self, position: int, reason: str):
+        """Notes a prompt dropped without training (call under the lock)."""
+        if self._drop_log is not None:
+            self._drop_log.write(json.dumps({"position": int(position), "reason": reason,
+                                             "time": time.time()}) + "\n")
 
     def _restore(self, state: dict[str, Any]):
         cfg = self.config
@@ -146,6 +157,10 @@ class RolloutIterator(grain.DatasetIterator):
         self._poke()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._drop_log is not None:
+            with self._lock:
+                self._drop_log.close()
+                self._drop_log = None
 
     # ---- grain iterator protocol ----------------------------------------------------------------
 
@@ -253,6 +268,7 @@ class RolloutIterator(grain.DatasetIterator):
             if self.solve_rates is not None and self.solve_rates.should_skip(
                     self._prompt_key(position)):
                 self.counts["skipped_solved_or_unsolved"] += 1
+                self._record_drop(position, "solved_or_unsolved")
                 return self._take_position()
         self.gate.admit(position)
         return position
@@ -306,6 +322,7 @@ class RolloutIterator(grain.DatasetIterator):
                 if cfg.filter_zero_signal and np.ptp(group.rewards) == 0:
                     self.gate.cancel(position)
                     self.counts["filtered_zero_signal"] += 1
+                    self._record_drop(position, "zero_signal")
                     self._lock.notify_all()
                     self._wake.set()
                     return
@@ -353,6 +370,7 @@ class RolloutIterator(grain.DatasetIterator):
                     self._reissue.append(position)
                 else:
                     self.counts["skipped_prompts"] += 1
+                    self._record_drop(position, "failed")
                 self._lock.notify_all()
         self._wake.set()
 
@@ -406,57 +424,10 @@ class RolloutIterator(grain.DatasetIterator):
 
     async def _episode(self, prompt: Prompt, ids: list[int], position: int, index: int
                        ) -> Sample:
-        """One multi-turn episode: policy turns alternate with environment observations, all
-        within ``sampling.max_new_tokens`` completion tokens; observation tokens get loss mask
-        0 and behaviour log-prob 0."""
-        cfg = self.config
-        budget = cfg.sampling.max_new_tokens
-        state = await self._env.reset(prompt)
-        segments = [Segment(list(ids), "prompt")]
-        context = list(ids)
-        finish, info = "length", {}
-        while not state.done and state.turn < self._env.max_turns:
-            remaining = budget - (len(context) - len(ids))
-            if remaining <= 0:
-                break
-            if cfg.max_tokens_per_turn is not None:
-                remaining = min(remaining, cfg.max_tokens_per_turn)
-            seed = prompt_seed(cfg.sampling.seed, position)
-            seed = None if seed is None else (seed + 7919 * index + 104729 * state.turn) % 2**31
-            sampling = dataclasses.replace(
-                cfg.sampling, n=1, max_new_tokens=remaining, seed=seed,
-                stop_token_ids=tuple(cfg.sampling.stop_token_ids) + cfg.turn_stop_token_ids)
-            out = (await self._generator.generate(GenerateRequest(
-                context, sampling, rid=f"{self._rid(position)}-{index}-"
-                                       f"{state.turn}")))[0]
-            segments.append(Segment(out.output_ids, "policy", out.output_logprobs,
-                                    out.output_versions))
-            context += out.output_ids
-            finish = out.finish_reason.get("type", "unknown")
-            result = await self._env.step(state, self._decode(out.output_ids))
-            info = result.info
-            if result.observation is not None:
-                observation = self._encode_observation(result.observation)
-                room = budget - (len(context) - len(ids))
-                if len(observation) >= room:  # no room left for the policy to go on
-                    observation, finish = observation[:max(room, 0)], "length"
-                segments.append(Segment(observation, "environment"))
-                context += observation
-        tokens = build_loss_mask(segments)
-        p = tokens.prompt_length
-        reward = state.total_reward
-        truncated = finish == "length" and not state.done
-        if cfg.shaping is not None:
-            reward = cfg.shaping.apply(reward, len(tokens.token_ids) - p, truncated=truncated)
-        loss_mask = tokens.loss_mask[p:].astype(float)
-        if truncated and cfg.overlong_filter:
-            loss_mask[:] = 0.0
-        return Sample(group_id=position, prompt_ids=list(ids),
-                      completion_ids=tokens.token_ids[p:].tolist(),
-                      behaviour_logprobs=tokens.logprobs[p:].tolist(),
-                      versions=tokens.versions[p:].tolist(), finish_reason=finish,
-                      reward=float(reward), info={**info, "turns": state.turn},
-                      loss_mask=loss_mask.tolist())
+        return await run_episode_tokens(
+            self._generator, self._env, prompt, ids, self.config, position=position,
+            index=index, rid=self._rid(position), decode=self._decode,
+            encode_observation=self._encode_observation)
 
 
 class RolloutDataset(grain.IterDataset):
