@@ -1,5 +1,7 @@
 """Orbax checkpoints: exact resume, restore onto another mesh, damaged checkpoints."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -92,3 +94,46 @@ def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
     with Checkpointer(tmp_path / "one") as ckpt:
         with pytest.raises(CheckpointRestoreError, match="could be restored"):
             ckpt.restore(abstract_state(TX, spec))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (root only): a disk that fills up."""
+    import os
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                            str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_full_disk_skips_saves_and_keeps_the_last_complete_checkpoint(small_disk, use_async):
+    """Saves that find no room are skipped (the run goes on, partial files removed); the
+    checkpoint written before stays restorable, and saving works again once there is room."""
+    spec, step, batch = _setup((1, 4, 2))
+    state = init_state(TX, spec, spec.init_params(seed=0))
+    filler = small_disk / "filler"
+    with Checkpointer(small_disk / "ckpt", keep=2, use_async=use_async) as ckpt:
+        assert ckpt.save(0, state, {"next_batch": 0})
+        ckpt.wait()
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        filler.write_bytes(b"\0" * max(free - 4096, 0))  # leave less than a checkpoint
+        for seed in range(2):
+            state, _ = step(state, batch(seed))
+            ckpt.save(int(state.step), state, {"next_batch": seed + 1})
+        ckpt.wait()
+        assert ckpt.failed_saves >= 1 and ckpt.all_steps() == [0]
+        assert not list((small_disk / "ckpt").glob("*tmp*"))
+        filler.unlink()
+        state, _ = step(state, batch(2))
+        assert ckpt.save(int(state.step), state, {"next_batch": 3})
+        ckpt.wait()
+        assert ckpt.all_steps() == [0, 3]
+        restored, meta, at = ckpt.restore(abstract_state(TX, spec))
+    assert at == 3 and meta == {"next_batch": 3}
+    for a, b in zip(_leaves(state), _leaves(restored)):
+        np.testing.assert_array_equal(a, b)

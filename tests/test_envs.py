@@ -62,7 +62,8 @@ class _GuessEnv(Environment):
 
 
 def test_registry():
-    assert {"arithmetic", "countdown", "math", "code", "sorting"} <= set(envs.names())
+    assert {"arithmetic", "countdown", "math", "code", "sorting", "scratchpad", "long_addition",
+            "tool_use", "delayed"} <= set(envs.names())
     assert isinstance(envs.get("arithmetic", num_digits=2), envs.arithmetic.ArithmeticEnv)
     with pytest.raises(EnvError, match="unknown environment 'nope'.*arithmetic"):
         envs.get("nope")
@@ -518,3 +519,51 @@ def test_solve_rate_tracker():
     for key in "abc":
         small.update(key, [True, True])
     assert small.solve_rate("a") is None and small.solve_rate("c") == 1.0
+
+
+# ---- long addition and the delayed wrapper -------------------------------------------------
+
+def test_long_addition_scores_exact_sums_and_refuses_hostile_answers():
+    env = envs.get("long_addition", min_digits=2, max_digits=12)
+    prompt = env.prompt(7)
+    a, b = prompt.info["operands"]
+    assert prompt.text == f"{a}+{b}=" and env.prompt(7).text == prompt.text
+    run = asyncio.run
+    assert run(env.score(prompt, str(a + b)))[0] == 1.0
+    assert run(env.score(prompt, str(a + b) + "<eos>"))[0] == 1.0
+    for hostile in ["0" + str(a + b), str(a + b) + " ", "٣" * 5, str(a + b + 1), "",
+                    "9" * 100000, f"{a}+{b}", str(a + b) + "<eos><eos>"]:
+        reward, info = run(env.score(prompt, hostile))
+        assert reward == 0.0 and not info["correct"] and info["reason"], hostile
+    train = {env.prompt(i).text for i in range(300)}
+    held_out = {env.prompt(i, "eval").text for i in range(300)}
+    assert not train & held_out
+    sizes = {len(str(env.prompt(i).info["operands"][0])) for i in range(300)}
+    assert sizes == set(range(2, 13))
+    with pytest.raises(EnvError, match="long_addition"):
+        envs.get("long_addition", min_digits=5, max_digits=3)
+    with pytest.raises(EnvError, match="long-addition prompt"):
+        run(env.score("12+x=", "1"))
+
+
+def test_delayed_env_stalls_only_while_its_control_file_says_so(tmp_path):
+    import json
+    import time
+    control = tmp_path / "control.json"
+    env = envs.get("delayed", task="arithmetic", task_kwargs={"num_digits": 2}, control=control)
+    prompt = env.prompt(0)
+    answer = prompt.answer
+    start = time.monotonic()
+    assert asyncio.run(env.score(prompt, answer))[0] == 1.0
+    assert time.monotonic() - start < 0.3  # no file: no delay
+    control.write_text(json.dumps({"delay_s": 0.6, "until": time.time() + 30}))
+    env._read_at = -1.0
+    start = time.monotonic()
+    assert asyncio.run(env.score(prompt, answer))[0] == 1.0
+    assert time.monotonic() - start >= 0.6
+    control.write_text("{not json")
+    env._read_at = -1.0
+    assert env.delay_s() == 0.0
+    assert env.ALPHABET == env.task.ALPHABET
+    with pytest.raises(EnvError, match="control"):
+        envs.get("delayed")

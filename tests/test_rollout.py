@@ -495,3 +495,33 @@ def test_an_episode_spans_a_weight_update_and_its_turns_end_at_the_stop_tokens(s
         assert set(s.versions[start:start + len(observation)]) == {s.versions[start - 1]}
         assert set(s.versions[start + len(observation):]) == {base + 1}
     assert min(min(s.versions) for s in groups[0].samples) == base == groups[0].min_version
+
+
+def test_a_stalled_environment_fails_its_attempts_and_the_drop_is_recorded(setup, tmp_path):
+    """Scoring past rollout.score_timeout_s fails the attempt (retried, then dropped with its
+    reason in the drop log); once the environment answers in time, batches flow again."""
+    import json
+    import time
+
+    from rl_jax.envs.delayed import DelayedEnv
+    _, _, engine = setup
+    control = tmp_path / "control.json"
+    control.write_text(json.dumps({"delay_s": 1.0, "until": time.time() + 4.0}))
+    env = DelayedEnv("arithmetic", task_kwargs={"num_digits": 2, "reverse_answer": False},
+                     control=str(control))
+    drops = tmp_path / "drops.jsonl"
+    config = RolloutConfig(group_size=2, groups_per_batch=2, max_lag=4, max_retries=2,
+                           score_timeout_s=0.25, drop_log=str(drops),
+                           sampling=SamplingParams(max_new_tokens=4, temperature=1.0))
+    it = iter(make_rollout(engine, config, env, size=64))
+    try:
+        it.set_trainer_version(engine.version)
+        groups = next(it)  # waits out the stall: the first prompts fail, later ones train
+        metrics = it.metrics()
+    finally:
+        it.close()
+    assert len(groups) == 2
+    assert metrics["rollout/failures"] >= 2 and metrics["rollout/skipped_prompts"] >= 1
+    lines = [json.loads(x) for x in drops.read_text().splitlines()]
+    assert lines and {x["reason"] for x in lines} == {"failed"}
+    assert not {x["position"] for x in lines} & {g.position for g in groups}

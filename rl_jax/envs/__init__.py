@@ -11,6 +11,7 @@ Built in, by name (``rl_jax.envs.get(name, **kwargs)``):
 ``code``           programs run against tests in a sandbox (:class:`rl_jax.envs.code.CodeEnv`)
 ``long_addition``  long numbers, plainly (:class:`rl_jax.envs.long_addition.LongAdditionEnv`)
 ``tool_use``       a task over tool-calling turns (:class:`rl_jax.envs.tool_use.ToolUseEnv`)
+``delayed``        a task whose scoring stalls on request (:class:`rl_jax.envs.delayed.DelayedEnv`)
 =================  ==================================================================
 
 Modules are imported when their environment is first requested, so asking for ``arithmetic``
@@ -33,6 +34,7 @@ _BUILTIN = {
     "code": "rl_jax.envs.code:CodeEnv",
     "long_addition": "rl_jax.envs.long_addition:LongAdditionEnv",
     "tool_use": "rl_jax.envs.tool_use:ToolUseEnv",
+    "delayed": "rl_jax.envs.delayed:DelayedEnv",
 }
 _REGISTRY: dict[str, str | Callable[..., Environment]] = dict(_BUILTIN)
 

@@ -160,7 +160,8 @@ def rollout_config(c: RLRecipe, settings: ModeSettings, *, score_until: Any = No
                              r.lengths.median, r.lengths.sigma, r.lengths.max, c.seed),
                          per_sample_lengths=r.lengths.per_sample, score_until=score_until,
                          max_tokens_per_turn=r.max_tokens_per_turn or None,
-                         turn_stop_token_ids=tuple(turn_stops), drop_log=drop_log)
+                         turn_stop_token_ids=tuple(turn_stops), drop_log=drop_log,
+                         score_timeout_s=r.score_timeout_s or None)
 
 
 class ModelParts:

@@ -197,6 +197,9 @@ class Rollout:
     # Multi-turn episodes (tool use): completion tokens one policy turn may use (0: no limit
     # but max_new_tokens, which bounds the whole episode, observations included).
     max_tokens_per_turn: int = _f(0, at_least(0))
+    # Most seconds the environment may take to score a group (0: no limit); a group that
+    # takes longer is a failed attempt, retried up to max_retries times, then dropped.
+    score_timeout_s: float = _f(0.0, not_negative)
     lengths: Lengths = _section(Lengths)
 
 

@@ -50,6 +50,9 @@ class RolloutConfig:
     # it ({"position", "reason", "time"}; reasons "zero_signal", "solved_or_unsolved",
     # "failed"), so that a run's records account for every prompt it admitted. None: not kept.
     drop_log: str | None = None
+    # Most seconds the environment may take to score one group's completions (None: no
+    # limit); a group that takes longer is a failed attempt, retried up to max_retries.
+    score_timeout_s: float | None = None
     # Wait this long before re-sending a prompt no generator server could take (all down or
     # restarting); such waits do not count against max_retries.
     unavailable_backoff_s: float = 1.0

@@ -394,7 +394,12 @@ class RolloutIterator(grain.DatasetIterator):
             outputs = await self._generator.generate(
                 GenerateRequest(ids, sampling, rid=self._rid(position)))
         texts = [self._decode(until_stop(o.output_ids, cfg.score_until)) for o in outputs]
-        scores = await score_many(self._env, [prompt] * len(outputs), texts)
+        scoring = score_many(self._env, [prompt] * len(outputs), texts)
+        try:  # a stalled reward environment fails the attempt (retried), not the rollout
+            scores = await asyncio.wait_for(scoring, cfg.score_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"scoring took longer than {cfg.score_timeout_s:g} s "
+                               "(rollout.score_timeout_s)") from None
         # Seconds a group spends outside the generator's engine (queueing in the client, HTTP,
         # decoding, scoring), when the generator reports its own latency.
         engine_s = max((o.e2e_latency for o in outputs), default=0.0)

@@ -3,12 +3,19 @@ restorable onto another mesh (the restore target carries the new shardings).
 
 A LoRA state's frozen base (``TrainState.frozen``) is not written: a checkpoint holds the
 adapters, their optimizer state and the counters, and a restore takes the base from its target.
+
+A save that finds no room (a full disk or quota: ``ENOSPC``, ``EDQUOT``, ``EFBIG``) is logged and
+skipped, and the run goes on: the checkpoints already written stay as they are (a save never
+removes the last complete one before its replacement is complete), its partial files are
+removed, and the next save tries again. Any other error is raised.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +30,22 @@ log = logging.getLogger(__name__)
 
 class CheckpointRestoreError(UserError, RuntimeError):
     """No checkpoint in a directory could be restored."""
+
+
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says the disk or quota is full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in SPACE_ERRNOS:
+            return True
+        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _state_dict(state: TrainState) -> dict[str, Any]:
@@ -48,13 +71,30 @@ class Checkpointer:
             enable_async_checkpointing=use_async, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "metadata"))
+        self.failed_saves = 0  # saves skipped for want of space
 
     def save(self, step: int, state: TrainState, metadata: dict[str, Any] | None = None, *,
              force: bool = False) -> bool:
-        """Starts saving; returns whether a checkpoint is being written for ``step``."""
-        return self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_state_dict(state)),
-            metadata=ocp.args.JsonSave(metadata or {})), force=force)
+        """Starts saving; returns whether a checkpoint is being written for ``step`` (False
+        also when this save, or the background write of the one before, found no room)."""
+        try:
+            return self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_state_dict(state)),
+                metadata=ocp.args.JsonSave(metadata or {})), force=force)
+        except Exception as e:
+            if not out_of_space(e):
+                raise
+            self._skipped(step, e)
+            return False
+
+    def _skipped(self, step: int | None, error: BaseException):
+        self.failed_saves += 1
+        for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        log.error("a checkpoint%s was not written, the disk has no room (%s); the run goes on "
+                  "and the next save tries again; the newest complete checkpoint is step %s",
+                  "" if step is None else f" of step {step}", str(error).splitlines()[0][:200],
+                  self.latest_step())
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` (without ``force``) writes a checkpoint for ``step``."""
@@ -105,8 +145,13 @@ class Checkpointer:
             f"no checkpoint in {self.directory} could be restored:\n  " + "\n  ".join(errors))
 
     def wait(self):
-        """Blocks until background saves have finished."""
-        self._manager.wait_until_finished()
+        """Blocks until background saves have finished (one that found no room is skipped)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            if not out_of_space(e):
+                raise
+            self._skipped(None, e)
 
     def close(self):
         self._manager.close()
