@@ -77,6 +77,7 @@ _BASE = flags.DEFINE_string("base", "", "Base policy (HF dir); default: the tiny
                             "trained once into <workdir>/base.")
 _OUT = flags.DEFINE_string("out", "chaos", "Run and result name.")
 _CHECK = flags.DEFINE_string("check", "", "Only check the invariants of this finished run.")
+_RESULTS = flags.DEFINE_string("results_dir", str(RESULTS), "Where the report goes.")
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -709,9 +710,10 @@ def main(argv):
         "time_lost_s": time_lost(chaos.events, steps),
         "host": {"cpus": os.cpu_count(), "load": os.getloadavg()},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{_OUT.value}.json").write_text(json.dumps(result, indent=1))
-    plot(RESULTS / f"{_OUT.value}.png", chaos.events, chaos.versions, rows, chaos.restarts,
+    results = Path(_RESULTS.value)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{_OUT.value}.json").write_text(json.dumps(result, indent=1))
+    plot(results / f"{_OUT.value}.png", chaos.events, chaos.versions, rows, chaos.restarts,
          span["started"], f"chaos: {sum(counts.values())} faults in {_DURATION.value:.0f} s, "
          f"seed {_SEED.value}; final held-out accuracy {result['held_out_accuracy_after']}")
     for name, v in invariants.items():
@@ -719,7 +721,7 @@ def main(argv):
     print(f"faults: {dict(counts)}; restarts: {len(chaos.restarts)}; held-out accuracy "
           f"{result['held_out_accuracy_after']}; time lost per fault (s): "
           f"{result['time_lost_s']}")
-    print(f"wrote {RESULTS / _OUT.value}.json and .png")
+    print(f"wrote {results / _OUT.value}.json and .png")
     if not result["all_invariants_hold"]:
         sys.exit(1)
 
