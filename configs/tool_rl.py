@@ -34,7 +34,7 @@ def get_config() -> ConfigDict:
         group_size=8,
         # a whole episode: a malformed call, its error, the call, the result, the answer
         max_new_tokens=320,
-        max_tokens_per_turn=96,
+        max_tokens_per_turn=128,
         overlong="filter",
         seq_len=512,
         share_prompts=True,

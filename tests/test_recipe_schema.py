@@ -22,7 +22,7 @@ from rl_jax.recipe.schema import (RLConfigError, RLRecipe, base_config, defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 RL_RECIPES = ("tiny_rl", "shape_rl_cpu", "qwen2_5_1_5b_math", "qwen2_5_7b_math",
-              "qwen3_4b_sorting")
+              "qwen3_4b_sorting", "scratchpad_rl", "tool_rl")
 
 
 def _with(tree: dict, dotted: str, value) -> dict:
