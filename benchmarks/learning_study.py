@@ -249,7 +249,13 @@ def read_run(name: str, overrides: tuple[str, ...], seed: int, out: Path) -> dic
         records += [{"wall_s": w, "step": k, "eval/accuracy": a} for w, k, a in curve]
         summary = {**summary, "eval_after": curve[-1][2], "offline_eval": True}
     run = summarize(records, summary)
-    run.update(name=name, seed=seed, overrides=list(overrides))
+    run.update(name=name, seed=seed, overrides=list(overrides),
+               # how stale the trained samples were (optimizer steps: count), and what each
+               # pool spent waiting for the other
+               staleness_histogram=summary.get("staleness_histogram", {}),
+               trainer_idle_fraction=summary.get("trainer_idle_fraction"),
+               generator_idle_fraction=summary.get("generator_idle_fraction"),
+               trained_tokens_per_s=summary.get("trained_tokens_per_s"))
     return run
 
 
