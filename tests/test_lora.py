@@ -80,7 +80,7 @@ def test_the_recipe_section_has_the_same_defaults_and_checks():
                       targets=section.targets) == LoraConfig()
     config = to_dict(defaults())
     for change, words in [({"targets": ("q", "qkv")}, "lora.targets"),
-                          ({"rank": 0}, "lora.rank"), ({"enabled": True}, "lora.enabled")]:
+                          ({"rank": 0}, "lora.rank")]:
         bad = {**config, "lora": {**config["lora"], **change}}
         with pytest.raises(RLConfigError, match=words):
             parse(bad, registries=False)
@@ -425,3 +425,59 @@ def test_lm_recipe_trains_adapters_resumes_exactly_and_exports(tmp_path):
         lm.lora_config(bad)
     with pytest.raises(lm.RecipeConfigError, match="unknown"):
         lm.lora_config(_lm_config(4, targets=("q", "qkv")))
+
+
+@pytest.mark.timeout(900)
+def test_an_rl_run_trains_adapters_and_the_generators_run_them_merged(tmp_path):
+    """The RL recipe with lora.enabled: the train state and its checkpoints hold the adapters
+    only; every version the generators take is the base with the adapters merged (their
+    held-out answers change from the base's); a resumed run continues; the export is the merged
+    model plus the PEFT adapter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rl_jax.models.shapes import shape, write_random_checkpoint
+    root = Path(__file__).resolve().parents[1]
+    base = tmp_path / "base"
+    write_random_checkpoint(shape("tiny"), base, dtype="float32")
+    workdir = tmp_path / "run"
+
+    def run(steps: int):
+        cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
+               f"--workdir={workdir}", f"--config.base.checkpoint={base}",
+               f"--config.trainer.steps={steps}", "--config.trainer.time_limit_s=0",
+               "--config.lora.enabled=True", "--config.lora.rank=4", "--config.lora.alpha=8",
+               "--config.optimizer.learning_rate=5e-3", "--config.rollout.groups_per_batch=4",
+               "--config.rollout.group_size=4", "--config.rollout.filter_zero_signal=False",
+               "--config.generator.warmup_shapes=False", "--config.eval.examples=32",
+               "--config.eval.every=0", "--config.checkpoint.every=2",
+               "--config.checkpoint.use_async=False", "--config.cpus.trainer=",
+               "--config.cpus.generators=", "--config.cpus.rollout=",
+               "--config.logging.tensorboard=False"]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return json.loads((workdir / "summary.json").read_text())
+
+    first = run(4)
+    assert first["steps"] == 4 and first["parameters"] < 0.2 * 600_000
+    import orbax.checkpoint as ocp
+    meta = ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / "4" / "state")
+    tree = getattr(meta, "item_metadata", meta)
+    names = {".".join(str(getattr(k, "key", k)) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(dict(tree))[0]}
+    params = [n for n in names if n.startswith("params.")]
+    assert params and all("_lora_" in n for n in params)
+    cfg = hf.read_config(workdir / "hf")
+    adapters, lora = load_peft_adapter(workdir / "adapter", cfg)
+    assert lora == LoraConfig(rank=4, alpha=8.0)
+    assert np.asarray(adapters["layers"]["wq_lora_b"]).any()  # B starts at zero: trained
+    merged = hf.load_pretrained(workdir / "hf", None, jnp.float32)
+    plain = hf.load_pretrained(base, None, jnp.float32)
+    assert not np.array_equal(np.asarray(merged["layers"]["wq"]),
+                              np.asarray(plain["layers"]["wq"]))
+    assert np.array_equal(np.asarray(merged["embed"]), np.asarray(plain["embed"]))
+    resumed = run(6)  # continues from step 4's checkpoint
+    assert resumed["steps"] == 6 and resumed["final_version"] >= 6

@@ -29,7 +29,6 @@ from rl_jax.generator.client.control import GeneratorUnavailable
 from rl_jax.losses.core import finalize_metrics
 from rl_jax.metrics import MetricsWriter, write_json
 from rl_jax.models.config import DTYPES, eos_ids
-from rl_jax.models.hf import save_pretrained
 from rl_jax.orchestrator.accounting import (LOSS_METRICS, Clock, Window, cpu_spent,
                                             generator_readings, plot_progress, tb_scalars,
                                             tensorboard, write_step_record)
@@ -173,7 +172,7 @@ class Session:
                 prefetcher.request()
         self.snapshots = None
         if self.primary and c.export.every:
-            self.snapshots = SnapshotWriter(self.workdir, self.model.spec,
+            self.snapshots = SnapshotWriter(self.workdir, self.model.plain_spec,
                                             tokenizer=self.model.tokenizer,
                                             dtype=DTYPES[c.export.dtype], every=c.export.every)
             self._closers.append(self.snapshots.close)
@@ -320,8 +319,8 @@ class Session:
                                        else {})}, force=True)
             self.trainer.checkpointer.wait()
         final_params = self.trainer.state.params if self.trainer.ema is None else self.trainer.ema
-        export = save_pretrained(self.model.spec.merge(final_params), self.workdir / "hf",
-                                 tokenizer=self.model.tokenizer, dtype=DTYPES[c.export.dtype])
+        export = self.trainer.export(final_params, self.workdir / "hf",
+                                     tokenizer=self.model.tokenizer, dtype=DTYPES[c.export.dtype])
         final_version = version
         if self.trainer.ema is not None:  # the generators evaluate the average as the next version
             final_version = version + 1
@@ -449,7 +448,8 @@ class Session:
                 self.rollout.set_trainer_version(version)
             if version == self.generators.weights.published:
                 return None
-        params = self.trainer.state.params if params is None else params
+        params = self.trainer.for_generators(self.trainer.state.params if params is None
+                                             else params)
         if jax.process_count() > 1:
             params = multihost_utils.process_allgather(params, tiled=True)
             if not self.primary:

@@ -25,7 +25,9 @@ from rl_jax.generator.client.identity import UnsupportedServer
 from rl_jax.generator.launcher.pool import PoolConfig
 from rl_jax.generator.types import SamplingParams
 from rl_jax.models.config import DTYPES
-from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config
+from rl_jax.models.hf import load_pretrained, load_tokenizer, read_config, save_pretrained
+from rl_jax.models.lora import LoraConfig, merge_adapters
+from rl_jax.models.lora_export import save_merged, save_peft_adapter
 from rl_jax.orchestrator.accounting import PoolSampler
 from rl_jax.orchestrator.config import (ModeSettings, max_new_tokens, max_sample_tokens,
                                         rows_per_batch)
@@ -176,9 +178,17 @@ class ModelParts:
         self.tokenizer = load_tokenizer(base_dir)
         self.codec = Codec(self.tokenizer, self.model_config.bos_token_id, c.data.template)
         self.mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+        lora = None if not c.lora.enabled else LoraConfig(
+            rank=c.lora.rank, alpha=c.lora.alpha, dropout=c.lora.dropout,
+            targets=tuple(c.lora.targets))
         self.spec = ModelSpec(self.model_config, mesh=self.mesh, dtype=DTYPES[c.model.dtype],
                               param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat,
-                              scan_layers=c.model.scan_layers)
+                              scan_layers=c.model.scan_layers, lora=lora)
+        # The model the generators run (a LoRA run's: the base with its adapters merged in).
+        self.plain_spec = self.spec if lora is None else ModelSpec(
+            self.model_config, mesh=self.mesh, dtype=DTYPES[c.model.dtype],
+            param_dtype=DTYPES[c.model.param_dtype], remat=c.model.remat,
+            scan_layers=c.model.scan_layers)
         self.env = envs.get(c.env.name, **c.env.kwargs)
         self.turn_stops = turn_stop_ids(self.codec, self.env)
         self.prompt_source = prompt_source(c, self.env)
@@ -251,17 +261,28 @@ class TrainerParts:
                                          use_async=c.checkpoint.use_async)
         closers.append(self.checkpointer.close)
         self.meta: dict[str, Any] = {}
+        self.spec, self.base_dir = model.spec, base_dir
+
+        def base_params():  # a LoRA run: the frozen base and fresh adapters of the seed
+            return model.spec.split_frozen(model.spec.split(load_pretrained(
+                base_dir, model.mesh, model.spec.dtype, param_dtype=model.spec.param_dtype,
+                rules=model.spec.rules)), c.seed)
+
         if self.checkpointer.latest_step() is not None:
-            self.state, self.meta, _ = self.checkpointer.restore(
-                abstract_state(model.tx, model.spec))
+            target = abstract_state(model.tx, model.spec)
+            if model.spec.lora is not None:  # checkpoints hold the adapters only
+                target = target.replace(frozen=base_params()[1])
+            self.state, self.meta, _ = self.checkpointer.restore(target)
             log.info("resumed from %s at policy version %d", self.checkpointer.directory,
                      int(self.state.step))
         else:
-            params = model.spec.split(load_pretrained(
-                base_dir, model.mesh, model.spec.dtype, param_dtype=model.spec.param_dtype,
-                rules=model.spec.rules))
-            self.state = init_state(model.tx, model.spec, params)
+            self.state = init_state(model.tx, model.spec, *base_params())
         self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        # A LoRA run's generators get the base with the adapters merged in (full versions).
+        self._merge = None if model.spec.lora is None else jax.jit(
+            lambda adapters, frozen: merge_adapters(
+                {**frozen, "layers": {**frozen["layers"], **adapters["layers"]}},
+                model.spec.lora))
         # An exponential moving average of the parameters, exported and evaluated at the end in
         # place of the last step's (the generators always sample from the trained policy).
         # It lives beside the train state, not in its checkpoints: a resumed run restarts it.
@@ -275,8 +296,27 @@ class TrainerParts:
             ema_update.lower(self.ema, self.state.params, jnp.float32(0.0)).compile()
         if micro_rows:
             seconds = self.train_step.warm(self.state.params,
-                                           PolicyBatch.abstract(micro_rows, c.rollout.seq_len))
+                                           PolicyBatch.abstract(micro_rows, c.rollout.seq_len),
+                                           frozen=self.state.frozen)
             log.info("train step warmed up in %.2f s", seconds)
+
+    def for_generators(self, params: Any) -> Any:
+        """The parameters a version gives the generators: ``params`` themselves, or for a LoRA
+        run the base with these adapters merged in."""
+        return params if self._merge is None else self._merge(params, self.state.frozen)
+
+    def export(self, params: Any, path: Path, *, tokenizer: Any, dtype: Any) -> Path:
+        """``params`` as an HF checkpoint at ``path``; a LoRA run's merged into the base, and
+        its adapters alone in PEFT's format beside it (``<path>/../adapter``)."""
+        if self._merge is None:
+            return save_pretrained(self.spec.merge(params), path, tokenizer=tokenizer,
+                                   dtype=dtype)
+        full = {**self.state.frozen, "layers": {**self.state.frozen["layers"],
+                                                **params["layers"]}}
+        save_peft_adapter(Path(path).parent / "adapter", params, self.spec.config,
+                          self.spec.lora, base_model=str(self.base_dir))
+        return save_merged(path, self.spec.config, full, self.spec.lora, tokenizer=tokenizer,
+                           dtype=dtype)
 
 
 class GeneratorParts:

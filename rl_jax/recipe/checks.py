@@ -162,12 +162,6 @@ def _check_relations(r: RLRecipe) -> None:
     if g.max_slots % g.data_parallel:
         raise RLConfigError(f"generator.max_slots={g.max_slots} does not split evenly over "
                             f"generator.data_parallel={g.data_parallel} replicas")
-    if r.lora.enabled:
-        # The trainer side exists (ModelSpec(lora=...), rl_jax.models.lora); an RL run also
-        # needs adapter versions through the publisher and the generators (issue 50).
-        raise RLConfigError("lora.enabled: RL runs do not train adapters yet (the generators "
-                            "cannot take adapter versions); the trainer's LoRA is "
-                            "rl_jax.trainer.state.ModelSpec(lora=...)")
     if not 0 <= r.distributed.process_id < r.distributed.num_processes:
         raise RLConfigError(f"distributed.process_id={r.distributed.process_id} is outside "
                             f"[0, distributed.num_processes={r.distributed.num_processes})")
