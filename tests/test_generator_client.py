@@ -6,6 +6,7 @@ shared with the in-process engine."""
 import asyncio
 import dataclasses
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import ml_collections
 import pytest
 
@@ -540,3 +542,79 @@ def _pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_answers_that_are_not_completions_are_refused():
+    """Token ids outside the vocabulary, log-probs above 0 or not numbers, and lengths that
+    disagree are errors naming the problem (the client then tries another server)."""
+    from rl_jax.generator.responses import outputs_from_json
+    from rl_jax.generator.types import GenerateRequest, GeneratorError, SamplingParams
+    request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2), rid="r")
+
+    def answer(ids, triples):
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": triples,
+                                                 "weight_version": 1}}
+    good = outputs_from_json(answer([5, 6], [[-0.5, 5, None], [-1.0, 6, None]]), request, 64)
+    assert good[0].output_ids == [5, 6] and good[0].output_logprobs == [-0.5, -1.0]
+    for data, words in [
+            (answer([5, 99], [[-0.5, 5, None], [-1.0, 99, None]]), "outside the vocabulary"),
+            (answer([5, -1], [[-0.5, 5, None], [-1.0, -1, None]]), "outside the vocabulary"),
+            (answer([5, 6], [[3.5, 5, None], [-1.0, 6, None]]), "not a log"),
+            (answer([5, 6], [[float("nan"), 5, None], [-1.0, 6, None]]), "not a log"),
+            (answer([5, 6], [["x", 5, None], [-1.0, 6, None]]), "not \\[log-prob"),
+            (answer([5, 6], [[-0.5, 5, None]]), "1 log-probs for 2 tokens"),
+            (answer(["a", 6], [[-0.5, 5, None], [-1.0, 6, None]]), "malformed"),
+            (answer([5, 6], [[-0.5], [-1.0, 6]]), "not \\[log-prob")]:
+        with pytest.raises(GeneratorError, match=words):
+            outputs_from_json(data, request, 64)
+
+
+def test_a_server_answering_garbage_is_skipped_then_distrusted(pool):
+    """A server behind a proxy that corrupts every completion (token ids outside the
+    vocabulary): each of its answers is refused and the request goes to the other server; after
+    ``max_malformed`` such answers it gets no more requests."""
+    from aiohttp import web
+
+    async def main():
+        upstream = pool.urls[0]
+        corrupted = []
+
+        async def forward(request):
+            body = await request.read()
+            async with aiohttp.ClientSession() as session:
+                headers = {k: v for k, v in request.headers.items()
+                           if k.lower() in ("authorization", "content-type")}
+                async with session.request(request.method, upstream + request.path_qs,
+                                           data=body, headers=headers) as answer:
+                    payload, status = await answer.read(), answer.status
+            if request.path == "/generate" and status == 200:
+                data = json.loads(payload)
+                for item in data if isinstance(data, list) else [data]:
+                    item["output_ids"][0] = 10**6
+                    item["meta_info"]["output_token_logprobs"][0][1] = 10**6
+                payload = json.dumps(data).encode()
+                corrupted.append(1)
+            return web.Response(body=payload, status=status, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        proxy = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        config = dataclasses.replace(FAST_HEALTH, vocab_size=64, max_malformed=3,
+                                     max_attempts=3)
+        try:
+            async with GeneratorClient([proxy, pool.urls[1]], config) as client:
+                outs = [await client.generate(req(max_new_tokens=4)) for _ in range(12)]
+                state = {s["url"]: s for s in client.snapshot()}
+        finally:
+            await runner.cleanup()
+        return outs, state, corrupted
+
+    outs, state, corrupted = run(main())
+    assert all(o[0].output_ids and max(o[0].output_ids) < 64 for o in outs)
+    assert state[pool.urls[1]]["served"] == 12
+    assert state[[u for u in state if u != pool.urls[1]][0]]["malformed"] == 3
+    assert len(corrupted) == 3  # distrusted after the third: no request reached it again

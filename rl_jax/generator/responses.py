@@ -10,6 +10,7 @@ The engine stops on token ids only, so ``stop`` strings are applied to the finis
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -159,7 +160,12 @@ def _span_versions(spans: Any, n_tokens: int) -> list[int]:
     return versions
 
 
-def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutput]:
+# A sampled token's log-probability is at most 0; a server's float rounding may add a little.
+MAX_LOGPROB = 1e-3
+
+
+def outputs_from_json(data: Any, request: GenerateRequest,
+                      vocab_size: int | None = None) -> list[GenerateOutput]:
     """A ``/generate`` answer for one request (a dict, or a list of ``n``) → its outputs.
 
     Each token's weight version comes from ``meta_info.output_token_weight_versions`` (this
@@ -175,14 +181,30 @@ def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutpu
         try:
             meta = item["meta_info"]
             ids = [int(t) for t in item["output_ids"]]
-        except (KeyError, TypeError) as e:
-            raise GeneratorError(f"malformed /generate answer (missing {e}): {item!r:.200}") from e
+        except (KeyError, TypeError, ValueError) as e:
+            raise GeneratorError(f"malformed /generate answer ({e}): {item!r:.200}") from e
         triples = meta.get("output_token_logprobs") or []
         if len(triples) != len(ids):
             raise GeneratorError(f"server returned {len(triples)} log-probs for {len(ids)} "
                                  f"tokens (was return_logprob set?)")
-        if any(int(t[1]) != tok for t, tok in zip(triples, ids)):
-            raise GeneratorError("output_token_logprobs token ids differ from output_ids")
+        try:
+            if any(int(t[1]) != tok for t, tok in zip(triples, ids)):
+                raise GeneratorError("output_token_logprobs token ids differ from output_ids")
+        except (TypeError, ValueError, IndexError):
+            raise GeneratorError("output_token_logprobs holds an entry that is not "
+                                 "[log-prob, token id, ...]") from None
+        limit = vocab_size or 2**31
+        if any(not 0 <= t < limit for t in ids):
+            raise GeneratorError(f"output_ids outside the vocabulary [0, {limit}): "
+                                 f"{[t for t in ids if not 0 <= t < limit][:5]}")
+        try:
+            logprobs = [float(t[0]) for t in triples]
+        except (TypeError, ValueError, IndexError):
+            raise GeneratorError("output_token_logprobs holds an entry that is not "
+                                 "[log-prob, token id, ...]") from None
+        if not all(-math.inf < lp <= MAX_LOGPROB for lp in logprobs):
+            raise GeneratorError("output_token_logprobs holds a value that is not a log-"
+                                 f"probability: {[x for x in logprobs if not x <= 0][:5]}")
         versions = meta.get("output_token_weight_versions")
         if versions is None and meta.get("weight_versions") is not None:
             versions = _span_versions(meta["weight_versions"], len(ids))
@@ -203,7 +225,7 @@ def outputs_from_json(data: Any, request: GenerateRequest) -> list[GenerateOutpu
                                      "not a number") from None
         outputs.append(GenerateOutput(
             rid=str(meta.get("id", request.rid)), input_ids=list(request.input_ids),
-            output_ids=ids, output_logprobs=[float(t[0]) for t in triples],
+            output_ids=ids, output_logprobs=logprobs,
             output_unfiltered_logprobs=unfiltered,
             output_versions=[_version(v) for v in versions],
             finish_reason=meta.get("finish_reason") or {"type": "unknown"},

@@ -327,6 +327,7 @@ class GeneratorParts:
     def __init__(self, c: RLRecipe, model: ModelParts, workdir: Path, base_dir: Path,
                  compilation_cache_dir: str, closers: list):
         self.c, self.closers, self.workdir = c, closers, workdir
+        self.vocab_size = model.model_config.vocab_size  # answers' token ids are checked
         # SGLang servers load checkpoints, unless sidecars pull for them
         # (generator.sglang_weights); this project's servers pull themselves.
         sglang_disk = c.generator.kind == "sglang" and c.generator.sglang_weights == "disk"
@@ -366,7 +367,8 @@ class GeneratorParts:
         log.info("generator pool up %.1f s after its start: %s",
                  time.perf_counter() - self._pool_started, self.pool.urls)
         client_config = ClientConfig(request_timeout=c.generator.request_timeout_s,
-                                     control_timeout=max(c.transfer.timeout_s, 60.0))
+                                     control_timeout=max(c.transfer.timeout_s, 60.0),
+                                     vocab_size=self.vocab_size)
         self.control_loop = BackgroundLoop("generator-control")
         self.closers.append(self.control_loop.close)
         # With a router: requests go through it; weight updates and control calls go to each

@@ -4,9 +4,11 @@
 
 - one pooled ``aiohttp.ClientSession`` (keep-alive connections to every server);
 - least-outstanding-requests balancing (ties rotate), counted from this client's view;
-- health checks: every ``health_check_interval`` for healthy servers, every
-  ``down_retry_interval`` for servers marked down; a connection error or timeout marks a server
-  down at once, a 5xx schedules an immediate probe;
+- health checks (:mod:`rl_jax.generator.client.health`): every ``health_check_interval`` for
+  healthy servers, every ``down_retry_interval`` for servers marked down; a connection error or
+  timeout marks a server down at once, a 5xx schedules an immediate probe; a malformed answer
+  (token ids outside the vocabulary, log-probs above 0, lengths that disagree) marks it down and
+  the request goes to another server, and after ``max_malformed`` of them it gets no more;
 - a request that fails on one server (connection error, timeout, 5xx, 503 overload) is retried
   on another, up to ``max_attempts`` in all; when no server is up, it waits up to
   ``unavailable_wait_s`` for one to come back; a 4xx is the request's fault and is raised at once
@@ -43,15 +45,13 @@ from rl_jax.generator.auth import NO_KEYS, Keys
 from rl_jax.generator.base import Generator
 from rl_jax.generator.client.control import (BroadcastControl, GeneratorRequestError,
                                              GeneratorUnavailable, ServerLeft, _message)
+from rl_jax.generator.client.health import HealthChecks
 from rl_jax.generator.client.identity import ServerIdentity, warn_if_seed_ignored
 from rl_jax.generator.protocol import request_json
 from rl_jax.generator.responses import outputs_from_json
 from rl_jax.generator.types import GenerateOutput, GenerateRequest, GeneratorError
 
 log = logging.getLogger(__name__)
-
-HEALTH_TICK_S = 0.05
-
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
@@ -67,6 +67,10 @@ class ClientConfig:
     # s a request waits for a server to come back when none is up (a loaded host's health probes
     # time out and mark every server down for a moment) before it fails
     unavailable_wait_s: float = 60.0
+    vocab_size: int = 0  # token ids in answers must be below it (0: not checked)
+    # A server whose answers were malformed this many times (token ids outside the vocabulary,
+    # log-probs above 0 or not numbers, lengths that disagree) gets no more requests.
+    max_malformed: int = 3
 
 
 @dataclasses.dataclass
@@ -80,9 +84,10 @@ class ServerState:
     weight_version: int | None = None  # as last seen
     identity: ServerIdentity | None = None  # once identify_servers() has read it
     seed_warned: bool = False
+    malformed: int = 0  # malformed answers; at ClientConfig.max_malformed it is not trusted
 
 
-class GeneratorClient(BroadcastControl, Generator):
+class GeneratorClient(HealthChecks, BroadcastControl, Generator):
     """:class:`Generator` over HTTP servers speaking SGLang's API.
 
     Use as ``async with GeneratorClient(urls) as client: ...`` (or call :meth:`close`). The
@@ -222,92 +227,11 @@ class GeneratorClient(BroadcastControl, Generator):
                 data = text
             return response.status, data, dict(response.headers)
 
-    def _mark_down(self, server: ServerState, reason: str):
-        if server.healthy:
-            log.warning("generator server %s is down: %s", server.url, reason)
-            self.stats["marked_down"] += 1
-            self._signal_lost(server.url)  # its requests in flight go elsewhere
-        server.healthy = False
-        server.failures += 1
-        server.next_probe = time.monotonic() + self.config.down_retry_interval
-
-    def _probe_soon(self, server: ServerState):
-        server.next_probe = time.monotonic()
-
-    # ---- health ---------------------------------------------------------------------------------
-
-    async def _probe(self, server: ServerState) -> bool:
-        lock = self._probe_locks.setdefault(server.url, asyncio.Lock())
-        if lock.locked():  # a probe (maybe restoring weights) is under way: share its result
-            async with lock:
-                return server.healthy
-        async with lock:
-            return await self._probe_unlocked(server)
-
-    async def _probe_unlocked(self, server: ServerState) -> bool:
-        try:
-            status, data, _ = await self._request(server, "GET", "/health",
-                                                  timeout=self.config.health_timeout)
-            ok = status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            ok, data = False, repr(e)
-        if ok and not server.healthy:
-            ok = await self._recover(server)
-            if ok:
-                log.warning("generator server %s is back up", server.url)
-                self.stats["recovered"] += 1
-        if ok:
-            server.healthy, server.failures = True, 0
-            server.next_probe = time.monotonic() + self.config.health_check_interval
-        else:
-            self._mark_down(server, f"health check failed: {data!r:.200}")
-        return ok
-
-    async def _recover(self, server: ServerState) -> bool:
-        """Re-applies the last weight update and pause to a server that was down."""
-        try:
-            weights = self._replay.get("weights")
-            if weights is not None:
-                path, weights = weights
-                status, current = await self.read_version(server)
-                behind = path == "/update_weights_from_transfer" and isinstance(current, int) \
-                    and current >= int(weights["weight_version"])
-                if status != 200 or (str(current) != str(weights["weight_version"])
-                                     and not behind):
-                    status, data, _ = await self._request(server, "POST", path, weights)
-                    if status != 200:
-                        log.error("cannot restore weights on %s: %s", server.url, data)
-                        return False
-            pause = self._replay.get("pause")
-            if pause is not None:
-                status, _, _ = await self._request(server, "POST", "/pause_generation", pause)
-                if status != 200:
-                    return False
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-        return True
-
-    async def _health_loop(self):
-        while True:
-            now = time.monotonic()
-            due = [s for s in self.servers if s.next_probe <= now]
-            if due:
-                await asyncio.gather(*(self._probe(s) for s in due))
-            # Short ticks (no asyncio.wait_for: cancelling it can hang on Python 3.11) so that a
-            # probe scheduled by a failure runs within HEALTH_TICK_S.
-            wait = min(s.next_probe for s in self.servers) - time.monotonic()
-            await asyncio.sleep(min(max(wait, 0.0), HEALTH_TICK_S))
-
-    async def check_health(self) -> dict[str, bool]:
-        """Probes every server now; url → healthy."""
-        await self._ensure_started()
-        results = await asyncio.gather(*(self._probe(s) for s in self.servers))
-        return {s.url: ok for s, ok in zip(self.servers, results)}
-
     # ---- generate -------------------------------------------------------------------------------
 
     def _pick(self, exclude: set[str]) -> ServerState | None:
-        healthy = [s for s in self.servers if s.healthy]
+        healthy = [s for s in self.servers
+                   if s.healthy and s.malformed < self.config.max_malformed]
         candidates = [s for s in healthy if s.url not in exclude] or healthy
         if not candidates:
             return None
@@ -321,7 +245,8 @@ class GeneratorClient(BroadcastControl, Generator):
         if request.rid is None:
             request = dataclasses.replace(request, rid=uuid.uuid4().hex)
         return (await self._post(request_json(request), [request.rid],
-                                 lambda data: [outputs_from_json(data, request)]))[0]
+                                 lambda data: [outputs_from_json(
+                                     data, request, self.config.vocab_size)]))[0]
 
     async def generate_batch(self, requests: Sequence[GenerateRequest]
                              ) -> list[list[GenerateOutput]]:
@@ -363,7 +288,8 @@ class GeneratorClient(BroadcastControl, Generator):
                                      f"{len(requests)} prompts, got {len(items)}")
             out, i = [], 0
             for r in requests:
-                out.append(outputs_from_json(items[i:i + r.sampling.n], r))
+                out.append(outputs_from_json(items[i:i + r.sampling.n], r,
+                                             self.config.vocab_size))
                 i += r.sampling.n
             return out
 
@@ -413,9 +339,15 @@ class GeneratorClient(BroadcastControl, Generator):
             finally:
                 server.outstanding -= 1
             if status == 200:
+                try:
+                    result = parse(data)
+                except GeneratorError as e:  # garbage from this server: try another one
+                    server.malformed += 1
+                    problems.append(f"{server.url}: malformed answer: {e}")
+                    self._mark_down(server, f"malformed answer ({server.malformed}): {e}")
+                    continue
                 server.served += 1
                 server.failures = 0
-                result = parse(data)
                 for outputs in result:
                     if outputs and outputs[0].output_versions:
                         server.weight_version = max(outputs[0].output_versions)
