@@ -64,6 +64,7 @@ FAULTS = ("kill_generator", "kill_trainer", "stop_generator", "drop_pull", "corr
 API_KEY, ADMIN_KEY, TOKEN = "chaos-api-key-0123456789", "chaos-admin-key-0123456789", \
     "chaos-transfer-token-0123456789"
 MAX_LAG = 2
+MAX_RESTARTS = 200  # a trainer that keeps dying on its own ends the soak
 REQUEST_TIMEOUT_S, UPDATE_TIMEOUT_S, SCORE_TIMEOUT_S = 20.0, 20.0, 3.0
 
 _DURATION = flags.DEFINE_float("duration_s", 1800.0, "Wall seconds of faults (the run trains "
@@ -350,12 +351,12 @@ def get_config():
         return f"pid {victim.pid}", "killed"
 
     def _kill_trainer(self):
-        if self.trainer is None or self.trainer.poll() is not None:
+        trainer = self.trainer
+        if trainer is None or trainer.poll() is not None:
             return "", "no trainer running"
-        pid = self.trainer.pid
-        os.kill(pid, signal.SIGKILL)
-        self.trainer.wait()
-        return f"pid {pid}", "killed (restarted by the harness)"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        return f"pid {trainer.pid}", "killed (restarted by the harness)"
 
     def _stop_generator(self):
         servers = self.servers()
@@ -475,6 +476,9 @@ def get_config():
                     break
                 if code is not None:  # killed (by a fault, or by a fault's effect): resume
                     died = now
+                    if len(self.restarts) >= MAX_RESTARTS:
+                        raise SystemExit(f"the trainer died {len(self.restarts) + 1} times; "
+                                         f"last log: {self.workdir}/trainer-{self.lives}.log")
                     self.start_trainer()
                     self.restarts.append({"died": died, "restarted": time.time(),
                                           "exit_code": code})
