@@ -482,20 +482,50 @@ def compare_to(runs: list[dict], reference: str) -> dict:
         return {}
     target = float(np.median([r["final_accuracy"] for r in ref]))
 
-    def median_time(mine):
-        times = [first_time_at(r["curve"], target) for r in mine]
+    def median_time(mine, window=1):
+        times = [first_time_at(smoothed(r["curve"], window), target) for r in mine]
         times = sorted(float("inf") if t is None else t for t in times)
         middle = times[len(times) // 2] if len(times) % 2 else float(np.mean(
             times[len(times) // 2 - 1:len(times) // 2 + 1]))
         return times, middle
 
     _, ref_time = median_time(ref)
-    out = {"reference": reference, "target_accuracy": target, "reference_time_s": ref_time}
+    _, ref_smooth = median_time(ref, SMOOTH)
+    out = {"reference": reference, "target_accuracy": target, "reference_time_s": ref_time,
+           "reference_smoothed_time_s": ref_smooth}
     for name in dict.fromkeys(r["name"] for r in runs):
-        times, middle = median_time([r for r in runs if r["name"] == name])
+        mine = [r for r in runs if r["name"] == name]
+        times, middle = median_time(mine)
+        smooth_times, smooth = median_time(mine, SMOOTH)
         out[name] = {"times_s": [None if t == float("inf") else t for t in times],
                      "median_time_s": None if middle == float("inf") else middle,
-                     "speedup": None if middle in (0.0, float("inf")) else ref_time / middle}
+                     "speedup": None if middle in (0.0, float("inf")) else ref_time / middle,
+                     # the same on each curve's running mean of SMOOTH evaluations, which one
+                     # lucky evaluation of a flat, noisy curve cannot decide
+                     "smoothed_times_s": [None if t == float("inf") else t
+                                          for t in smooth_times],
+                     "smoothed_speedup": None if smooth in (0.0, float("inf"))
+                     or ref_smooth == float("inf") else ref_smooth / smooth,
+                     "accuracy_at_s": {str(t): float(np.median([
+                         a for a in (accuracy_at(r["curve"], t) for r in mine)
+                         if a is not None])) for t in (150, 300, 450, 600)}}
+    return out
+
+
+SMOOTH = 3  # evaluations in the running mean of compare_to's smoothed times
+
+
+def smoothed(curve: list, window: int) -> list:
+    """``curve`` with each accuracy replaced by the mean of it and the ``window - 1``
+    evaluations before it (the base's point at 0 s kept as it is)."""
+    if window <= 1:
+        return curve
+    out = [curve[0]] if curve else []
+    trained = curve[1:]
+    for i in range(len(trained)):
+        lo = max(0, i - window + 1)
+        out.append((trained[i][0], trained[i][1],
+                    float(np.mean([a for _, _, a in trained[lo:i + 1]]))))
     return out
 
 
