@@ -427,6 +427,7 @@ def test_lm_recipe_trains_adapters_resumes_exactly_and_exports(tmp_path):
         lm.lora_config(_lm_config(4, targets=("q", "qkv")))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_rl_run_trains_adapters_and_the_generators_run_them_merged(tmp_path):
     """The RL recipe with lora.enabled: the train state and its checkpoints hold the adapters
