@@ -312,6 +312,8 @@ OPTIONAL_SERIES = {
     "well-formed call fraction": "tools/well_formed",
     "malformed calls per episode": "tools/format_errors_per_episode",
     "turns per episode": "episodes/turns_mean",
+    "held-out: well-formed calls": "eval/tools/well_formed",
+    "held-out: episodes calling": "eval/tools/episodes_calling",
 }
 
 
@@ -337,7 +339,9 @@ def summarize(records: list[dict], summary: dict) -> dict:
     for target in _TARGETS.value:
         hit = next((w for w, _, a in curve if a >= float(target)), None)
         time_to[target] = hit
-    series = {key: [(float(r["wall_s"]), float(r[key])) for r in steps if key in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    series = {key: [(float(r.get("wall_s", 0.0)), float(r[key]))
+                    for r in (evals if key.startswith("eval/") else steps) if key in r]
               for key in (*SERIES.values(), *OPTIONAL_SERIES.values(),
                           "groups/zero_signal_generated", "loss/behaviour_ratio_ess",
                           "loss/behaviour_kl_mean")}
