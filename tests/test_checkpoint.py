@@ -98,12 +98,12 @@ def test_no_restorable_checkpoint_is_a_clear_error(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MiB tmpfs (root only): a disk that fills up."""
+    """An 8 MiB tmpfs (root only): a disk that fills up."""
     import os
     import subprocess
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
                                             str(mount)], capture_output=True).returncode:
         pytest.skip("mounting a small tmpfs needs root")
     yield mount
