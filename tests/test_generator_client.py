@@ -605,9 +605,17 @@ def test_a_server_answering_garbage_is_skipped_then_distrusted(pool):
         proxy = f"http://127.0.0.1:{runner.addresses[0][1]}"
         config = dataclasses.replace(FAST_HEALTH, vocab_size=64, max_malformed=3,
                                      max_attempts=3)
+        outs = []
         try:
             async with GeneratorClient([proxy, pool.urls[1]], config) as client:
-                outs = [await client.generate(req(max_new_tokens=4)) for _ in range(12)]
+                deadline = time.monotonic() + 60
+                while len(corrupted) < 3:  # between them, health checks bring it back up
+                    assert time.monotonic() < deadline, client.snapshot()
+                    outs.append(await client.generate(req(max_new_tokens=4)))
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.0)  # time for a health check to find it up again
+                for _ in range(6):
+                    outs.append(await client.generate(req(max_new_tokens=4)))
                 state = {s["url"]: s for s in client.snapshot()}
         finally:
             await runner.cleanup()
@@ -615,6 +623,6 @@ def test_a_server_answering_garbage_is_skipped_then_distrusted(pool):
 
     outs, state, corrupted = run(main())
     assert all(o[0].output_ids and max(o[0].output_ids) < 64 for o in outs)
-    assert state[pool.urls[1]]["served"] == 12
+    assert state[pool.urls[1]]["served"] == len(outs)
     assert state[[u for u in state if u != pool.urls[1]][0]]["malformed"] == 3
     assert len(corrupted) == 3  # distrusted after the third: no request reached it again

@@ -188,11 +188,12 @@ def outputs_from_json(data: Any, request: GenerateRequest,
             raise GeneratorError(f"server returned {len(triples)} log-probs for {len(ids)} "
                                  f"tokens (was return_logprob set?)")
         try:
-            if any(int(t[1]) != tok for t, tok in zip(triples, ids)):
-                raise GeneratorError("output_token_logprobs token ids differ from output_ids")
+            differ = any(int(t[1]) != tok for t, tok in zip(triples, ids))
         except (TypeError, ValueError, IndexError):
             raise GeneratorError("output_token_logprobs holds an entry that is not "
                                  "[log-prob, token id, ...]") from None
+        if differ:
+            raise GeneratorError("output_token_logprobs token ids differ from output_ids")
         limit = vocab_size or 2**31
         if any(not 0 <= t < limit for t in ids):
             raise GeneratorError(f"output_ids outside the vocabulary [0, {limit}): "
