@@ -438,19 +438,20 @@ def test_an_rl_run_trains_adapters_and_the_generators_run_them_merged(tmp_path):
     import sys
     from pathlib import Path
 
-    from rl_jax.models.shapes import shape, write_random_checkpoint
     root = Path(__file__).resolve().parents[1]
-    base = tmp_path / "base"
-    write_random_checkpoint(shape("tiny"), base, dtype="float32")
     workdir = tmp_path / "run"
+    base = workdir / "base" / "hf"  # the recipe's base, trained a little (it writes digits)
 
     def run(steps: int):
         cmd = [sys.executable, "-m", "launch.train", "--config=configs/tiny_rl.py",
-               f"--workdir={workdir}", f"--config.base.checkpoint={base}",
+               f"--workdir={workdir}", "--config.base.lm_overrides=('task.num_digits=2', "
+               "'trainer.steps=300', 'trainer.stop_after=60')",
                f"--config.trainer.steps={steps}", "--config.trainer.time_limit_s=0",
                "--config.lora.enabled=True", "--config.lora.rank=4", "--config.lora.alpha=8",
                "--config.optimizer.learning_rate=5e-3", "--config.rollout.groups_per_batch=4",
                "--config.rollout.group_size=4", "--config.rollout.filter_zero_signal=False",
+               # a random base solves nothing: partial credit gives its groups a signal
+               "--config.env.kwargs.partial_credit=True",
                "--config.generator.warmup_shapes=False", "--config.eval.examples=32",
                "--config.eval.every=0", "--config.checkpoint.every=2",
                "--config.checkpoint.use_async=False", "--config.cpus.trainer=",
@@ -475,10 +476,13 @@ def test_an_rl_run_trains_adapters_and_the_generators_run_them_merged(tmp_path):
     adapters, lora = load_peft_adapter(workdir / "adapter", cfg)
     assert lora == LoraConfig(rank=4, alpha=8.0)
     assert np.asarray(adapters["layers"]["wq_lora_b"]).any()  # B starts at zero: trained
-    merged = hf.load_pretrained(workdir / "hf", None, jnp.float32)
-    plain = hf.load_pretrained(base, None, jnp.float32)
-    assert not np.array_equal(np.asarray(merged["layers"]["wq"]),
-                              np.asarray(plain["layers"]["wq"]))
-    assert np.array_equal(np.asarray(merged["embed"]), np.asarray(plain["embed"]))
+    from safetensors.numpy import load_file
+    merged = {k: v for f in sorted((workdir / "hf").glob("*.safetensors"))
+              for k, v in load_file(f).items()}
+    plain = {k: v for f in sorted(base.glob("*.safetensors")) for k, v in load_file(f).items()}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(merged[q], plain[q])  # the adapters merged in
+    assert np.array_equal(merged["model.embed_tokens.weight"],
+                          plain["model.embed_tokens.weight"])  # not adapted: the base's
     resumed = run(6)  # continues from step 4's checkpoint
     assert resumed["steps"] == 6 and resumed["final_version"] >= 6

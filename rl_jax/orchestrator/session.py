@@ -118,7 +118,7 @@ class Session:
         if self.primary:
             with stop_naming_checkpoints(self.trainer.checkpointer):
                 self.generators.connect(
-                    self.trainer.state, update_when_idle=self.settings.update_when_idle,
+                    self.trainer, update_when_idle=self.settings.update_when_idle,
                     generation_idle=lambda: self.rollout is None or self.rollout.in_flight() == 0,
                     on_applied=self._on_applied)
             self.rollout, self.to_batch = start_rollout(

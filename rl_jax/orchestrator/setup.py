@@ -357,10 +357,11 @@ class GeneratorParts:
         self._pool_started = time.perf_counter()
         self.pool.start(wait=False)
 
-    def connect(self, state: Any, *, update_when_idle: bool,
+    def connect(self, trainer: TrainerParts, *, update_when_idle: bool,
                 generation_idle: Callable[[], bool], on_applied: Callable[[int], None]):
         """Waits for the servers, checks them (health, keys, SGLang release), builds the clients,
-        the weight sync and the fleet, and brings every server to ``state``'s version."""
+        the weight sync and the fleet, and brings every server to the ``trainer``'s version."""
+        state = trainer.state
         c = self.c
         method = self.weight_method
         self.pool.wait_started()
@@ -438,7 +439,7 @@ class GeneratorParts:
         if version == 0 and versions and all(v == 0 for v in versions.values()):
             self.weights.published = self.weights.applied = 0
         else:
-            self.weights.publish(state.params, version)
+            self.weights.publish(trainer.for_generators(state.params), version)
             self.weights.wait_applied(version)
         try:  # servers of this run into the router; then its worker list is followed
             self.fleet.start()
