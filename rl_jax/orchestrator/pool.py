@@ -178,7 +178,9 @@ class GeneratorPool:
         """Waits until every server answers /health (raises ``LaunchError`` naming the one
         that exited or timed out, with its log's tail), then starts the watchdog."""
         if self._servers is not None and self._watchdog is None:
-            self._servers.wait_healthy()
+            # a server that dies while it starts is started again, as the watchdog would later
+            self._servers.wait_healthy(restarts=2 * len(self._servers.ports)
+                                       if self.block.restart_dead else 0)
             if self.sidecars is not None:  # the servers' ports are known now
                 self.sidecars.server_urls = self._servers.urls
                 try:

@@ -326,13 +326,22 @@ class ServerPool:
         if wait:
             self.wait_healthy([index])
 
-    def wait_healthy(self, indices: list[int] | None = None):
+    def wait_healthy(self, indices: list[int] | None = None, *, restarts: int = 0):
+        """Waits until the servers ``indices`` answer /health; one that exits while it starts
+        is started again up to ``restarts`` times in all (a server killed during the run's
+        start-up), then ``LaunchError`` names it with its log's tail."""
         indices = list(range(len(self.ports))) if indices is None else indices
         deadline = time.monotonic() + self.config.startup_timeout
         pending = set(indices)
         while pending:
             for i in sorted(pending):
                 process = self.processes[i]
+                if process.poll() is not None and restarts > 0:
+                    restarts -= 1
+                    log.warning("generator server %d exited with code %s while starting; "
+                                "starting it again", i, process.returncode)
+                    self.start_server(i, wait=False)
+                    continue
                 if process.poll() is not None:
                     self.stop()
                     raise LaunchError(f"generator server on port {self.ports[i]} exited with "
