@@ -230,7 +230,10 @@ class Chaos:
         self.control = f"http://127.0.0.1:{self.port}"
         self.events: list[Event] = []
         self.restarts: list[dict[str, float]] = []
-        self.versions: list[tuple[float, str, int]] = []  # (time, server url, version)
+        # (time, "server url@trainer life", version): a resumed trainer restarts the versions
+        # from its checkpoint's step (the steps after it are trained again), so versions only
+        # increase within one life of the trainer
+        self.versions: list[tuple[float, str, int]] = []
         self.notes: list[str] = []
         self.stop = threading.Event()
         self.trainer: subprocess.Popen | None = None
@@ -329,7 +332,7 @@ def get_config():
                 status, answer = http(url, "/get_weight_version", key=API_KEY, timeout=2.0)
                 version = answer.get("weight_version") if isinstance(answer, dict) else None
                 if status == 200 and version is not None:
-                    self.versions.append((time.time(), url, int(version)))
+                    self.versions.append((time.time(), f"{url}@{self.lives}", int(version)))
 
     # -- faults -----------------------------------------------------------------------------------
 
@@ -413,11 +416,21 @@ def get_config():
         pool.start()
         return pool
 
+    def join(self, url: str) -> tuple[int, Any]:
+        """``POST /v1/generators``, again for up to 90 s while the trainer is (re)starting
+        (its fleet routes exist once its own servers are up)."""
+        deadline = time.monotonic() + 90
+        while True:
+            status, answer = http(self.control, "/v1/generators", {"url": url}, timeout=120)
+            if status not in (0, 401) or time.monotonic() > deadline or self.stop.is_set():
+                return status, answer
+            time.sleep(2.0)
+
     def _join_leave(self):
         pool = self._start_server(f"joining-{len(self.extra_pools)}")
         url = pool.urls[0]
         try:
-            status, answer = http(self.control, "/v1/generators", {"url": url}, timeout=120)
+            status, answer = self.join(url)
             if status != 200:
                 return url, f"join refused ({status}): {str(answer)[:200]}"
             self.stop.wait(30.0)
@@ -446,7 +459,7 @@ def get_config():
     def _join_leave_through(self, proxy: GarbageProxy, pool) -> tuple[str, str]:
         url = proxy.start()
         try:
-            status, answer = http(self.control, "/v1/generators", {"url": url}, timeout=120)
+            status, answer = self.join(url)
             if status != 200:
                 return url, f"join refused ({status}): {str(answer)[:200]}"
             self.stop.wait(20.0)
@@ -648,7 +661,7 @@ def plot(path: Path, events: list[Event], versions, steps, restarts, start: floa
     for t, url, v in versions:
         by_url[url].append((t - start, v))
     for url, pts in by_url.items():
-        axes[1].plot(*zip(*pts), ".", ms=2, label=url.rsplit(":", 1)[-1])
+        axes[1].plot(*zip(*pts), ".", ms=2, label=url.rsplit(":", 1)[-1])  # port@life
     axes[1].set_title("weight version on each server", fontsize=9)
     axes[1].legend(fontsize=6)
     s = [r for r in steps if "time" in r]
