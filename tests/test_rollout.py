@@ -503,12 +503,12 @@ def test_a_stalled_environment_fails_its_attempts_and_the_drop_is_recorded(setup
     import json
     import time
 
-    from rl_jax.envs.delayed import DelayedEnv
+    from rl_jax import envs
     _, _, engine = setup
     control = tmp_path / "control.json"
     control.write_text(json.dumps({"delay_s": 1.0, "until": time.time() + 4.0}))
-    env = DelayedEnv("arithmetic", task_kwargs={"num_digits": 2, "reverse_answer": False},
-                     control=str(control))
+    env = envs.get("delayed", task="arithmetic",
+                   task_kwargs={"num_digits": 2, "reverse_answer": False}, control=str(control))
     drops = tmp_path / "drops.jsonl"
     config = RolloutConfig(group_size=2, groups_per_batch=2, max_lag=4, max_retries=2,
                            score_timeout_s=0.25, drop_log=str(drops),

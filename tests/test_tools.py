@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from rl_jax import envs
 from rl_jax.envs import tools
 from rl_jax.envs.base import EnvError, run_episode
 from rl_jax.envs.tool_use import ToolUseEnv
@@ -244,8 +245,8 @@ def scripted(turns):
 
 @pytest.fixture
 def env():
-    e = ToolUseEnv("arithmetic", task_kwargs={"num_digits": 12}, tools=["calculator"],
-                   max_turns=3)
+    e = envs.get("tool_use", task="arithmetic", task_kwargs={"num_digits": 12},
+                 tools=["calculator"], max_turns=3)
     yield e
     run(e.close())
 
@@ -287,15 +288,15 @@ def test_an_episode_still_calling_at_the_turn_limit_scores_no_answer(env):
 
 
 def test_shaping_penalises_format_errors_and_rewards_calls():
-    env = ToolUseEnv("arithmetic", task_kwargs={"num_digits": 3}, format_penalty=-0.1,
-                     call_bonus=0.05, max_turns=4)
+    env = envs.get("tool_use", task="arithmetic", task_kwargs={"num_digits": 3},
+                   format_penalty=-0.1, call_bonus=0.05, max_turns=4)
     prompt = env.prompt(1)
     answer, expression = answer_of(env, prompt)
     state = run(run_episode(env, prompt, scripted(
         ["oops " + CLOSE, render_call("calculator", {"expression": expression}), answer])))
     assert state.total_reward == pytest.approx(1.0 - 0.1 + 0.05)
     with pytest.raises(EnvError, match="format_penalty"):
-        ToolUseEnv(format_penalty=0.5)
+        envs.get("tool_use", task="arithmetic", format_penalty=0.5)
 
 
 def test_a_slow_tool_does_not_hold_up_other_episodes():
@@ -305,8 +306,8 @@ def test_a_slow_tool_does_not_hold_up_other_episodes():
         async def run(self, arguments, session):
             await asyncio.sleep(2.0)
             return "late"
-    env = ToolUseEnv("arithmetic", task_kwargs={"num_digits": 3},
-                     tools=[Slow(timeout_s=5), tools.get("calculator")], max_turns=3)
+    env = envs.get("tool_use", task="arithmetic", task_kwargs={"num_digits": 3},
+                   tools=[Slow(timeout_s=5), tools.get("calculator")], max_turns=3)
     finished: dict[str, float] = {}
 
     async def episode(name, first_turn):
@@ -336,6 +337,8 @@ def test_the_task_decides_single_turn_scores_and_a_call_there_scores_zero(env):
     assert env.ALPHABET == env.task.ALPHABET  # the task's attributes show through
     with pytest.raises(EnvError, match="single-turn"):
         ToolUseEnv(env)
+    with pytest.raises(EnvError, match="single-turn"):
+        ToolUseEnv("arithmetic")
 
 
 # ---- supervised traces and their tokens ---------------------------------------------------------
@@ -345,8 +348,9 @@ def test_traces_are_exactly_what_the_environment_exchanges_with_a_policy():
     segments with, and its final answer scores 1: the base learns the format RL runs."""
     from rl_jax.envs.tool_traces import ToolTraces
     traces = ToolTraces(min_digits=2, max_digits=12, tool_fraction=0.6, malformed_fraction=0.5)
-    env = ToolUseEnv("long_addition", task_kwargs={"min_digits": 2, "max_digits": 12},
-                     max_turns=3, style=traces.style)
+    env = envs.get("tool_use", task="long_addition",
+                   task_kwargs={"min_digits": 2, "max_digits": 12}, max_turns=3,
+                   style=traces.style)
     kinds = set()
     for i in range(60):
         prompt_text, segments = traces.example_segments(i)

@@ -63,6 +63,10 @@ def get(name: str, **kwargs) -> Environment:
     if isinstance(factory, str):
         module, attr = factory.split(":")
         factory = getattr(importlib.import_module(module), attr)
+    if isinstance(kwargs.get("task"), str):  # a wrapper (tool_use, delayed): its task by name
+        kwargs = dict(kwargs)
+        task = kwargs.pop("task")
+        kwargs["task"] = get(task, **dict(kwargs.pop("task_kwargs", None) or {}))
     return factory(**kwargs)
 
 

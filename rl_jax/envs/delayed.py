@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from rl_jax.data.prompts import Prompt
@@ -22,18 +21,17 @@ MAX_DELAY_S = 3600.0
 
 
 class DelayedEnv(Environment):
-    """Args: ``task`` (an environment name of ``rl_jax.envs``) and its ``task_kwargs``;
-    ``control``: the file that switches the delay on."""
+    """Args: ``task``, the single-turn environment (``rl_jax.envs.get("delayed", task=NAME,
+    task_kwargs={...}, control=...)`` builds it from its name); ``control``: the file that
+    switches the delay on."""
 
     name: ClassVar[str] = "delayed"
 
-    def __init__(self, task: str = "arithmetic", *, task_kwargs: Mapping[str, Any] | None = None,
-                 control: str = ""):
-        from rl_jax import envs
+    def __init__(self, task: Environment | None = None, *, control: str = ""):
         if not control:
             raise EnvError("delayed: give the control file's path (control=...)")
-        self.task = envs.get(task, **dict(task_kwargs or {}))
-        if self.task.max_turns != 1:
+        self.task = task
+        if not isinstance(task, Environment) or task.max_turns != 1:
             raise EnvError("delayed: the task must be a single-turn environment")
         self.control = str(control)
         self._read_at, self._delay, self._until = -1.0, 0.0, 0.0

@@ -27,16 +27,16 @@ from typing import Any, ClassVar
 
 from rl_jax.data.prompts import Prompt
 from rl_jax.envs.base import EnvError, Environment, EpisodeState, PromptLike, StepResult
-from rl_jax.envs.tools import Tool, call_tool
 from rl_jax.envs.tools import get as get_tool
+from rl_jax.envs.tools.base import Tool, call_tool
 from rl_jax.envs.tools.calls import CLOSE, STYLES, parse_turn, render_results
 
 
 class ToolUseEnv(Environment):
     """Args:
-      task: the environment (a name of ``rl_jax.envs`` or an :class:`Environment`) whose
-        prompts the episodes start from and whose ``score`` judges the final turn.
-      task_kwargs: its arguments (with a name).
+      task: the single-turn environment whose prompts the episodes start from and whose
+        ``score`` judges the final turn (``rl_jax.envs.get("tool_use", task=NAME,
+        task_kwargs={...})`` builds it from its name).
       tools: tool names, or ``{name: kwargs}`` (``rl_jax.envs.tools.get``), or tools.
       max_turns: policy turns per episode (calls included).
       max_calls_per_turn: well-formed calls run per turn.
@@ -49,17 +49,11 @@ class ToolUseEnv(Environment):
     # A turn ends at a call's end: the rollout stops generation there (when it is one token).
     stop_texts: ClassVar[tuple[str, ...]] = (CLOSE,)
 
-    def __init__(self, task: str | Environment = "arithmetic", *,
-                 task_kwargs: Mapping[str, Any] | None = None,
+    def __init__(self, task: Environment, *,
                  tools: Sequence[str] | Mapping[str, Mapping[str, Any]] | Sequence[Tool] = (
                      "calculator",),
                  max_turns: int = 4, max_calls_per_turn: int = 1, style: str = "plain",
                  format_penalty: float = 0.0, call_bonus: float = 0.0):
-        if isinstance(task, str):
-            from rl_jax import envs
-            task = envs.get(task, **dict(task_kwargs or {}))
-        elif task_kwargs:
-            raise EnvError("task_kwargs are for a task given by name")
         if not isinstance(task, Environment) or task.max_turns != 1:
             raise EnvError("the task of a tool-use episode must be a single-turn environment")
         if not (isinstance(max_turns, int) and 1 <= max_turns <= 64):

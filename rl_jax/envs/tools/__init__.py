@@ -17,9 +17,7 @@ import importlib
 from collections.abc import Callable
 
 from rl_jax.envs.base import EnvError
-from rl_jax.envs.tools.base import Tool, ToolError, ToolOutcome, call_tool
-
-__all__ = ["Tool", "ToolError", "ToolOutcome", "call_tool", "get", "names", "register"]
+from rl_jax.envs.tools.base import Tool
 
 _BUILTIN = {
     "calculator": "rl_jax.envs.tools.calculator:Calculator",

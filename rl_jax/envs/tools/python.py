@@ -13,7 +13,8 @@ import json
 import threading
 from typing import Any
 
-from rl_jax.envs.sandbox import Sandbox, SandboxLimits
+from rl_jax.envs.sandbox import Sandbox
+from rl_jax.envs.sandbox.limits import SandboxLimits
 from rl_jax.envs.tools.base import Tool, ToolError
 
 MAX_CODE_CHARS = 8000
