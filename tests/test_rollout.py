@@ -497,6 +497,7 @@ def test_an_episode_spans_a_weight_update_and_its_turns_end_at_the_stop_tokens(s
     assert min(min(s.versions) for s in groups[0].samples) == base == groups[0].min_version
 
 
+@pytest.mark.slow
 def test_a_stalled_environment_fails_its_attempts_and_the_drop_is_recorded(setup, tmp_path):
     """Scoring past rollout.score_timeout_s fails the attempt (retried, then dropped with its
     reason in the drop log); once the environment answers in time, batches flow again."""
@@ -506,7 +507,7 @@ def test_a_stalled_environment_fails_its_attempts_and_the_drop_is_recorded(setup
     from rl_jax import envs
     _, _, engine = setup
     control = tmp_path / "control.json"
-    control.write_text(json.dumps({"delay_s": 1.0, "until": time.time() + 4.0}))
+    control.write_text(json.dumps({"delay_s": 1.0, "until": time.time() + 3600}))
     env = envs.get("delayed", task="arithmetic",
                    task_kwargs={"num_digits": 2, "reverse_answer": False}, control=str(control))
     drops = tmp_path / "drops.jsonl"
@@ -516,7 +517,13 @@ def test_a_stalled_environment_fails_its_attempts_and_the_drop_is_recorded(setup
     it = iter(make_rollout(engine, config, env, size=64))
     try:
         it.set_trainer_version(engine.version)
-        groups = next(it)  # waits out the stall: the first prompts fail, later ones train
+        it.start()
+        deadline = time.monotonic() + 120
+        while it.metrics().get("rollout/skipped_prompts", 0) < 1:  # stalled: nothing scores
+            assert time.monotonic() < deadline, it.metrics()
+            time.sleep(0.1)
+        control.write_text(json.dumps({"delay_s": 0.0, "until": 0}))  # it answers again
+        groups = next(it)
         metrics = it.metrics()
     finally:
         it.close()
