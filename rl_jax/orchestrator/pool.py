@@ -72,7 +72,9 @@ def generator_keys(block: Generator, *, environ: Mapping[str, str] | None = None
         raise RLConfigError(f"generator.auth: {e}") from None
     if keys or block.urls or not auth.generate_keys:
         return keys
-    return Keys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+    # hex: SGLang reads its keys from a --config file as command-line values, where a key that
+    # starts with "-" (1 in 32 url-safe keys) is taken for an option and the server exits
+    return Keys(secrets.token_hex(32), secrets.token_hex(32))
 
 
 async def check_keys(client: GeneratorClient) -> None:

@@ -216,6 +216,9 @@ def write_sglang_keys(keys: Keys, directory: str | Path) -> Path:
     """A YAML file of SGLang's ``api-key`` / ``admin-api-key`` settings for its ``--config``,
     created readable and writable by this user only (0600) in ``directory``."""
     path = Path(directory) / "sglang-keys.yaml"
+    if any(k and k.startswith("-") for k in (keys.api_key, keys.admin_api_key)):
+        raise LaunchError("an API key for SGLang must not start with '-' (SGLang reads it as a "
+                          "command-line value, where it would be taken for an option)")
     lines = [f"{name}: {json.dumps(value)}\n" for name, value in
              (("api-key", keys.api_key), ("admin-api-key", keys.admin_api_key)) if value]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
