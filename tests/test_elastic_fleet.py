@@ -369,6 +369,30 @@ def test_control_route_checks_keys_members_and_servers(fleet_server):
     assert http(url, "/v1/info", headers={"Authorization": f"Bearer {ADMIN_KEY}"})[0] == 401
 
 
+def test_a_join_while_the_run_starts_is_told_to_try_again():
+    """Before the run's servers have its weights the fleet routes answer 503 (try again) to the
+    admin key, and 401 to any other; the real routes replace them."""
+    from rl_jax.orchestrator.fleet import Fleet
+    from rl_jax.transfer.config import PublisherConfig
+    from rl_jax.transfer.publisher.core import Publisher
+
+    publisher = Publisher(PublisherConfig(transports=("shm",), auth_token=TOKEN))
+    try:
+        publisher.add_routes(Fleet.starting_routes(), token=ADMIN_KEY, max_body_bytes=4096)
+        for method in ("POST", "DELETE", "GET"):
+            got, data, _ = admin(publisher.url, "/v1/generators",
+                                 None if method == "GET" else {"url": "http://h:1"},
+                                 method=method)
+            assert got == 503 and "starting" in data["error"] and data["retry_after_s"] > 0
+        got, data, _ = admin(publisher.url, "/v1/generators", {"url": "http://h:1"}, key=TOKEN)
+        assert got == 401 and "admin key" in data["error"], data
+        publisher.add_routes({("GET", "/v1/generators"): lambda query, body: {"members": []}},
+                             token=ADMIN_KEY)
+        assert admin(publisher.url, "/v1/generators")[:2] == (200, {"members": []})
+    finally:
+        publisher.close()
+
+
 # ---- late completions ---------------------------------------------------------------------------
 
 def test_late_completions_of_a_superseded_attempt_are_dropped():

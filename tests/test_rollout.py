@@ -518,7 +518,9 @@ def test_a_stalled_environment_fails_its_attempts_and_the_drop_is_recorded(setup
                            sampling=SamplingParams(max_new_tokens=4, temperature=1.0))
     it = iter(make_rollout(engine, config, env, size=64))
     try:
+        # The module's engine has been updated by earlier tests: both sides start at its version.
         it.set_trainer_version(engine.version)
+        it.set_generator_version(engine.version)
         it.start()
         deadline = time.monotonic() + 120
         while it.metrics().get("rollout/skipped_prompts", 0) < 1:  # stalled: nothing scores

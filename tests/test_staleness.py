@@ -24,6 +24,7 @@ def simulate(seed: int, policy: str, steps: int = 12, prefetch: int = 0):
     next_key = 0
     consumed: set[int] = set()
     handed: collections.deque[list[int]] = collections.deque()
+    discarded: set[int] = set()  # what the gate handed back as too stale to train
     for _ in range(5000):
         if gate.trainer_version >= steps:
             break
@@ -54,6 +55,7 @@ def simulate(seed: int, policy: str, steps: int = 12, prefetch: int = 0):
                 gate.advance(gate.trainer_version if rng.random() < 0.1 else None)
                 continue
             batch = gate.next_batch()  # the next batch, or (prefetch) the one after it
+            discarded.update(gate.take_discarded())
             if batch is not None:
                 assert len(batch) == groups_per_batch
                 for key in batch:
@@ -68,6 +70,9 @@ def simulate(seed: int, policy: str, steps: int = 12, prefetch: int = 0):
     c = gate.counts
     # Nothing admitted disappears: consumed, still pending, or counted as dropped.
     assert c["admitted"] == len(consumed) + gate.unconsumed + c["dropped"] + c["late"]
+    # Every discarded group is handed back to its owner exactly once, never also trained.
+    assert len(discarded) == c["dropped"] + c["late"] and not discarded & consumed
+    assert gate.take_discarded() == []
     assert c["late"] == 0
     if policy == "prevent":
         assert c["dropped"] == 0
@@ -201,3 +206,17 @@ def test_drop_policy_discards_stale_groups_and_counts_them():
 def test_bad_gate_configs(kwargs, message):
     with pytest.raises(StalenessConfigError, match=message):
         GateConfig(**kwargs)
+
+
+def test_a_group_older_than_its_generator_promised_is_handed_back_not_trained():
+    """A server that reported version 1 but answered from version 0 (one restarted from an old
+    image, say): the group is too stale once the trainer is at 1 + max_lag; the gate never
+    returns it in a batch and hands its key back once, for the rollout's drop log."""
+    gate = StalenessGate(GateConfig(max_lag=0, groups_per_batch=2), trainer_version=1,
+                         generator_version=1)
+    assert gate.admit("old") and gate.admit("new")
+    gate.complete("old", 0)
+    gate.complete("new", 1)
+    assert gate.next_batch() is None  # one group left: no batch of two
+    assert gate.counts["late"] == 1 and gate.take_discarded() == ["old"]
+    assert gate.take_discarded() == [] and gate.pending_keys() == ["new"]

@@ -418,11 +418,11 @@ def get_config():
 
     def join(self, url: str) -> tuple[int, Any]:
         """``POST /v1/generators``, again for up to 90 s while the trainer is (re)starting
-        (its fleet routes exist once its own servers are up)."""
+        (it answers 503 until its own servers run its weights)."""
         deadline = time.monotonic() + 90
         while True:
             status, answer = http(self.control, "/v1/generators", {"url": url}, timeout=120)
-            if status not in (0, 401) or time.monotonic() > deadline or self.stop.is_set():
+            if status not in (0, 503) or time.monotonic() > deadline or self.stop.is_set():
                 return status, answer
             time.sleep(2.0)
 

@@ -311,6 +311,16 @@ class Fleet:
     # ---- control routes
     # ---------------------------------------------------------------------------
 
+    @staticmethod
+    def starting_routes() -> dict[tuple[str, str], Any]:
+        """The control routes' answers while the run starts (its servers still being brought to
+        the trainer's weights): 503, to be tried again, for a caller holding the right key."""
+        def starting(query: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+            raise HTTPStatus(503, "the run is starting: servers join and leave once its own "
+                                  "servers run the trainer's weights; try again",
+                             retry_after_s=2)
+        return {(method, "/v1/generators"): starting for method in ("POST", "DELETE", "GET")}
+
     def routes(self) -> dict[tuple[str, str], Any]:
         """The control routes (see the module docstring) for the publisher's control server."""
         return {("POST", "/v1/generators"): self._route_join,

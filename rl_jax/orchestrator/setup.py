@@ -354,8 +354,16 @@ class GeneratorParts:
                                   compilation_cache_dir=compilation_cache_dir,
                                   sidecar_transport=c.transfer.transport)
         self.closers.append(self.pool.stop)
+        # Until connect() serves the fleet's routes, a join with the right key is told to try
+        # again (503), not refused as unauthorized.
+        self.publisher.add_routes(Fleet.starting_routes(), token=self._fleet_token(),
+                                  max_body_bytes=4096)
         self._pool_started = time.perf_counter()
         self.pool.start(wait=False)
+
+    def _fleet_token(self) -> str | None:
+        keys = self.pool.keys
+        return keys.admin_api_key or keys.api_key or None
 
     def connect(self, trainer: TrainerParts, *, update_when_idle: bool,
                 generation_idle: Callable[[], bool], on_applied: Callable[[int], None]):
@@ -426,9 +434,7 @@ class GeneratorParts:
                                "this run's SGLang servers take weights through sidecars it "
                                "started (generator.sglang_weights='sidecar'); a server joining "
                                "would have none"))
-        keys = self.pool.keys
-        self.publisher.add_routes(self.fleet.routes(),
-                                  token=keys.admin_api_key or keys.api_key or None,
+        self.publisher.add_routes(self.fleet.routes(), token=self._fleet_token(),
                                   max_body_bytes=4096)
         if method == "transfer" and not c.generator.urls and c.generator.num_servers:
             if not self.publisher.wait_for_layouts(1, timeout=60):

@@ -48,7 +48,8 @@ class RolloutConfig:
     turn_stop_token_ids: tuple[int, ...] = ()
     # A JSONL file the rollout appends a line to for every prompt it drops without training
     # it ({"position", "reason", "time"}; reasons "zero_signal", "solved_or_unsolved",
-    # "failed"), so that a run's records account for every prompt it admitted. None: not kept.
+    # "failed", "too_stale"), so that a run's records account for every prompt it admitted.
+    # None: not kept.
     drop_log: str | None = None
     # Most seconds the environment may take to score one group's completions (None: no
     # limit); a group that takes longer is a failed attempt, retried up to max_retries.

@@ -174,6 +174,9 @@ class RolloutIterator(grain.DatasetIterator):
                     raise StopIteration
                 version = self.gate.consumer_version
                 keys = self.gate.next_batch()
+                for key in self.gate.take_discarded():  # too stale to train: a recorded drop
+                    self._groups.pop(key, None)
+                    self._record_drop(key, "too_stale")
                 if keys is not None:
                     groups = [self._groups.pop(k) for k in keys]
                     for g in groups:

@@ -129,6 +129,9 @@ class StalenessGate:
         self._completed_order = itertools.count()
         self.counts = collections.Counter()
         self.staleness_histogram: collections.Counter = collections.Counter()
+        # Keys of completed groups discarded as too stale, until the owner takes them
+        # (:meth:`take_discarded`) to free their completions and record the drop.
+        self._discarded: list[Any] = []
 
     # ---- versions ---------------------------------------------------------------------------
 
@@ -205,6 +208,7 @@ class StalenessGate:
                     if g.min_version is not None and v - g.min_version > cfg.max_lag]
             for g in late:
                 del self._groups[g.key]
+                self._discarded.append(g.key)
                 self.counts["dropped" if cfg.policy == "drop" else "late"] += 1
             if cfg.policy == "drop":
                 done = sorted((g for g in self._groups.values() if g.min_version is not None),
@@ -223,6 +227,12 @@ class StalenessGate:
         self.counts["consumed"] += len(chosen)
         keys = [g.key for g in chosen]
         self._untrained.append(keys)
+        return keys
+
+    def take_discarded(self) -> list[Any]:
+        """Keys of the completed groups :meth:`next_batch` discarded as too stale since the last
+        call (never trained: their owner records them as dropped)."""
+        keys, self._discarded = self._discarded, []
         return keys
 
     def _prevent_choice(self) -> list[_Group] | None:
