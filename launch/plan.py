@@ -23,7 +23,8 @@ _MAX_LAG = flags.DEFINE_integer("max_lag", None, "Staleness bound (default: the 
                                 "rollout.max_lag).")
 _OUTDIR = flags.DEFINE_string("outdir", None, "Output directory (default runs/plan/<config>-"
                               "<accelerator>-<n>).")
-_MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async"], "Modes to consider.")
+_MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "async", "colocated"],
+                           "Modes to consider (colocated: one pool generates, then trains).")
 _DTYPE = flags.DEFINE_string("dtype", None, "Compute/weight dtype (default: the config's, "
                              "else bfloat16).")
 _MFU = flags.DEFINE_float("mfu", 0.4, "Trainer model-FLOPs utilisation.")

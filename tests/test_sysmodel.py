@@ -344,7 +344,11 @@ def test_sweep_honours_the_staleness_limit(max_lag):
     assert ("one_step_off" in modes) == (max_lag >= 1)
     assert res.best.tokens_per_s == max(r.tokens_per_s for r in res.simulated)
     assert res.best in res.frontier
-    assert all(r.layout.num_train + r.layout.num_generate == 8 for r in res.evaluated)
+    # every layout takes the 8 chips: split between the pools, or one pool doing both
+    assert all(r.chips == 8 for r in res.evaluated)
+    assert all(r.layout.num_train == r.layout.num_generate == 8 for r in res.evaluated
+               if r.layout.mode == "colocated")
+    assert "colocated" in {r.layout.mode for r in res.evaluated}
     staleness = [r.sim.staleness_mean for r in res.frontier]
     assert staleness == sorted(staleness)
 

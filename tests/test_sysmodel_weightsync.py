@@ -34,8 +34,9 @@ TOY = Accelerator(name="toy", description="toy", peak_flops={"bfloat16": 1e6},
 def test_catalogue_lists_the_link_hierarchy_with_sources():
     for name, acc in CATALOGUE.items():
         assert acc.chips_per_host in (4, 8), name
-        # the across-host network per chip is far below the within-host link
-        assert 1e9 < acc.network_bandwidth < acc.link_bandwidth / 5, name
+        # the across-host network per chip is far below the within-host link (4x on H800,
+        # whose NVLink is cut to 400 GB/s; 9x on H100)
+        assert 1e9 < acc.network_bandwidth < acc.link_bandwidth / 3, name
         for field in ("chips_per_host", "network_bandwidth", "host_link_bandwidth"):
             assert "http" in acc.figure_sources[field] or "not published" in \
                 acc.figure_sources[field], (name, field)

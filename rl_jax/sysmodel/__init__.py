@@ -20,7 +20,11 @@ Modules:
   invariants    closed-form balance, staleness bound, steady state
   weightsync    weight-transfer time: the link by placement (within a host or across hosts),
                 host staging, fixed cost per update
-  simulator     discrete-event simulation of ``sync``, ``one_step_off`` and ``async``
+  simulator     discrete-event simulation of ``sync``, ``one_step_off``, ``async`` and
+                ``colocated``
+  cluster       an RL job as other systems lay it out (colocated or split, paged generators):
+                trainer work per token (log-prob, reference and remat passes), data-parallel
+                collectives, the decode step's fixed cost, phase switches; ``predict_step``
   sweep         layouts over a budget under a staleness limit: best layout and frontier
   predict       ``predict_run``: a measured run's prediction, for validation
   recipe        model shape and rollout settings from a recipe config

@@ -202,6 +202,38 @@ CATALOGUE: dict[str, Accelerator] = {
                "https://www.nvidia.com/en-us/data-center/h200/ (SXM column)",
         **_hgx_links("NVIDIA DGX H200", "https://www.nvidia.com/en-us/data-center/dgx-h200/",
                      "NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/")),
+    "h800": Accelerator(
+        name="h800", description="NVIDIA H800 SXM5 80GB",
+        # H100 SXM5 compute and memory with NVLink cut to 400 GB/s.
+        peak_flops={"float32": 66.9e12, "tfloat32": 494.7e12, "bfloat16": 989.4e12,
+                    "float16": 989.4e12, "float8": 1978.9e12, "int8": 1978.9e12},
+        memory_bandwidth=3.35 * TB, memory_capacity=80 * GB,
+        interconnect_bandwidth=400 * GB, interconnect="NVLink 4 (400 GB/s)",
+        collective_latency_s=_NVIDIA_NVLINK4_LATENCY,
+        source="no NVIDIA datasheet page: the H100 SXM5 datasheet's figures "
+               "(https://www.nvidia.com/en-us/data-center/h100/) with NVLink at 400 GB/s, as "
+               "the export variant is described",
+        **_hgx_links("HGX H800 (8 GPUs per board, as HGX H100)",
+                     "https://www.nvidia.com/en-us/data-center/hgx/",
+                     "assumed as the H100 board's PCIe Gen5 x16, "
+                     "https://www.nvidia.com/en-us/data-center/h100/")),
+    "h20": Accelerator(
+        name="h20", description="NVIDIA H20 96GB (HGX H20)",
+        # GH100 with the compute cut (FP16/BF16 dense 148 TFLOP/s, FP8 296) and HBM3 kept;
+        # NVIDIA publishes no datasheet page for it.
+        peak_flops={"float32": 44e12, "tfloat32": 74e12, "bfloat16": 148e12,
+                    "float16": 148e12, "float8": 296e12, "int8": 296e12},
+        memory_bandwidth=4.0 * TB, memory_capacity=96 * GB,
+        interconnect_bandwidth=900 * GB, interconnect="NVLink 4",
+        collective_latency_s=_NVIDIA_NVLINK4_LATENCY,
+        source="no NVIDIA datasheet page; figures as listed at "
+               "https://willitrunai.com/es/gpus/h20-96gb (96 GB HBM3, 4.0 TB/s, 148 TFLOPS "
+               "FP16, 296 INT8, NVLink 900 GB/s) and the FP32/TF32 figures reported with "
+               "them",
+        **_hgx_links("HGX H20 (8 GPUs per board, as HGX H100)",
+                     "https://www.nvidia.com/en-us/data-center/hgx/",
+                     "assumed as the H100 board's PCIe Gen5 x16, "
+                     "https://www.nvidia.com/en-us/data-center/h100/")),
     "b200": Accelerator(
         name="b200", description="NVIDIA B200 (HGX/DGX B200, 1000 W)",
         # Dense figures: half the sparse per-GPU numbers of the 8-GPU system datasheets; memory

@@ -101,8 +101,9 @@ def steady_state(mode: str, *, latency: DecodeLatency, trainer: TrainerModel, wo
                  prefill_s_per_token: float = 0.0, run_samples: int | None = None
                  ) -> dict[str, float | str]:
     """First-order throughput and staleness of a layout in ``mode`` (``sync``,
-    ``one_step_off``, ``async``); the simulator refines it with the length distribution's
-    interplay with batching.
+    ``one_step_off``, ``async``, ``colocated``: as ``sync`` on one pool, ``weight_transfer_s``
+    its phase switch); the simulator refines it with the length distribution's interplay with
+    batching.
 
     Returns: ``tokens_per_s`` (trained tokens), ``step_s``, ``train_s``, ``generate_s`` (one
     batch), ``staleness_estimate`` (bounded by the mode) and ``staleness_ungated``
@@ -113,7 +114,7 @@ def steady_state(mode: str, *, latency: DecodeLatency, trainer: TrainerModel, wo
     longest = lengths.quantile(1 - 1 / (run_samples or 16 * n))
     train_s = trainer.step_seconds(workload.tokens_per_batch)
     total_slots = num_servers * slots_per_server
-    if mode in ("sync", "one_step_off"):
+    if mode in ("sync", "one_step_off", "colocated"):
         # One batch spread over the servers; the step ends with its longest response, and the
         # batch shrinks as responses finish (the mean occupancy is about mean/longest).
         occupancy = min(slots_per_server, math.ceil(n / num_servers))
@@ -123,7 +124,7 @@ def steady_state(mode: str, *, latency: DecodeLatency, trainer: TrainerModel, wo
         context = workload.prompt_len + lengths.active_context
         generate_s = (waves * batch_longest * latency.step_seconds(mean_batch, context)
                       + occupancy * waves * workload.prompt_len * prefill_s_per_token)
-        if mode == "sync":
+        if mode in ("sync", "colocated"):
             step_s = generate_s + train_s + weight_transfer_s
             staleness = 0
         else:

@@ -6,6 +6,7 @@ Two models with one interface, ``step_seconds(batch, context) -> seconds`` and `
   context ``c`` on a server of ``tp`` chips (tensor parallel) takes
 
       max(bytes / (tp · bandwidth), FLOPs / (tp · peak)) / efficiency  +  TP all-reduces
+          +  a fixed cost per step (``step_overhead_s``)
 
   where bytes are the weights a step reads plus the KV cache of the context, and FLOPs are
   ``B · (2·N_mm + 4·L·H·D·c)``. Small batches are memory-bound (weights dominate: latency nearly
@@ -52,6 +53,8 @@ class RooflineLatency:
         engines typically reach 0.5-0.8 of memory bandwidth at small batch).
       memory_fraction: share of each chip's memory usable for weights and KV cache.
       max_context: tokens per sequence the KV cache must hold (prompt + longest response).
+      step_overhead_s: fixed seconds per decode step beyond the roofs (kernel launches,
+        sampling, scheduling; :data:`rl_jax.sysmodel.cluster.DECODE_STEP_OVERHEAD_S`).
     """
 
     shape: ModelShape
@@ -61,8 +64,11 @@ class RooflineLatency:
     efficiency: float = 1.0
     memory_fraction: float = 0.9
     max_context: int = 4096
+    step_overhead_s: float = 0.0
 
     def __post_init__(self):
+        if not self.step_overhead_s >= 0:
+            raise SysModelError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
         if self.tensor_parallel < 1:
             raise SysModelError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if not 0 < self.efficiency <= 1:
@@ -109,8 +115,8 @@ class RooflineLatency:
         """Seconds of one decode step of ``batch`` sequences with mean ``context`` tokens."""
         if batch <= 0:
             return 0.0
-        return max(self.memory_seconds(batch, context),
-                   self.compute_seconds(batch, context)) + self.comm_seconds(batch)
+        return (max(self.memory_seconds(batch, context), self.compute_seconds(batch, context))
+                + self.comm_seconds(batch) + self.step_overhead_s)
 
     def bound(self, batch: int, context: float) -> str:
         """``"memory"`` or ``"compute"``: which roof sets the step time."""
@@ -247,16 +253,23 @@ class TrainerModel:
     @classmethod
     def from_flops(cls, shape: ModelShape, accelerator: Accelerator, num_accelerators: int, *,
                    mfu: float, seq_len: float, dtype: str = "bfloat16",
-                   param_dtype: str = "float32") -> "TrainerModel":
-        """``num_accelerators · peak · mfu / train_flops_per_token(seq_len)`` tokens/s; the
-        overhead is the AdamW update, memory-bound: per parameter it reads parameter, gradient
-        and two moments and writes parameter and moments, spread over the pool (FSDP)."""
+                   param_dtype: str = "float32", forward_passes: float = 0.0
+                   ) -> "TrainerModel":
+        """``num_accelerators · peak · mfu / flops_per_token`` tokens/s, where a token costs
+        ``train_flops_per_token(seq_len)`` (forward and backward) plus ``forward_passes`` more
+        forward passes (a third of that each: a reference model's, the old policy's
+        log-probs, the remat recompute); the overhead is the AdamW update, memory-bound: per
+        parameter it reads parameter, gradient and two moments and writes parameter and
+        moments, spread over the pool (FSDP)."""
         if not 0 < mfu <= 1:
             raise SysModelError(f"mfu must be in (0, 1], got {mfu}")
         if num_accelerators < 1:
             raise SysModelError(f"a trainer needs >= 1 accelerator, got {num_accelerators}")
+        if forward_passes < 0:
+            raise SysModelError(f"forward_passes must be >= 0, got {forward_passes}")
         peak = accelerator.flops(dtype) * num_accelerators * mfu
-        tokens_per_s = peak / shape.train_flops_per_token(seq_len)
+        train = shape.train_flops_per_token(seq_len)
+        tokens_per_s = peak / (train * (1 + forward_passes / 3))
         p = dtype_bytes(param_dtype)
         update_bytes = shape.params * ((2 * p + 8) + (p + 8))
         overhead = update_bytes / (num_accelerators * accelerator.memory_bandwidth)

@@ -14,7 +14,7 @@ from rl_jax.sysmodel.invariants import Workload
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
 from rl_jax.sysmodel.lengths import EmpiricalLengths, LengthDistribution, LogNormalLengths
 from rl_jax.sysmodel.memory import GiB, trainer_memory
-from rl_jax.sysmodel.recipe import model_shape, recipe_value, rollout_settings
+from rl_jax.sysmodel.recipe import get, model_shape, recipe_value, rollout_settings
 from rl_jax.sysmodel.simulator import MODES
 from rl_jax.sysmodel.sweep import (SweepOptions, SweepResult, format_table,
                                   generator_memory_for, sweep)
@@ -109,6 +109,40 @@ def _transfer_line(weight_bytes: float, accelerator, best, options: SweepOptions
             f"{terms['host_s']:.3g} s host staging + {terms['fixed_s']:.3g} s fixed")
 
 
+def _describe(r) -> str:
+    lay = r.layout
+    where = (f"all {lay.num_train} chips generate then train" if lay.mode == "colocated" else
+             f"{lay.num_train} train / {lay.num_generate} generate")
+    return f"{lay.mode} ({where}, tp {lay.tensor_parallel}, {lay.slots_per_server} slots)"
+
+
+def mode_choice(result: SweepResult) -> str:
+    """Which mode the plan chose and why, with the best layout of the runner-up mode and its
+    predicted step time beside it."""
+    best = result.best
+    if best is None:
+        return "chosen: none (no layout within the staleness limit)"
+    others = [r for r in result.simulated if r.layout.mode != best.layout.mode]
+    step = best.row()["step_s"]
+    text = f"chosen: {_describe(best)}, {step:.3g} s per step"
+    sim = best.sim
+    if best.layout.mode == "colocated":
+        why = (f"one pool never waits for another; its phase switch costs {best.transfer_s:.3g} "
+               "s per step")
+    elif sim is not None:
+        why = (f"the pools overlap (trainer idle {sim.trainer_idle_fraction:.0%}, generators "
+               f"idle {sim.generator_idle_fraction:.0%}); bottleneck: "
+               f"{best.estimate['bottleneck']}")
+    else:
+        why = f"bottleneck: {best.estimate['bottleneck']}"
+    if not others:
+        return f"{text} ({why}); no other mode within the staleness limit"
+    runner = others[0]
+    ratio = best.tokens_per_s / runner.tokens_per_s
+    return (f"{text} ({why}); runner-up: {_describe(runner)}, {runner.row()['step_s']:.3g} s "
+            f"per step ({ratio:.2f}x fewer tokens/s)")
+
+
 def trainer_accumulation(config: Any) -> str:
     """How the recipe's trainer sums gradients (:data:`memory.ACCUMULATION`):
     ``trainer.micro_batch_rows`` streams fixed-shape micro-batches (``StreamingTrainStep``),
@@ -169,6 +203,11 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
                             f"from {sorted(accelerator.peak_flops)}")
     workload = Workload(prompt_len, int(settings["group_size"]), int(settings["groups_per_batch"]),
                         _lengths(req, max_new), int(max_lag))
+    # The trainer's forward passes per token besides forward+backward: the remat recompute and
+    # a reference model's when the loss has a KL to it (behaviour log-probs come from the
+    # generators: no old-policy pass).
+    remat = str(recipe_value(config, "model.remat"))
+    forward_passes = float(remat == "full") + float(bool(get(config, "loss.options.kl_coef")))
     measured = None
     if req.latency_file:
         measured = MeasuredLatency.from_benchmark(req.latency_file, req.latency_model)
@@ -179,7 +218,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         transfer_bandwidth=req.transfer_gbps * 1e9 if req.transfer_gbps else None,
         weight_sync=WeightSync(path=req.transfer_path),
         trainer_tokens_per_s_per_chip=req.trainer_tokens_per_s, measured_latency=measured,
-        remat=str(recipe_value(config, "model.remat")),
+        remat=remat, forward_passes=forward_passes,
         micro_batch_rows=int(recipe_value(config, "trainer.micro_batch_rows")) or None,
         accumulation=trainer_accumulation(config),
         ema=float(recipe_value(config, "trainer.ema_decay")) > 0,
@@ -227,6 +266,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
            else "memory-bound at every batch (KV reads outweigh FLOPs)")
         + f"; KV cache holds {roof.max_batch} sequences of {workload.max_context} tokens"
         + (f"; measured latency {measured.source}" if measured else ""),
+        mode_choice(result),
         "",
         format_table(result.simulated[:req.top],
                      f"best layouts (simulated {req.steps} steps; tok/s = trained tokens/s "
@@ -248,6 +288,7 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
                      "lengths": workload.lengths.summary()},
         "request": dataclasses.asdict(req),
         "best": best.row() if best else None,
+        "choice": mode_choice(result),
         "frontier": [r.row() for r in result.frontier],
         "simulated": [r.row() for r in result.simulated],
         "rejected": result.rejected,

@@ -11,7 +11,7 @@ import numpy as np
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency
 from rl_jax.sysmodel.sweep import LayoutResult, SweepResult
 
-MODE_COLORS = {"sync": "C3", "one_step_off": "C1", "async": "C0"}
+MODE_COLORS = {"sync": "C3", "one_step_off": "C1", "async": "C0", "colocated": "C2"}
 
 
 def _pyplot():

@@ -17,6 +17,9 @@ What is simulated (times in seconds, lengths in tokens):
   train ``group_overhead_s`` after its last sample ends (the client's HTTP, decoding, scoring).
 - *Modes*:
   ``sync``: admit a batch, generate all of it, train, transfer, repeat (staleness 0).
+  ``colocated``: as ``sync``, on one pool of chips that generates, then trains
+  (:mod:`rl_jax.sysmodel.cluster`): ``weight_transfer_s`` is then the phase switch (the
+  engine's and the trainer's memory swapped, the new weights copied into the engine).
   ``one_step_off``: batch ``k+1`` is generated while batch ``k`` trains; servers take new weights
   only between batches; batch ``k+1`` starts once batch ``k`` is generated and the weights of
   version ``k`` reached the servers (staleness <= 1).
@@ -49,7 +52,7 @@ from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.latency import DecodeLatency, TrainerModel
 from rl_jax.sysmodel.lengths import LengthDistribution, SequenceLengths
 
-MODES = ("sync", "one_step_off", "async")
+MODES = ("sync", "one_step_off", "async", "colocated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +316,7 @@ class _Simulation:
 
     def admit(self):
         cfg = self.cfg
-        if cfg.mode == "sync":
+        if cfg.mode in ("sync", "colocated"):
             if (not self.training and not self.unconsumed
                     and self.batches_admitted == self.version
                     and all(s.version == self.version for s in self.servers)):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from rl_jax.sysmodel.accelerators import Accelerator
+from rl_jax.sysmodel.cluster import TrainerWork, phase_switch_seconds
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
@@ -63,6 +64,12 @@ class LayoutResult:
     latency: Any = dataclasses.field(default=None, repr=False)
 
     @property
+    def chips(self) -> int:
+        """Chips the layout takes: one pool for both phases when colocated."""
+        lay = self.layout
+        return lay.num_train if lay.mode == "colocated" else lay.num_train + lay.num_generate
+
+    @property
     def tokens_per_s(self) -> float:
         """Steady-state trained tokens/s: simulated when available, else estimated."""
         return self.sim.steady_tokens_per_s if self.sim else self.estimate["tokens_per_s"]
@@ -81,7 +88,7 @@ class LayoutResult:
         out = {"mode": lay.mode, "train": lay.num_train, "generate": lay.num_generate,
                "tp": lay.tensor_parallel, "servers": lay.num_servers,
                "slots": lay.slots_per_server, "tokens_per_s": self.tokens_per_s,
-               "tokens_per_s_per_chip": self.tokens_per_s / (lay.num_train + lay.num_generate),
+               "tokens_per_s_per_chip": self.tokens_per_s / self.chips,
                "estimate_tokens_per_s": self.estimate["tokens_per_s"],
                "staleness_mean": self.staleness_mean, "staleness_max": self.staleness_max,
                "staleness_ungated": self.estimate["staleness_ungated"],
@@ -142,6 +149,9 @@ class SweepOptions:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     mfu: float = 0.4
+    # Forward passes per trained token besides forward+backward (a reference model's, the old
+    # policy's log-probs recomputed, the remat recompute): cluster.TrainerWork.forward_passes.
+    forward_passes: float = 0.0
     decode_efficiency: float = 0.6
     memory_fraction: float = 0.9
     remat: str = "full"  # the trainer's layer rematerialisation
@@ -242,7 +252,8 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
         else:
             trainer = TrainerModel.from_flops(shape, accelerator, num_train, mfu=opt.mfu,
                                               seq_len=workload.tokens_per_sample,
-                                              dtype=opt.dtype, param_dtype=opt.param_dtype)
+                                              dtype=opt.dtype, param_dtype=opt.param_dtype,
+                                              forward_passes=opt.forward_passes)
         num_generate = num_accelerators - num_train
         for tp, batch, latency, prefill, swap, generator_bytes in servers_options:
             servers = num_generate // tp
@@ -254,6 +265,8 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                 link_bandwidth=opt.transfer_bandwidth, sync=sync)
             transfer = priced["total_s"]
             for mode in opt.modes:
+                if mode == "colocated":
+                    continue  # one pool of every chip: below
                 if mode == "one_step_off" and limit < 1:
                     rejected["one_step_off needs a staleness limit >= 1"] += 1
                     continue
@@ -268,6 +281,9 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
                                               latency=latency, transfer_link=priced["link"],
                                               trainer_bytes=trainer_bytes,
                                               generator_bytes=generator_bytes))
+    if "colocated" in opt.modes:
+        evaluated += _colocated(shape, accelerator, num_accelerators, workload, opt,
+                                servers_options, rejected, budget_bytes, attention)
     if trainer_misfits:  # one reason, naming the most chips refused (sizes ascend)
         chips, need = trainer_misfits[-1]
         rejected[f"trainer memory does not fit on {chips} chip{'s' if chips > 1 else ''}"
@@ -319,6 +335,49 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
     return SweepResult(best=ranked[0] if ranked else None, frontier=frontier, simulated=ranked,
                        evaluated=evaluated, by_split=by_split, rejected=dict(rejected),
                        staleness_limit=limit)
+
+
+def _colocated(shape: ModelShape, accelerator: Accelerator, chips: int, workload: Workload,
+               opt: SweepOptions, servers_options: list, rejected: collections.Counter,
+               budget_bytes: float, attention: str) -> list[LayoutResult]:
+    """Colocated layouts: every chip generates, then trains (its servers of each tensor-parallel
+    degree and batch that fit); the phase switch of :func:`cluster.phase_switch_seconds`, with
+    the trainer's state offloaded while the engine holds the chips."""
+    rows = opt.micro_batch_rows or chips
+    trainer_bytes = trainer_memory(
+        shape, batch=rows, seq=workload.max_context, mesh=(1, chips, 1), dtype=opt.dtype,
+        param_dtype=opt.param_dtype, remat=opt.remat, logits_block=opt.logits_block,
+        attention=attention, backend="cpu" if accelerator.name == "cpu" else "accelerator",
+        accumulation=opt.accumulation, ema=opt.ema).total
+    if trainer_bytes > budget_bytes:
+        rejected[f"colocated: trainer memory does not fit on {chips} chips "
+                 f"({trainer_bytes / GiB:.1f} GiB per chip)"] += 1
+        return []
+    if opt.trainer_tokens_per_s_per_chip:
+        trainer = TrainerModel.from_measured(opt.trainer_tokens_per_s_per_chip, chips)
+    else:
+        trainer = TrainerModel.from_flops(shape, accelerator, chips, mfu=opt.mfu,
+                                          seq_len=workload.tokens_per_sample, dtype=opt.dtype,
+                                          param_dtype=opt.param_dtype,
+                                          forward_passes=opt.forward_passes)
+    out = []
+    for tp, batch, latency, prefill, swap, generator_bytes in servers_options:
+        if chips % tp:
+            continue
+        switch = phase_switch_seconds(shape, accelerator, chips, tp, TrainerWork(offload=True),
+                                      dtype=opt.dtype, param_dtype=opt.param_dtype)
+        estimate = steady_state("colocated", latency=latency, trainer=trainer,
+                                workload=workload, num_servers=chips // tp,
+                                slots_per_server=batch, weight_transfer_s=switch,
+                                prefill_s_per_token=prefill,
+                                run_samples=opt.num_steps * workload.samples_per_batch)
+        estimate.update(swap_s=swap, prefill_s_per_token=prefill)
+        out.append(LayoutResult(Layout("colocated", chips, chips, tp, chips // tp, batch),
+                                estimate, switch, trainer=trainer, latency=latency,
+                                transfer_link="phase switch (host link, chip-local copy)",
+                                trainer_bytes=trainer_bytes,
+                                generator_bytes=generator_bytes))
+    return out
 
 
 def format_table(results: Sequence[LayoutResult], title: str = "") -> str:
