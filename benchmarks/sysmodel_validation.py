@@ -60,6 +60,7 @@ def build_job(case: dict[str, Any]):
         reference=bool(value(inputs, "reference", case.get("reference_model") or False)),
         remat=str(value(inputs, "remat", "full")), mfu=float(value(inputs, "mfu", 0.4)),
         model_parallel=int(value(inputs, "model_parallel", 1)),
+        tensor_parallel=int(value(inputs, "tensor_parallel", 1)),
         shard_params=bool(value(inputs, "shard_params", True)),
         offload=bool(value(inputs, "offload", False)))
     samples = int(value(inputs, "prompts_per_step", case.get("prompts_per_step"))) * \

@@ -56,6 +56,23 @@ def test_data_parallel_collectives_take_the_network_across_hosts():
         model_parallel=4)) == 0.0  # one replica: nothing to reduce
 
 
+def test_tensor_parallelism_all_reduces_activations_per_token():
+    one = cluster.TrainerWork(model_parallel=4, tensor_parallel=1, remat="none",
+                              logprob_passes=0)
+    four = cluster.TrainerWork(model_parallel=4, tensor_parallel=4, remat="none",
+                               logprob_passes=0)
+    assert cluster.tensor_parallel_seconds_per_token(QWEN7B, H100, one) == 0.0
+    # forward and backward: four all-reduces of [D] per layer, ring 2(tp-1)/tp
+    expected = QWEN7B.num_layers * 4 * 1.5 * QWEN7B.hidden_size * 2 / H100.link_bandwidth
+    assert cluster.tensor_parallel_seconds_per_token(QWEN7B, H100, four) == pytest.approx(
+        expected)
+    slower = cluster.trainer_model(QWEN7B, H100, 8, four, seq_len=1024, optimizer_steps=1)
+    faster = cluster.trainer_model(QWEN7B, H100, 8, one, seq_len=1024, optimizer_steps=1)
+    assert slower.tokens_per_s < faster.tokens_per_s
+    with pytest.raises(SysModelError, match="divide"):
+        cluster.TrainerWork(model_parallel=4, tensor_parallel=3)
+
+
 def test_decode_step_has_its_fixed_cost_and_matches_both_fitted_points():
     # the fit passes through both batch-1 measurements it was made from
     for roofline_ms, measured_ms in ((0.29, 1.13), (10.3, 13.3)):

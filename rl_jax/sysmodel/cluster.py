@@ -20,6 +20,8 @@ token; :func:`predict_step` prices one RL step (one batch) by simulating a few o
   backward pass; ring traffic ``(dp−1)/dp`` of the buffer per chip, over the within-host link
   while the data-parallel group fits in a host, else the across-host network. Counted as not
   overlapped with compute. The AdamW update reads and writes the state once (memory-bound).
+  Tensor parallelism adds its activation all-reduces per trained token
+  (:func:`tensor_parallel_seconds_per_token`).
 - **Decode** (:class:`~rl_jax.sysmodel.latency.RooflineLatency`): the roofline at ``efficiency``
   plus a fixed cost per step (kernel launches, sampling, scheduling) and the tensor-parallel
   all-reduces. Both constants are fitted once on two measurements
@@ -77,6 +79,8 @@ class TrainerWork:
       mfu: fraction of the dense peak the trainer's matmuls reach.
       model_parallel: chips holding one replica (tensor × pipeline × context parallel); the
         rest are data-parallel.
+      tensor_parallel: the tensor-parallel part of ``model_parallel`` (its activations are
+        all-reduced twice per layer in every forward pass and twice in the backward).
       shard_params: parameters sharded over the data-parallel chips (FSDP / ZeRO-3: gathered
         for the forward and again for the backward pass).
       grad_dtype: dtype of the gradient and parameter collectives.
@@ -89,6 +93,7 @@ class TrainerWork:
     remat: str = "full"
     mfu: float = 0.4
     model_parallel: int = 1
+    tensor_parallel: int = 1
     shard_params: bool = True
     grad_dtype: str = "bfloat16"
     offload: bool = False
@@ -102,6 +107,9 @@ class TrainerWork:
             raise SysModelError(f"mfu must be in (0, 1], got {self.mfu}")
         if self.model_parallel < 1:
             raise SysModelError(f"model_parallel must be >= 1, got {self.model_parallel}")
+        if self.tensor_parallel < 1 or self.model_parallel % self.tensor_parallel:
+            raise SysModelError(f"tensor_parallel={self.tensor_parallel} must divide "
+                                f"model_parallel={self.model_parallel}")
         dtype_bytes(self.grad_dtype)
 
     @property
@@ -131,13 +139,32 @@ def trainer_comm_seconds(shape: ModelShape, accelerator: Accelerator, chips: int
     return collectives * ((dp - 1) / dp * share / bandwidth + latency)
 
 
+def tensor_parallel_seconds_per_token(shape: ModelShape, accelerator: Accelerator,
+                                      work: TrainerWork, dtype: str = "bfloat16") -> float:
+    """Seconds of tensor-parallel all-reduces one replica spends per trained token: two per
+    layer in every forward pass (forward+backward's own and :attr:`TrainerWork.forward_passes`)
+    and two in the backward, each of the token's ``[D]`` activations, ring traffic
+    ``2·(tp−1)/tp`` of it, over the within-host link (a tensor-parallel group sits in a host)."""
+    tp = work.tensor_parallel
+    if tp <= 1:
+        return 0.0
+    all_reduces = 2 * (1 + work.forward_passes) + 2
+    buffer = shape.hidden_size * dtype_bytes(dtype)
+    return (shape.num_layers * all_reduces * 2 * (tp - 1) / tp * buffer
+            / accelerator.link_bandwidth)
+
+
 def trainer_model(shape: ModelShape, accelerator: Accelerator, chips: int, work: TrainerWork,
                   *, seq_len: float, optimizer_steps: int, dtype: str = "bfloat16",
                   param_dtype: str = "float32") -> TrainerModel:
     """The trainer pool's step time for one RL batch: its tokens at the work per token, and per
     optimizer step the collectives and the AdamW update."""
     peak = accelerator.flops(dtype) * chips * work.mfu
-    tokens_per_s = peak / trainer_flops_per_token(shape, work, seq_len)
+    replicas = max(1, chips // work.model_parallel)
+    seconds_per_token = (trainer_flops_per_token(shape, work, seq_len) / peak
+                         + tensor_parallel_seconds_per_token(shape, accelerator, work, dtype)
+                         / replicas)
+    tokens_per_s = 1 / seconds_per_token
     p = dtype_bytes(param_dtype)
     update = shape.params * ((2 * p + 8) + (p + 8)) / (chips * accelerator.memory_bandwidth)
     per_step = trainer_comm_seconds(shape, accelerator, chips, work) + update
