@@ -44,11 +44,13 @@ def model_config(name: str, layers: int | None = None):
 
 
 def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="float32",
-                       param_dtype="float32", accumulation="none") -> dict[str, int]:
+                       param_dtype="float32", accumulation="none",
+                       lora_rank=0) -> dict[str, int]:
     """The compiled peak of each program of the train step on micro-batches of ``batch`` rows:
     ``{"step": ...}`` (``make_train_step``; two micro-batches in a ``lax.scan`` for
     ``accumulation="scan"``) or ``{"accumulate": ..., "apply": ...}`` (``StreamingTrainStep``),
     compiled from abstract shapes (no parameter is allocated)."""
+    from rl_jax.models.lora import LoraConfig
     from rl_jax.sharding import make_mesh
     from rl_jax.trainer.state import ModelSpec, OptimizerConfig, abstract_state, make_optimizer
     from rl_jax.trainer.step import (LMBatch, StreamingTrainStep, causal_lm_loss,
@@ -56,7 +58,8 @@ def compile_train_step(cfg, *, batch, seq, mesh_shape, remat, block, dtype="floa
     devices = jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]]
     mesh = make_mesh(*mesh_shape, devices=devices)
     spec = ModelSpec(cfg, mesh=mesh, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),
-                     remat=remat, attention="xla")
+                     remat=remat, attention="xla",
+                     lora=LoraConfig(rank=lora_rank) if lora_rank else None)
     tx = make_optimizer(OptimizerConfig())
     loss = functools.partial(causal_lm_loss, block_size=block)
     if accumulation == "streaming":
@@ -77,16 +80,16 @@ def _shape_key(abstract):
 
 
 def check_trainer_memory(name, layers, batch, seq, mesh, remat, block, dtype,
-                         param_dtype="float32", accumulation="none"):
+                         param_dtype="float32", accumulation="none", lora_rank=0):
     """Every compiled program of the step within :data:`TOLERANCE` of the model's figure."""
     cfg = model_config(name, layers)
     compiled = compile_train_step(cfg, batch=batch, seq=seq, mesh_shape=mesh, remat=remat,
                                   block=block, dtype=dtype, param_dtype=param_dtype,
-                                  accumulation=accumulation)
+                                  accumulation=accumulation, lora_rank=lora_rank)
     predicted = trainer_memory(ModelShape.from_model_config(cfg), batch=batch, seq=seq,
                                mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
                                logits_block=block, attention="materialised", backend="cpu",
-                               accumulation=accumulation)
+                               accumulation=accumulation, lora_rank=lora_rank)
     programs = predicted.notes["programs"]
     assert set(programs) == set(compiled)
     errors = {k: programs[k] / compiled[k] - 1 for k in compiled}
@@ -116,6 +119,48 @@ TRAIN_CASES = [
 def test_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat, block,
                                                   dtype):
     check_trainer_memory(name, layers, batch, seq, mesh, remat, block, dtype)
+
+
+# Low-rank adapters over a frozen base: (shape, layers, batch, seq, mesh, remat, dtype,
+# parameter dtype, accumulation, rank).
+LORA_CASES = [
+    ("small", None, 4, 256, (1, 1, 1), "full", "float32", "float32", "none", 8),
+    ("small", None, 4, 256, (1, 1, 1), "dots", "bfloat16", "bfloat16", "none", 8),
+    ("small", None, 8, 256, (1, 4, 2), "none", "float32", "float32", "none", 16),
+    ("small", None, 4, 256, (1, 1, 1), "full", "float32", "float32", "streaming", 8),
+    ("qwen2.5-0.5b", 2, 2, 256, (1, 1, 1), "full", "bfloat16", "float32", "none", 16),
+    ("qwen2.5-0.5b", 2, 8, 256, (1, 8, 1), "full", "float32", "float32", "none", 16),
+]
+
+
+@pytest.mark.parametrize("name,layers,batch,seq,mesh,remat,dtype,param_dtype,accumulation,rank",
+                         LORA_CASES, ids=["-".join(map(str, c[:1] + c[4:]))
+                                          for c in LORA_CASES])
+def test_lora_trainer_memory_matches_the_compiled_step(name, layers, batch, seq, mesh, remat,
+                                                       dtype, param_dtype, accumulation, rank):
+    predicted, _ = check_trainer_memory(name, layers, batch, seq, mesh, remat, 4096, dtype,
+                                        param_dtype, accumulation, lora_rank=rank)
+    full = trainer_memory(ModelShape.from_model_config(model_config(name, layers)),
+                          batch=batch, seq=seq, mesh=mesh, dtype=dtype,
+                          param_dtype=param_dtype, remat=remat, backend="cpu",
+                          accumulation=accumulation)
+    assert predicted.terms["params"] < 0.2 * full.terms["params"]  # the adapters only
+    assert "embedding" not in predicted.notes["phases"]  # no embedding gradient
+
+
+def test_lora_elements_are_the_adapters_a_version_moves():
+    from rl_jax.models.lora import TARGETS
+    from rl_jax.sysmodel.memory import LORA_TARGETS, lora_elements
+    assert LORA_TARGETS == tuple(TARGETS)  # the same names as the trainer's
+    shape = ModelShape.from_model_config(model_config("qwen2.5-0.5b"))
+    d, f, q, kv = 896, 4864, 14 * 64, 2 * 64
+    per_rank = 24 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+    assert lora_elements(shape, 16) == 16 * per_rank
+    # qwen2.5-0.5b at rank 16 on every projection: about 1.8% of its weights
+    assert 0.01 < lora_elements(shape, 16) / shape.params < 0.03
+    assert lora_elements(shape, 16, ("q", "v"), fsdp=4) < lora_elements(shape, 16, ("q", "v"))
+    with pytest.raises(SysModelError, match="targets"):
+        lora_elements(shape, 16, ("qkv",))
 
 
 # The trainer's precisions (float32; bfloat16 compute over float32 master weights; bfloat16
@@ -348,6 +393,11 @@ def test_sweep_keeps_layouts_that_fit_with_their_memory():
     refused = [k for k in res.rejected if k.startswith("trainer memory does not fit on ")]
     assert len(refused) == 1 and "GiB per chip" in refused[0]
     assert min(r.layout.num_train for r in res.evaluated) == res.rejected[refused[0]] + 1
+    # With adapters over a frozen bf16 base the same model trains on fewer chips.
+    lora = sweep(seven, accelerator, 8, plan_workload(), dataclasses.replace(
+        opts, tensor_parallel=(1, 2), lora_rank=16))
+    assert min(r.layout.num_train for r in lora.evaluated) < \
+        min(r.layout.num_train for r in res.evaluated)
 
 
 def test_sweep_plans_the_generators_kv_budget():

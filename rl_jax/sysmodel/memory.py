@@ -155,6 +155,31 @@ def largest_leaves_per_device(shape: ModelShape, fsdp: int, tensor: int) -> tupl
     return table, layer
 
 
+# Low-rank adapter targets (the names of ``rl_jax.models.lora.TARGETS``, kept here so this
+# package imports no JAX).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def lora_elements(shape: ModelShape, rank: int, targets=LORA_TARGETS, fsdp: int = 1,
+                  tensor: int = 1) -> int:
+    """Adapter elements one device holds: per target ``A [L, in, r]`` and ``B [L, r, out]``,
+    their ``in``/``out`` axes split like the weight they adapt (``embed`` over ``fsdp``; heads
+    and ``mlp`` over ``tensor``), the rank whole. With ``fsdp = tensor = 1``: the adapters'
+    size, what an adapter-only version moves."""
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise SysModelError(f"lora targets must be among {LORA_TARGETS}, got {list(targets)}")
+    _positive(rank=rank)
+    s = shape
+    dd = _cdiv(s.hidden_size, fsdp)
+    q = _cdiv(s.num_heads, tensor) * s.head_dim
+    kv = _cdiv(s.num_kv_heads, tensor) * s.head_dim
+    f = _cdiv(s.intermediate_size, tensor)
+    sides = {"q": (dd, q), "k": (dd, kv), "v": (dd, kv), "o": (q, dd), "gate": (dd, f),
+             "up": (dd, f), "down": (f, dd)}
+    return s.num_layers * rank * sum(sum(sides[t]) for t in targets)
+
+
 # ---- activations ------------------------------------------------------------------------------
 
 def _activation_bytes(dtype: str, backend: str) -> int:
@@ -257,7 +282,8 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
                    mesh: tuple[int, int, int] = (1, 1, 1), dtype: str = "bfloat16",
                    param_dtype: str = "float32", remat: str = "full", logits_block: int = 4096,
                    attention: str = "materialised", backend: str = "accelerator",
-                   accumulation: str = "none", ema: bool = False) -> TrainerMemory:
+                   accumulation: str = "none", ema: bool = False, lora_rank: int = 0,
+                   lora_targets=LORA_TARGETS) -> TrainerMemory:
     """Peak bytes per device of one train step on micro-batches of ``batch × seq`` tokens (the
     module docstring lists the terms).
 
@@ -284,6 +310,11 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
         accumulation program, beside it).
       ema: an exponential moving average of the parameters is kept (``trainer.ema_decay``):
         one more copy of the parameters, outside the compiled step.
+      lora_rank, lora_targets: low-rank adapters train (``lora.enabled``): the base is
+        ``frozen`` in the computation dtype (XLA's CPU backend also keeps the layers' stacks
+        cast to float32 when that dtype is narrower); parameters, moments and gradients are the
+        adapters' (:func:`lora_elements`); the unembedding's blocks carry no gradient, and no
+        embedding gradient is scattered (no ``embedding`` phase).
     """
     data, fsdp, tensor = _check_mesh(mesh)
     _positive(batch=batch, seq=seq, logits_block=logits_block)
@@ -300,17 +331,31 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     elements = param_elements_per_device(s, fsdp, tensor)
     cpu = backend == "cpu"
 
-    params = elements * p
-    moments = 2 * elements * p
+    lora = lora_rank > 0
+    trainable = lora_elements(s, lora_rank, lora_targets, fsdp, tensor) if lora else elements
+    frozen = elements * c if lora else 0
+    params = trainable * p
+    moments = 2 * trainable * p
     # The backward's gradients: in the parameter dtype; XLA's CPU backend computes them in
     # float32 and casts the stacked result, so a narrower parameter dtype has both.
-    grads = elements * (4 + (p if p < 4 else 0)) if cpu else elements * p
-    accumulator = elements * 4 if accumulation != "none" else 0
+    grads = trainable * (4 + (p if p < 4 else 0)) if cpu else trainable * p
+    accumulator = trainable * 4 if accumulation != "none" else 0
+    if lora and remat == "dots":
+        # The dots policy also saves the adapters' matmul outputs: each target's low-rank
+        # product [r] and its delta at the target's output width.
+        a = _activation_bytes(dtype, backend)
+        _, q, kv, f, _ = _widths(s, tensor)
+        width = {"q": q, "k": kv, "v": kv, "o": d, "gate": f, "up": f, "down": d}
+        saved_per_token += sum(width[t] + lora_rank for t in lora_targets) * a
     saved = L * n * saved_per_token
     # Without remat the backward keeps each layer's weights cast to the computation dtype (the
-    # matmuls' residuals), stacked [L, ...]; a rematerialised layer casts them again.
-    copies = (layer_elements_per_device(s, fsdp, tensor) * c
-              if c != p and remat == "none" else 0)
+    # matmuls' residuals), stacked [L, ...]; a rematerialised layer casts them again. A frozen
+    # base already is in that dtype; XLA's CPU backend casts its narrower stacks to float32.
+    if lora:
+        copies = layer_elements_per_device(s, fsdp, tensor) * 4 if cpu and c < 4 else 0
+    else:
+        copies = (layer_elements_per_device(s, fsdp, tensor) * c
+                  if c != p and remat == "none" else 0)
 
     # Blockwise log-probabilities (models/logprobs.py): the unembedding [D, V] is all-gathered
     # over fsdp and laid out [nb, D, block] in the compute dtype (one copy; one more when it is
@@ -325,7 +370,17 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     v_local = _cdiv(_cdiv(v, block) * block, tensor)
     retyped = s.tie_word_embeddings or c != p
     n_copies = (2 if retyped else 1) + (1 if c != p or fsdp > 1 else 0)
-    if s.tie_word_embeddings and fsdp > 1:
+    if lora:
+        # A frozen table: its blocks (on a CPU carried in float32) and no gradient. Under fsdp
+        # the blocks stay split and are gathered one at a time, beside (when tied) the
+        # lookup's whole gathered table.
+        c_table = 4 if cpu else c
+        n_copies = 2 if s.tie_word_embeddings else 1
+        unembed = n_copies * d * v_local * c_table
+        if fsdp > 1:
+            unembed = (n_copies * d * _cdiv(v_local, fsdp) * c_table
+                       + (v * d if s.tie_word_embeddings else d * block) * c_table)
+    elif s.tie_word_embeddings and fsdp > 1:
         # Tied under fsdp: the transposed table's blocks stay split over fsdp, while the
         # lookup's whole gathered table and its whole gradient stay live through the backward.
         unembed = n_copies * d * _cdiv(v_local, fsdp) * c + 2 * v * d * p
@@ -345,20 +400,22 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     embedding_phase = ((v * d * p if accumulation != "streaming" else 0)
                        + d * _cdiv(v_local, split) * (p + c))
 
-    backward = {"logits": logits_phase, "layer": layer_phase, "embedding": embedding_phase}
+    backward = {"logits": logits_phase, "layer": layer_phase}
+    if not lora:
+        backward["embedding"] = embedding_phase
     # Saved activations (and cast weights) are live through the logits and layer phases; they
     # are freed as the backward scan ends, before the embedding and update phases.
     held = {name: (saved + copies if name in ("logits", "layer") else 0.0) for name in backward}
     # The optimizer update reads the gradient (the float32 accumulator, when accumulating, else
     # the gradient in the parameter dtype) beside the state; on a CPU with its temporaries.
-    update_in = accumulator if accumulation != "none" else elements * p
-    table, layer_leaf = largest_leaves_per_device(s, fsdp, tensor)
-    update = _cpu_update_bytes(elements, p, table, layer_leaf) if cpu else 0.0
+    update_in = accumulator if accumulation != "none" else trainable * p
+    table, layer_leaf = largest_leaves_per_device(s, fsdp, tensor) if not lora else (0, 0)
+    update = _cpu_update_bytes(trainable, p, table, layer_leaf) if cpu else 0.0
 
     # Live bytes of each phase. The accumulation program of the streaming step takes the
     # parameters and the accumulator, not the moments.
-    state = params + moments
-    weights = params if accumulation == "streaming" else state
+    state = params + moments + frozen
+    weights = params + frozen if accumulation == "streaming" else state
     phases = {name: weights + accumulator + grads + held[name] + value
               for name, value in backward.items()}
     phases["update"] = state + update_in + update
@@ -373,7 +430,7 @@ def trainer_memory(shape: ModelShape, *, batch: int, seq: int,
     if accumulation != "streaming":
         programs = {"step": float(phases[phase])}
     in_backward = phase in backward
-    terms = {"params": float(params), "moments": float(moments),
+    terms = {"frozen": float(frozen), "params": float(params), "moments": float(moments),
              "grads": float(grads if in_backward else
                             (update_in if accumulation == "none" else 0.0)),
              "accumulator": float(accumulator),

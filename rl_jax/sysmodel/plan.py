@@ -166,10 +166,13 @@ def _memory_lines(shape, accelerator, best, workload: Workload,
                              param_dtype=options.param_dtype, remat=options.remat,
                              logits_block=options.logits_block, attention=attention,
                              backend="cpu" if accelerator.name == "cpu" else "accelerator",
-                             accumulation=options.accumulation, ema=options.ema)
+                             accumulation=options.accumulation, ema=options.ema,
+                             lora_rank=options.lora_rank, lora_targets=options.lora_targets)
     generator = generator_memory_for(shape, options, lay.tensor_parallel,
                                      lay.slots_per_server, workload)
-    return [f"trainer memory per chip (FSDP over {lay.num_train}, {rows} rows x "
+    adapters = (f", LoRA rank {options.lora_rank} over a frozen base"
+                if options.lora_rank else "")
+    return [f"trainer memory per chip (FSDP over {lay.num_train}{adapters}, {rows} rows x "
             f"{workload.max_context} tokens per micro-batch, remat {options.remat}, "
             f"{attention} attention): {trainer.describe()} of {budget / GiB:.1f} GiB usable",
             f"generator memory per chip (tp={lay.tensor_parallel}, {lay.slots_per_server} "
@@ -222,6 +225,9 @@ def run_plan(config: Any, req: PlanRequest, outdir: str | Path, *,
         micro_batch_rows=int(recipe_value(config, "trainer.micro_batch_rows")) or None,
         accumulation=trainer_accumulation(config),
         ema=float(recipe_value(config, "trainer.ema_decay")) > 0,
+        lora_rank=int(recipe_value(config, "lora.rank"))
+        if bool(recipe_value(config, "lora.enabled")) else 0,
+        lora_targets=tuple(recipe_value(config, "lora.targets")),
         kv_cache_bytes=req.kv_cache_bytes, page_size=req.page_size,
         logits_block=int(recipe_value(config, "trainer.logits_block_size")),
         num_steps=req.steps, simulate_top=req.simulate_top, split_points=req.split_points,

@@ -32,7 +32,7 @@ from rl_jax.sysmodel.cluster import TrainerWork, phase_switch_seconds
 from rl_jax.sysmodel.errors import SysModelError
 from rl_jax.sysmodel.invariants import Workload, steady_state
 from rl_jax.sysmodel.latency import MeasuredLatency, RooflineLatency, TrainerModel
-from rl_jax.sysmodel.memory import GiB, trainer_memory
+from rl_jax.sysmodel.memory import LORA_TARGETS, GiB, trainer_memory
 from rl_jax.sysmodel.memory_serving import generator_memory
 from rl_jax.sysmodel.shape import ModelShape
 from rl_jax.sysmodel.simulator import MODES, SimConfig, SimResult, simulate
@@ -160,6 +160,9 @@ class SweepOptions:
     # parameter average (trainer.ema_decay > 0)
     accumulation: str = "none"
     ema: bool = False
+    # low-rank adapters train over a frozen base (lora.enabled): their rank and targets
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
     logits_block: int = 4096
     attention: str | None = None  # trainer attention: "materialised"/"fused" (None: by chip)
     prefill_tokens: int = 2048  # prompt tokens per generator prefill (engine.max_prefill_tokens)
@@ -243,7 +246,8 @@ def sweep(shape: ModelShape, accelerator: Accelerator, num_accelerators: int,
             dtype=opt.dtype, param_dtype=opt.param_dtype, remat=opt.remat,
             logits_block=opt.logits_block, attention=attention,
             backend="cpu" if accelerator.name == "cpu" else "accelerator",
-            accumulation=opt.accumulation, ema=opt.ema).total
+            accumulation=opt.accumulation, ema=opt.ema, lora_rank=opt.lora_rank,
+            lora_targets=opt.lora_targets).total
         if trainer_bytes > budget_bytes:
             trainer_misfits.append((num_train, trainer_bytes))
             continue
@@ -348,7 +352,8 @@ def _colocated(shape: ModelShape, accelerator: Accelerator, chips: int, workload
         shape, batch=rows, seq=workload.max_context, mesh=(1, chips, 1), dtype=opt.dtype,
         param_dtype=opt.param_dtype, remat=opt.remat, logits_block=opt.logits_block,
         attention=attention, backend="cpu" if accelerator.name == "cpu" else "accelerator",
-        accumulation=opt.accumulation, ema=opt.ema).total
+        accumulation=opt.accumulation, ema=opt.ema, lora_rank=opt.lora_rank,
+        lora_targets=opt.lora_targets).total
     if trainer_bytes > budget_bytes:
         rejected[f"colocated: trainer memory does not fit on {chips} chips "
                  f"({trainer_bytes / GiB:.1f} GiB per chip)"] += 1
