@@ -159,19 +159,23 @@ def test_supervisor_collects_output_restarts_and_stops_the_whole_group(tmp_path)
     pid = sup.start([sys.executable, "-c", "import os, sys; print('out', os.environ['X']); "
                      "print('err', file=sys.stderr)"], {"X": "1"})
     assert pid > 0
-    chunks = []
+    chunks, last = [], []
 
     def exited():
-        code, offset, data = sup.poll(sum(map(len, chunks)))
-        chunks.append(data[sum(map(len, chunks)) - offset:])
+        asked = sum(map(len, chunks))
+        code, offset, data = sup.poll(asked)
+        chunks.append(data[asked - offset:])
+        last[:] = [asked, (code, offset, data)]
         return code is not None
 
     _wait(exited, what="the first process to exit")
     text = b"".join(chunks).decode()
     assert "==> generator-3 start 1" in text and "out 1" in text and "err" in text
     received = len(text.encode())
-    # Output is kept until the caller says it has it: a lost reply is sent again.
-    assert sup.poll(received - 4) == (0, received - 4, text.encode()[-4:])
+    # Output is kept until the caller says it has it (asks from past it): a lost reply is sent
+    # again, whole, to the same question.
+    asked, reply = last
+    assert sup.poll(asked) == reply and reply[1] + len(reply[2]) == received
     assert sup.poll(received) == (0, received, b"")
     # A restart; the process starts a child of its own: a stop ends both.
     child_file = tmp_path / "child"
